@@ -1,0 +1,44 @@
+"""stabletrain: PyTorch training that finds and fixes training instabilities.
+
+Public API (imported lazily, so ``import stabletrain`` is cheap and has no side effects)::
+
+    stabletrain.train(out=..., **settings)     # the training loop; gradient_norm always logged
+    stabletrain.compute_grad_norm(named_params) # the same norm in any PyTorch loop
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "train": "stabletrain.trainer",
+    "Trainer": "stabletrain.trainer",
+    "TrainResult": "stabletrain.trainer",
+    "TrainSettings": "stabletrain.config",
+    "Callback": "stabletrain.events",
+    "TrainModel": "stabletrain.tasks.base",
+    "compute_grad_norm": "stabletrain.debug.grad_norm",
+    "clip_grad_norm_with_total": "stabletrain.debug.grad_norm",
+    "GradNorm": "stabletrain.debug.grad_norm",
+    "StabletrainError": "stabletrain.errors",
+    "ConfigError": "stabletrain.errors",
+    "CheckpointError": "stabletrain.checkpoint",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'stabletrain' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,0 +1,143 @@
+"""Checkpoints: atomic writes, safe loading, exact resume.
+
+A checkpoint is a dict of tensors, numbers, strings, lists and dicts only, so it loads with
+``torch.load(weights_only=True)`` and never runs code. It holds everything needed to
+continue bitwise-exactly on the CPU: model, optimizer, loss scaler, step, the RNG states of
+every rank and the data position.
+
+Files under ``out/checkpoints/``:
+
+* ``last.ckpt``: the newest state, rewritten at every checkpoint and at the end of training;
+* ``step_000100.ckpt``: the state after 100 optimizer steps (training resumes at step 100);
+  the newest ``max_checkpoints_to_keep`` of these are kept.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stabletrain.errors import StabletrainError
+from stabletrain.utils.io import atomic_torch_save
+
+FORMAT = "stabletrain.checkpoint"
+VERSION = 1
+
+#: Settings that cannot change when resuming: they define the model, the data or their order.
+FROZEN_ON_RESUME = (
+    "task",
+    "model",
+    "data",
+    "batch_size",
+    "gradient_accumulation_steps",
+    "seed",
+    "model_args.n_layers",
+    "model_args.n_heads",
+    "model_args.dim",
+    "model_args.context_length",
+    "model_args.tokenizer",
+    "model_args.cnn_width",
+    "model_args.optimizer",
+    "world_size",
+)
+
+_PERIODIC = re.compile(r"^step_(\d+)\.ckpt$")
+
+
+class CheckpointError(StabletrainError):
+    """A checkpoint is missing, unreadable or does not fit the current settings."""
+
+
+def checkpoint_dir(out: Path) -> Path:
+    return Path(out) / "checkpoints"
+
+
+def periodic_name(steps_done: int) -> str:
+    return f"step_{steps_done:06d}.ckpt"
+
+
+def save_checkpoint(state: dict[str, Any], out: Path, periodic: bool, keep: int) -> Path:
+    """Write ``last.ckpt`` (and ``step_N.ckpt`` when ``periodic``) atomically; prune old periodic files."""
+    folder = checkpoint_dir(out)
+    state = {
+        "format": FORMAT,
+        "version": VERSION,
+        "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        **state,
+    }
+    last = folder / "last.ckpt"
+    if periodic:
+        target = folder / periodic_name(int(state["step"]))
+        atomic_torch_save(state, target)
+        _atomic_copy(target, last)
+        _prune(folder, keep)
+    else:
+        atomic_torch_save(state, last)
+    return last
+
+
+def _atomic_copy(src: Path, dst: Path) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
+    os.close(fd)
+    try:
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _prune(folder: Path, keep: int) -> None:
+    periodic = sorted((int(m.group(1)), p) for p in folder.iterdir() if (m := _PERIODIC.match(p.name)))
+    for _, path in periodic[: max(0, len(periodic) - keep)]:
+        path.unlink(missing_ok=True)
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Load a checkpoint safely (no code runs); raise CheckpointError with the reason otherwise."""
+    path = Path(path)
+    if path.is_dir():
+        path = checkpoint_dir(path) / "last.ckpt" if (checkpoint_dir(path) / "last.ckpt").exists() else path / "last.ckpt"
+    if not path.exists():
+        raise CheckpointError(f"no checkpoint at {path}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # truncated, corrupt, or holding pickled objects
+        raise CheckpointError(f"cannot read checkpoint {path}: {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a stabletrain checkpoint")
+    if int(state.get("version", 0)) > VERSION:
+        raise CheckpointError(
+            f"{path} was written by a newer stabletrain (checkpoint format {state['version']}, "
+            f"this version reads up to {VERSION}); upgrade stabletrain"
+        )
+    return state
+
+
+def resume_conflicts(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Frozen settings that differ between the checkpoint's run and this one, one line each."""
+    problems = []
+    for key in FROZEN_ON_RESUME:
+        a, b = _get(saved, key), _get(current, key)
+        if a != b:
+            problems.append(
+                f"{key}: the checkpoint was trained with {json.dumps(a)}, now {json.dumps(b)}; "
+                "this setting cannot change on resume (start a new run in another out folder instead)"
+            )
+    return problems
+
+
+def _get(d: dict[str, Any], dotted: str) -> Any:
+    for part in dotted.split("."):
+        if not isinstance(d, dict):
+            return None
+        d = d.get(part)  # type: ignore[assignment]
+    return d

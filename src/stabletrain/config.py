@@ -1,0 +1,433 @@
+"""All settings of ``stabletrain train``, defined once.
+
+The Python API (``stabletrain.train(out=..., **settings)``) and the command line
+(``stabletrain train key=value ...`` with dotted keys) validate against the same pydantic
+models below. Unknown keys are rejected with a suggestion, and every problem is reported at
+once in a single :class:`~stabletrain.errors.ConfigError`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Any, Literal, Optional, Union, get_args, get_origin
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+)
+
+from stabletrain.errors import ConfigError
+
+PRECISIONS = ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true")
+Precision = Literal["auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true"]
+
+
+class _Settings(BaseModel):
+    """Base for every settings group: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        validate_assignment=True,
+        arbitrary_types_allowed=True,
+        protected_namespaces=(),
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Model and optimisation
+# --------------------------------------------------------------------------------------
+
+
+class ModelArgs(_Settings):
+    """Optimiser, schedule and architecture settings (``model_args.*``)."""
+
+    lr: float = Field(1e-3, gt=0, description="Peak learning rate.")
+    weight_decay: float = Field(
+        0.01, ge=0, description="Decoupled weight decay, applied to weights of 2 or more dimensions."
+    )
+    warmup_steps: int = Field(50, ge=0, description="Linear learning-rate warmup, in optimizer steps.")
+    lr_schedule: Literal["cosine", "linear", "constant"] = Field(
+        "cosine", description="Decay after warmup: cosine or linear to min_lr_ratio*lr, or constant."
+    )
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final learning rate as a fraction of lr.")
+    optimizer: Literal["adamw", "sgd"] = Field("adamw", description="Optimizer.")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
+    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum.")
+    # Language model architecture.
+    n_layers: int = Field(2, ge=1, description="Language model: transformer blocks.")
+    n_heads: int = Field(4, ge=1, description="Language model: attention heads per block.")
+    dim: int = Field(128, ge=1, description="Language model: embedding width; a multiple of n_heads.")
+    context_length: int = Field(64, ge=2, description="Language model: tokens per training sample.")
+    tokenizer: Literal["byte", "char"] = Field(
+        "byte", description="Language model: byte-level (256 symbols) or character-level vocabulary."
+    )
+    dropout: float = Field(0.1, ge=0, lt=1, description="Dropout probability (language model and built-in CNN).")
+    # Image classification architecture.
+    cnn_width: int = Field(32, ge=1, description="Built-in CNN: channels of the first convolution.")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in v):
+            raise ValueError(f"each beta must be in [0, 1), got {list(v)}")
+        return v
+
+
+#: model_args fields that only make sense for one built-in task; setting them for another is an error.
+LANGUAGE_MODEL_ARGS = ("n_layers", "n_heads", "dim", "context_length", "tokenizer")
+IMAGE_MODEL_ARGS = ("cnn_width",)
+
+
+class NormalizeArgs(_Settings):
+    mean: tuple[float, float, float] = Field(
+        (0.485, 0.456, 0.406), description="Per-channel mean subtracted from images in [0, 1]."
+    )
+    std: tuple[float, float, float] = Field((0.229, 0.224, 0.225), description="Per-channel std divisor.")
+
+    @field_validator("std")
+    @classmethod
+    def _std_positive(cls, v: tuple[float, float, float]) -> tuple[float, float, float]:
+        if not all(s > 0 for s in v):
+            raise ValueError(f"every std must be > 0, got {list(v)}")
+        return v
+
+
+class TransformArgs(_Settings):
+    """Image preprocessing (``transform_args.*``)."""
+
+    image_size: int = Field(32, ge=8, description="Images are resized to image_size x image_size.")
+    normalize: NormalizeArgs = Field(default_factory=NormalizeArgs, description="Input normalization.")
+
+
+class TorchCompileArgs(_Settings):
+    """``torch.compile`` (``torch_compile_args.*``). Off by default."""
+
+    disable: bool = Field(True, description="Set to false to compile the model with torch.compile.")
+    mode: Optional[str] = Field(None, description="torch.compile mode, e.g. 'reduce-overhead'.")
+    backend: str = Field("inductor", description="torch.compile backend.")
+    fullgraph: bool = Field(False, description="Require a single graph.")
+    dynamic: Optional[bool] = Field(None, description="Dynamic shapes.")
+
+
+# --------------------------------------------------------------------------------------
+# Debugging tools
+# --------------------------------------------------------------------------------------
+
+
+class UnderflowOverflowArgs(_Settings):
+    """Per-module abs min/max tracing that stops at the first non-finite value."""
+
+    enabled: bool = Field(False, description="Turn the underflow/overflow monitor on.")
+    max_frames_to_save: int = Field(21, ge=1, description="Frames kept and written to the report.")
+    trace_batch_nums: list[int] = Field(
+        default_factory=list, description="Steps at which every frame is written, without aborting."
+    )
+    abort_after_batch_num: Optional[int] = Field(None, ge=0, description="Stop training after this step.")
+    include_backward: bool = Field(True, description="Also trace gradients during the backward pass.")
+
+    @field_validator("trace_batch_nums")
+    @classmethod
+    def _non_negative(cls, v: list[int]) -> list[int]:
+        bad = [b for b in v if b < 0]
+        if bad:
+            raise ValueError(f"step numbers must be >= 0, got {bad}")
+        return sorted(set(v))
+
+
+class NanCaptureArgs(_Settings):
+    """Capture the failing step when gradients go non-finite, for offline replay."""
+
+    enabled: bool = Field(False, description="Turn NaN/Inf capture on.")
+    max_skipped_steps: int = Field(
+        10,
+        ge=1,
+        description="Under fp16 loss scaling: capture after this many consecutive skipped steps.",
+    )
+
+
+class DebugArgs(_Settings):
+    """On-demand debugging tools (``debug_args.*``)."""
+
+    underflow_overflow: UnderflowOverflowArgs = Field(default_factory=UnderflowOverflowArgs)
+    nancapture: NanCaptureArgs = Field(default_factory=NanCaptureArgs)
+
+
+# --------------------------------------------------------------------------------------
+# Loggers
+# --------------------------------------------------------------------------------------
+
+
+class JsonlLoggerArgs(_Settings):
+    enabled: bool = Field(True, description="Write out/metrics.jsonl.")
+
+
+class TensorBoardLoggerArgs(_Settings):
+    enabled: bool = Field(False, description="Write TensorBoard event files under out/.")
+
+
+class MLflowLoggerArgs(_Settings):
+    enabled: bool = Field(False, description="Log to MLflow.")
+    experiment_name: str = Field("stabletrain", description="MLflow experiment.")
+    run_name: Optional[str] = Field(None, description="MLflow run name; default: the out folder's name.")
+    tracking_uri: Optional[str] = Field(
+        None, description="MLflow tracking URI; default: sqlite:///<out>/mlflow.db."
+    )
+    tags: dict[str, str] = Field(default_factory=dict, description="Tags set on the run.")
+
+
+class WandbLoggerArgs(_Settings):
+    enabled: bool = Field(False, description="Log to Weights & Biases.")
+    project: str = Field("stabletrain", description="W&B project.")
+    name: Optional[str] = Field(None, description="W&B run name; default: the out folder's name.")
+    mode: Literal["online", "offline", "disabled"] = Field("offline", description="W&B mode.")
+
+
+class LoggersArgs(_Settings):
+    """Metric loggers (``loggers.*``). metrics.jsonl is always on unless disabled."""
+
+    jsonl: JsonlLoggerArgs = Field(default_factory=JsonlLoggerArgs)
+    tensorboard: TensorBoardLoggerArgs = Field(default_factory=TensorBoardLoggerArgs)
+    mlflow: MLflowLoggerArgs = Field(default_factory=MLflowLoggerArgs)
+    wandb: WandbLoggerArgs = Field(default_factory=WandbLoggerArgs)
+
+
+# --------------------------------------------------------------------------------------
+# The whole run
+# --------------------------------------------------------------------------------------
+
+
+class TrainSettings(_Settings):
+    """Every setting of a training run. ``out`` is the only one without a default."""
+
+    out: Path = Field(description="Output folder: metrics, logs, checkpoints, debug files.")
+    task: Optional[Literal["language_model", "image_classification"]] = Field(
+        None, description="Built-in task; inferred from model when omitted (default: language_model)."
+    )
+    model: Any = Field(
+        None,
+        description=(
+            "'transformer' (language model), 'cnn' or 'torchvision/<name>' (images); "
+            "from Python also an nn.Module with training_step(batch) -> loss."
+        ),
+    )
+    data: Any = Field(
+        None,
+        description=(
+            "Text file (language model) or image folder with one subfolder per class; "
+            "from Python also a map-style Dataset. Default: generated built-in data."
+        ),
+    )
+    steps: int = Field(500, ge=1, description="Optimizer steps to train for.")
+    batch_size: int = Field(
+        32, ge=1, description="Samples per optimizer step over all devices and accumulation steps."
+    )
+    gradient_accumulation_steps: int = Field(1, ge=1, description="Microbatches per optimizer step.")
+    model_args: ModelArgs = Field(default_factory=ModelArgs)
+    transform_args: TransformArgs = Field(default_factory=TransformArgs)
+    precision: Precision = Field(
+        "auto", description="Numerical precision; auto = bf16-mixed on a GPU that supports it, else 32-true."
+    )
+    gradient_clip_val: float = Field(0.0, ge=0, description="Clip the total gradient norm to this value; 0 = off.")
+    log_every_num_steps: int = Field(10, ge=1, description="Log metrics and the progress line every N steps.")
+    checkpoint_every_num_steps: int = Field(100, ge=1, description="Save checkpoints every N steps.")
+    max_checkpoints_to_keep: int = Field(
+        3, ge=0, description="Periodic step_*.ckpt files kept besides last.ckpt; 0 keeps only last.ckpt."
+    )
+    resume_interrupted: bool = Field(False, description="Continue from out/checkpoints/last.ckpt.")
+    overwrite: bool = Field(False, description="Start afresh in a non-empty out folder, replacing its outputs.")
+    seed: int = Field(0, ge=0, description="Random seed for initialisation, data order and dropout.")
+    accelerator: str = Field("auto", description="cpu, cuda, gpu, mps or auto.")
+    devices: Union[int, str, list[int]] = Field("auto", description="Devices per node: a count, a list or auto.")
+    num_nodes: int = Field(1, ge=1, description="Number of nodes.")
+    strategy: str = Field("auto", description="Lightning Fabric strategy: auto, ddp, ddp_spawn, ...")
+    num_workers: Union[int, Literal["auto"]] = Field(
+        "auto", description="DataLoader workers; auto = 0 for in-memory data, else up to 8."
+    )
+    torch_compile_args: TorchCompileArgs = Field(default_factory=TorchCompileArgs)
+    debug_args: DebugArgs = Field(default_factory=DebugArgs)
+    loggers: LoggersArgs = Field(default_factory=LoggersArgs)
+    callbacks: list[Any] = Field(
+        default_factory=list, description="Python only: objects with on_* event methods (see stabletrain.events)."
+    )
+
+    @field_validator("num_workers")
+    @classmethod
+    def _workers(cls, v: Union[int, str]) -> Union[int, str]:
+        if isinstance(v, int) and v < 0:
+            raise ValueError(f"must be >= 0 or 'auto', got {v}")
+        return v
+
+    def to_json_dict(self) -> dict[str, Any]:
+        """The settings as JSON-compatible data; Python objects are described by their type."""
+        data = self.model_dump(mode="python", exclude={"callbacks", "model", "data"})
+        data["out"] = str(self.out)
+        data["model"] = _describe(self.model)
+        data["data"] = _describe(self.data)
+        data["callbacks"] = [_describe(c) for c in self.callbacks]
+        return json.loads(json.dumps(data, default=str))
+
+
+def _describe(obj: Any) -> Any:
+    if obj is None or isinstance(obj, (str, int, float, bool)):
+        return obj
+    if isinstance(obj, Path):
+        return str(obj)
+    return f"<{type(obj).__module__}.{type(obj).__qualname__}>"
+
+
+# --------------------------------------------------------------------------------------
+# Validation with readable errors
+# --------------------------------------------------------------------------------------
+
+
+def load_settings(settings: dict[str, Any]) -> TrainSettings:
+    """Validate a settings dict; raise one ConfigError listing every problem."""
+    try:
+        return TrainSettings(**settings)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc, TrainSettings)) from None
+
+
+def _format_validation_error(exc: ValidationError, root: type[BaseModel]) -> list[str]:
+    problems = []
+    for err in exc.errors():
+        loc = [str(p) for p in err["loc"]]
+        where = ".".join(loc) or "settings"
+        if err["type"] == "extra_forbidden":
+            parent = _model_at(root, err["loc"][:-1])
+            hint = ""
+            if parent is not None:
+                close = difflib.get_close_matches(loc[-1], list(parent.model_fields), n=1, cutoff=0.5)
+                if close:
+                    prefix = ".".join(loc[:-1] + [close[0]])
+                    hint = f" Did you mean '{prefix}'?"
+                else:
+                    valid = ", ".join(parent.model_fields)
+                    hint = f" Valid keys here: {valid}."
+            problems.append(f"{where}: unknown setting.{hint}")
+            continue
+        if err["type"] == "missing":
+            problems.append(f"{where}: required setting is missing.")
+            continue
+        msg = err["msg"]
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, ") :]
+        problems.append(f"{where}: {msg} (got {err.get('input')!r})")
+    return problems
+
+
+def _model_at(root: type[BaseModel], loc: tuple[Any, ...]) -> Optional[type[BaseModel]]:
+    """The settings model class found by following ``loc`` from ``root``."""
+    model: Any = root
+    for part in loc:
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return None
+        field = model.model_fields.get(str(part))
+        if field is None:
+            return None
+        model = field.annotation
+    if isinstance(model, type) and issubclass(model, BaseModel):
+        return model
+    return None
+
+
+# --------------------------------------------------------------------------------------
+# Command line: dotted key=value pairs
+# --------------------------------------------------------------------------------------
+
+#: Settings that only make sense from Python.
+PYTHON_ONLY = ("callbacks",)
+
+
+def parse_cli_overrides(args: list[str]) -> dict[str, Any]:
+    """Turn ``["model_args.lr=0.01", "out=out/x"]`` into a nested dict.
+
+    Values are parsed as JSON where possible (numbers, true/false, null, lists, objects);
+    anything else is kept as a string, so ``precision=bf16-mixed`` needs no quoting.
+    """
+    result: dict[str, Any] = {}
+    problems = []
+    for arg in args:
+        key, sep, raw = arg.partition("=")
+        if not sep or not key:
+            problems.append(f"{arg!r}: expected key=value, e.g. model_args.lr=0.01")
+            continue
+        parts = key.split(".")
+        if any(not p for p in parts):
+            problems.append(f"{arg!r}: malformed key {key!r}")
+            continue
+        node = result
+        for p in parts[:-1]:
+            child = node.setdefault(p, {})
+            if not isinstance(child, dict):
+                problems.append(f"{key}: {p} was already given a value, it cannot also have sub-keys")
+                break
+            node = child
+        else:
+            node[parts[-1]] = _parse_value(raw)
+    if problems:
+        raise ConfigError(problems)
+    return result
+
+
+def _parse_value(raw: str) -> Any:
+    lowered = raw.strip().lower()
+    if lowered in ("none", "null"):
+        return None
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw
+
+
+def settings_help(model: type[BaseModel] = TrainSettings, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(dotted name, type, default, description) for every setting, depth first."""
+    rows = []
+    for name, field in model.model_fields.items():
+        if name in PYTHON_ONLY:
+            continue
+        dotted = prefix + name
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            rows.extend(settings_help(ann, dotted + "."))
+            continue
+        default = "required" if field.is_required() else _default_repr(field.get_default(call_default_factory=True))
+        rows.append((dotted, _type_name(ann), default, field.description or ""))
+    return rows
+
+
+def _type_name(ann: Any) -> str:
+    """A readable type: ``float``, ``one of cosine|linear|constant``, ``int or null``."""
+    origin = get_origin(ann)
+    args = get_args(ann)
+    if ann is Any:
+        return "str"
+    if origin is Literal:
+        return "|".join(str(a) for a in args)
+    if origin is Union:
+        parts = [_type_name(a) for a in args if a is not type(None)]
+        text = " or ".join(parts)
+        return text + " or null" if type(None) in args else text
+    if origin in (list, tuple):
+        inner = sorted({_type_name(a) for a in args if a is not Ellipsis})
+        return f"{origin.__name__}[{', '.join(inner)}]" + (f" of {len(args)}" if origin is tuple else "")
+    if origin is dict:
+        return "dict"
+    if ann is Path:
+        return "path"
+    return getattr(ann, "__name__", str(ann))
+
+
+def _default_repr(value: Any) -> str:
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, tuple):
+        value = list(value)
+    return json.dumps(value, default=str)

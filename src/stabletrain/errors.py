@@ -1,0 +1,29 @@
+"""Exceptions raised by stabletrain.
+
+Every exception a user can act on derives from :class:`StabletrainError`. The command-line
+interface prints these without a traceback: their message already says what was wrong and
+what to do.
+"""
+
+from __future__ import annotations
+
+
+class StabletrainError(Exception):
+    """Base class for errors whose message is meant for the user, not for a debugger."""
+
+
+class ConfigError(StabletrainError, ValueError):
+    """One or more settings are invalid.
+
+    Attributes:
+        problems: One line per problem, each naming the setting, the value given and what is
+            valid instead. All problems found are listed at once.
+    """
+
+    def __init__(self, problems: list[str] | str):
+        if isinstance(problems, str):
+            problems = [problems]
+        self.problems = list(problems)
+        n = len(self.problems)
+        head = "Invalid setting:" if n == 1 else f"Invalid settings ({n} problems):"
+        super().__init__(head + "".join(f"\n  - {p}" for p in self.problems))

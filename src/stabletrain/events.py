@@ -1,0 +1,118 @@
+"""The named points of a training step where monitors, loggers and user callbacks attach.
+
+A callback is any object; the trainer calls ``callback.on_<event>(trainer, **kwargs)`` only
+on callbacks that define that method. The loop, as the trainer runs it::
+
+    on_train_start(trainer)                       # after setup and resume, before step `start`
+    for step in range(start, steps):
+        on_step_start(trainer, step=step)
+        for micro_step in range(gradient_accumulation_steps):
+            batch, indices = next(data)           # batch already on the device
+            on_microbatch(trainer, step=step, micro_step=micro_step, batch=batch, indices=indices)
+            loss = model.training_step(batch)     # under the precision's autocast, through DDP
+            on_before_backward(trainer, step=step, micro_step=micro_step, loss=loss)
+            backward(loss / gradient_accumulation_steps)   # fp16: scaled by the GradScaler
+            on_after_microbatch(trainer, step=step, micro_step=micro_step, loss=loss)
+        unscale gradients (fp16 loss scaling only)
+        grad_norm = compute_grad_norm(...)        # device tensors, no host sync
+        on_after_backward(trainer, step=step, grad_norm=grad_norm)   # gradients final and unscaled
+        clip gradients to gradient_clip_val (reusing grad_norm.total)
+        on_before_optimizer_step(trainer, step=step)
+        optimizer.step(); optimizer.zero_grad()
+        on_after_optimizer_step(trainer, step=step)
+        if logging step:
+            metrics = {...}                       # host floats: one sync, on logged steps only
+            on_log(trainer, step=step, metrics=metrics)
+        if checkpoint step:
+            on_checkpoint_save(trainer, step=step, state=state)   # may add entries to state
+            write checkpoints/last.ckpt
+    on_train_end(trainer)
+
+    on_exception(trainer, exception=exc)          # any exception escaping the loop
+    on_checkpoint_load(trainer, state=state)      # when resuming, before on_train_start
+
+``loss`` and ``grad_norm`` are device tensors: reading them (``.item()``, ``float()``,
+``bool()``) forces a host synchronisation, which is what makes debugging tools slow on a GPU.
+Decide once per step, on the device where possible.
+
+Distributed runs: every rank calls every event at the same point. A callback that wants to
+stop training because of something only its rank saw must not simply raise (the other ranks
+would wait forever in the next collective): it calls ``trainer.any_rank(flag)`` at a point all
+ranks reach, and every rank raises together when any flag is set.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+EVENTS = (
+    "on_train_start",
+    "on_step_start",
+    "on_microbatch",
+    "on_before_backward",
+    "on_after_microbatch",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_after_optimizer_step",
+    "on_log",
+    "on_checkpoint_save",
+    "on_checkpoint_load",
+    "on_train_end",
+    "on_exception",
+)
+
+
+class Callback:
+    """Optional base class; subclassing it is not required. It only documents the signatures."""
+
+    def on_train_start(self, trainer: Any) -> None: ...
+
+    def on_step_start(self, trainer: Any, *, step: int) -> None: ...
+
+    def on_microbatch(self, trainer: Any, *, step: int, micro_step: int, batch: Any, indices: Any) -> None: ...
+
+    def on_before_backward(self, trainer: Any, *, step: int, micro_step: int, loss: Any) -> None: ...
+
+    def on_after_microbatch(self, trainer: Any, *, step: int, micro_step: int, loss: Any) -> None: ...
+
+    def on_after_backward(self, trainer: Any, *, step: int, grad_norm: Any) -> None: ...
+
+    def on_before_optimizer_step(self, trainer: Any, *, step: int) -> None: ...
+
+    def on_after_optimizer_step(self, trainer: Any, *, step: int) -> None: ...
+
+    def on_log(self, trainer: Any, *, step: int, metrics: dict[str, float]) -> None: ...
+
+    def on_checkpoint_save(self, trainer: Any, *, step: int, state: dict[str, Any]) -> None: ...
+
+    def on_checkpoint_load(self, trainer: Any, *, state: dict[str, Any]) -> None: ...
+
+    def on_train_end(self, trainer: Any) -> None: ...
+
+    def on_exception(self, trainer: Any, *, exception: BaseException) -> None: ...
+
+
+class CallbackList:
+    """Calls an event on every callback that defines it, in order.
+
+    Handlers are looked up once, so an event no callback handles costs a dict lookup.
+    """
+
+    def __init__(self, callbacks: list[Any]):
+        self.callbacks = list(callbacks)
+        self._handlers: dict[str, list[Any]] = {}
+        for name in EVENTS:
+            handlers = []
+            for cb in self.callbacks:
+                fn = getattr(cb, name, None)
+                # Callback's own no-op methods are skipped.
+                if callable(fn) and getattr(type(cb), name, None) is not getattr(Callback, name):
+                    handlers.append(fn)
+            self._handlers[name] = handlers
+
+    def has(self, event: str) -> bool:
+        return bool(self._handlers[event])
+
+    def __call__(self, event: str, trainer: Any, **kwargs: Any) -> None:
+        for fn in self._handlers[event]:
+            fn(trainer, **kwargs)

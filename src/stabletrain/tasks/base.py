@@ -1,0 +1,58 @@
+"""The contract between the trainer and a model.
+
+Any ``torch.nn.Module`` that defines ``training_step(batch) -> loss`` can be trained by
+stabletrain, and every debugging tool works on it::
+
+    class MyModel(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(8, 1)
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, batch):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self(x), y)
+
+The trainer moves each microbatch to the device, runs ``training_step`` under the chosen
+precision (through DDP when distributed), and back-propagates the returned scalar loss.
+Optionally the model may define ``configure_optimizer(model_args) -> torch.optim.Optimizer``;
+otherwise AdamW (or SGD) is built from ``model_args``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch.utils.data import Dataset
+
+
+@runtime_checkable
+class TrainModel(Protocol):
+    """An ``nn.Module`` with ``training_step(batch) -> scalar loss tensor``."""
+
+    def training_step(self, batch: Any) -> torch.Tensor: ...
+
+
+@dataclass
+class Task:
+    """What a task hands to the trainer.
+
+    Attributes:
+        name: "language_model", "image_classification" or "custom".
+        model: The model to train; it satisfies :class:`TrainModel`.
+        dataset: A map-style dataset; ``dataset[i]`` is one sample that
+            ``torch.utils.data.default_collate`` can batch (tensors, or dicts/tuples of them).
+        model_meta: JSON-compatible facts learnt from the data that, together with the
+            settings, rebuild the same architecture without the data (e.g. the vocabulary).
+        in_memory: True when the dataset is already in memory (worker processes do not help).
+    """
+
+    name: str
+    model: torch.nn.Module
+    dataset: Dataset
+    model_meta: dict[str, Any] = field(default_factory=dict)
+    in_memory: bool = True

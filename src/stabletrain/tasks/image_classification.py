@@ -1,0 +1,333 @@
+"""Built-in image-classification task: the small ``cnn`` or any torchvision classifier.
+
+Data is a folder with one subfolder per class (``data=path/to/folder``) or, when ``data`` is
+omitted, 2048 generated 32x32 shape images in 4 classes
+(:func:`stabletrain.data.images.generate_images`). Images are resized to
+``transform_args.image_size`` and normalized with ``transform_args.normalize``.
+
+Models:
+
+* ``"cnn"`` (the default): :class:`SmallCNN`, three conv-BatchNorm-ReLU-maxpool blocks
+  (``features.{i}.conv``, ``features.{i}.bn``, ``features.{i}.act``, ``features.{i}.pool``),
+  global average pooling (``pool``), dropout (``drop``) and a linear ``head``.
+* ``"torchvision/<name>"``: ``torchvision.models.get_model(name, weights=None,
+  num_classes=K)`` for any name in ``torchvision.models.list_models(module=torchvision.models)``,
+  wrapped as :class:`TorchvisionClassifier`; its modules keep their torchvision names under
+  ``net.`` (e.g. ``net.layer1.0.conv1``).
+
+Initial weights depend only on ``settings.seed`` and the architecture: models are built inside
+``torch.random.fork_rng`` after ``torch.manual_seed(settings.seed)``, so building neither
+depends on nor changes the global RNG state.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import torchvision
+from torch import nn
+
+from stabletrain.config import TrainSettings
+from stabletrain.data.images import (
+    IMAGE_EXTENSIONS,
+    SHAPE_NAMES,
+    ImageFolderDataset,
+    ImageTransform,
+    TensorImageDataset,
+    find_image_classes,
+    generate_images,
+)
+from stabletrain.tasks.base import Task
+
+__all__ = ["SmallCNN", "TorchvisionClassifier", "build", "build_model", "check", "torchvision_model_names"]
+
+#: Size, count and classes of the built-in generated dataset.
+GENERATED_IMAGE_SIZE = 32
+GENERATED_NUM_IMAGES = 2048
+GENERATED_NUM_CLASSES = 4
+
+_TORCHVISION_PREFIX = "torchvision/"
+_LIST_COMMAND = (
+    "python -c \"import torchvision; print(torchvision.models.list_models(module=torchvision.models))\""
+)
+_DATA_HINT = "give a folder with one subfolder of images per class, or omit data for the built-in generated images"
+
+
+# --------------------------------------------------------------------------------------
+# Models
+# --------------------------------------------------------------------------------------
+
+
+class ConvBlock(nn.Module):
+    """3x3 convolution -> BatchNorm -> ReLU -> 2x2 max-pool (halves height and width)."""
+
+    def __init__(self, in_channels: int, out_channels: int):
+        super().__init__()
+        self.conv = nn.Conv2d(in_channels, out_channels, kernel_size=3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(out_channels)
+        self.act = nn.ReLU()
+        self.pool = nn.MaxPool2d(2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pool(self.act(self.bn(self.conv(x))))
+
+
+class SmallCNN(nn.Module):
+    """Three conv blocks of width ``w``, ``2w``, ``4w``, global average pooling and a linear head.
+
+    Args:
+        num_classes: Number of output logits.
+        width: Channels of the first block.
+        dropout: Dropout before the head.
+
+    Example::
+
+        model = SmallCNN(num_classes=4, width=16)
+        loss = model.training_step((torch.randn(8, 3, 32, 32), torch.randint(4, (8,))))
+    """
+
+    def __init__(self, num_classes: int, width: int = 32, dropout: float = 0.0):
+        super().__init__()
+        widths = (width, 2 * width, 4 * width)
+        self.features = nn.Sequential(
+            ConvBlock(3, widths[0]), ConvBlock(widths[0], widths[1]), ConvBlock(widths[1], widths[2])
+        )
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.drop = nn.Dropout(dropout)
+        self.head = nn.Linear(widths[2], num_classes)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        """Logits ``(B, num_classes)`` for images ``(B, 3, H, W)``; H and W at least 8."""
+        return self.head(self.drop(self.pool(self.features(images)).flatten(1)))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Mean cross-entropy of an ``(images, labels)`` batch."""
+        images, labels = batch
+        return F.cross_entropy(self(images).float(), labels)
+
+
+#: Weight of auxiliary classifier losses (GoogLeNet, Inception v3), as in their papers.
+AUX_LOSS_WEIGHT = 0.3
+
+
+class TorchvisionClassifier(nn.Module):
+    """A torchvision classification network held as ``net``, with ``training_step``.
+
+    GoogLeNet and Inception v3 return auxiliary logits in training mode; their
+    cross-entropy is added with weight :data:`AUX_LOSS_WEIGHT` so every parameter gets a
+    gradient, as in the papers' training recipes.
+
+    Args:
+        net: A torchvision classifier returning logits (or a named tuple with ``logits``).
+    """
+
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        self.net = net
+
+    def forward(self, images: torch.Tensor) -> Any:
+        return self.net(images)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Mean cross-entropy of an ``(images, labels)`` batch (plus weighted auxiliary losses)."""
+        images, labels = batch
+        out = self(images)
+        if isinstance(out, torch.Tensor):
+            return F.cross_entropy(out.float(), labels)
+        # Named tuples: InceptionOutputs(logits, aux_logits), GoogLeNetOutputs(logits, aux_logits2, aux_logits1).
+        outputs = out._asdict()
+        loss = F.cross_entropy(outputs.pop("logits").float(), labels)
+        for aux in outputs.values():
+            if aux is not None:
+                loss = loss + AUX_LOSS_WEIGHT * F.cross_entropy(aux.float(), labels)
+        return loss
+
+
+def torchvision_model_names() -> list[str]:
+    """Classification models torchvision can build, e.g. ``["alexnet", ..., "resnet18", ...]``."""
+    return sorted(torchvision.models.list_models(module=torchvision.models))
+
+
+def _make_model(name: str, num_classes: int, settings: TrainSettings) -> nn.Module:
+    if name == "cnn":
+        return SmallCNN(num_classes, width=settings.model_args.cnn_width, dropout=settings.model_args.dropout)
+    tv_name = name[len(_TORCHVISION_PREFIX) :]
+    kwargs: dict[str, Any] = {}
+    if tv_name in ("googlenet", "inception_v3"):
+        # Explicit, to silence their FutureWarning about a changing default initialisation.
+        kwargs["init_weights"] = True
+    net = torchvision.models.get_model(tv_name, weights=None, num_classes=num_classes, **kwargs)
+    return TorchvisionClassifier(net)
+
+
+# --------------------------------------------------------------------------------------
+# Settings checks
+# --------------------------------------------------------------------------------------
+
+
+def _model_name(settings: TrainSettings) -> str:
+    return "cnn" if settings.model is None else str(settings.model)
+
+
+def _check_model_name(name: str) -> list[str]:
+    if name == "cnn":
+        return []
+    known = torchvision_model_names()
+    if name.startswith(_TORCHVISION_PREFIX) and name[len(_TORCHVISION_PREFIX) :] in known:
+        return []
+    candidates = {"cnn": "cnn"}
+    for n in known:
+        # Match both the full name and the bare torchvision name ("resnet18" -> torchvision/resnet18).
+        candidates[_TORCHVISION_PREFIX + n] = _TORCHVISION_PREFIX + n
+        candidates[n] = _TORCHVISION_PREFIX + n
+    bare = name[len(_TORCHVISION_PREFIX) :] if name.startswith(_TORCHVISION_PREFIX) else name
+    matches = difflib.get_close_matches(name, list(candidates), n=5, cutoff=0.6)
+    matches += difflib.get_close_matches(bare, list(candidates), n=5, cutoff=0.6)
+    suggestions = list(dict.fromkeys(candidates[m] for m in matches))[:3]
+    quoted = [repr(s) for s in suggestions]
+    hint = ""
+    if quoted:
+        options = quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+        hint = f"Did you mean {options}? "
+    return [
+        f"model: unknown image model {name!r}. {hint}Valid: 'cnn', or 'torchvision/<name>' for any "
+        f"name in torchvision.models.list_models(module=torchvision.models) ({len(known)} models; "
+        f"list them with: {_LIST_COMMAND})"
+    ]
+
+
+def _check_input_size(name: str, settings: TrainSettings) -> list[str]:
+    """Whether the model accepts ``image_size`` inputs, tried on the meta device (no memory, no compute)."""
+    size = settings.transform_args.image_size
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            model = _make_model(name, 2, settings)
+    except Exception:
+        return []  # cannot tell without building for real; build() will report it
+    try:
+        with torch.no_grad():
+            model.eval()(torch.empty(1, 3, size, size, device="meta"))
+    except Exception as exc:  # the model's own shape checks, e.g. ViT's fixed patch grid
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return [
+            f"transform_args.image_size: {name} does not accept {size}x{size} images ({reason}); "
+            "set transform_args.image_size to a size it supports (e.g. 224)"
+        ]
+    return []
+
+
+def _data_path(data: Any) -> Path | None:
+    return Path(data) if isinstance(data, (str, os.PathLike)) else None
+
+
+def _check_folder(path: Path) -> list[str]:
+    if not path.exists():
+        return [f"data: folder not found: {path} ({_DATA_HINT})"]
+    if not path.is_dir():
+        return [f"data: {path} is not a folder ({_DATA_HINT}; for a text file use the language model task)"]
+    try:
+        classes, samples = find_image_classes(path)
+    except OSError as exc:
+        return [f"data: cannot read {path}: {exc}"]
+    exts = ", ".join(IMAGE_EXTENSIONS)
+    if not classes:
+        loose = any(f.is_file() and f.suffix.lower() in IMAGE_EXTENSIONS for f in path.iterdir())
+        where = "; the images directly in it need to move into one subfolder per class" if loose else ""
+        return [f"data: {path} has no class subfolders ({_DATA_HINT}{where})"]
+    if not samples:
+        return [f"data: no images found in the class subfolders of {path} (looked for {exts}, any letter case)"]
+    problems = []
+    if len(classes) < 2:
+        problems.append(
+            f"data: {path} has 1 class subfolder ({classes[0]!r}); classification needs at least 2 classes"
+        )
+    counts = [0] * len(classes)
+    for _, label in samples:
+        counts[label] += 1
+    empty = [c for c, n in zip(classes, counts) if n == 0]
+    if empty:
+        problems.append(
+            f"data: class folders without images in {path}: {', '.join(repr(c) for c in empty)} "
+            f"(looked for {exts}); add images or remove the folders"
+        )
+    return problems
+
+
+def check(settings: TrainSettings) -> list[str]:
+    """Every problem with the image-classification settings, one line each; [] when all is well.
+
+    Checks the model name (suggesting close matches), that the model accepts
+    ``transform_args.image_size`` inputs, and that ``data`` is a folder with at least two
+    class subfolders that each hold images.
+    """
+    name = _model_name(settings)
+    problems = _check_model_name(name)
+    if not problems:
+        problems += _check_input_size(name, settings)
+    if settings.data is not None:
+        path = _data_path(settings.data)
+        if path is None:
+            problems.append(
+                f"data: the image classification task reads an image folder path, got a "
+                f"{type(settings.data).__name__} (to train on your own Dataset, pass model=<nn.Module with "
+                "training_step> as well)"
+            )
+        else:
+            problems += _check_folder(path)
+    return problems
+
+
+# --------------------------------------------------------------------------------------
+# Building
+# --------------------------------------------------------------------------------------
+
+
+def build(settings: TrainSettings) -> Task:
+    """The image-classification task: model, dataset and ``model_meta``.
+
+    ``model_meta`` is ``{"num_classes": K, "classes": [names in label order]}``. Generated
+    data is held in memory (``in_memory=True``); a folder is decoded on access
+    (``in_memory=False``). The generated images do not depend on ``settings.seed``, which
+    only sets the initial weights (and, in the trainer, data order and dropout). Call
+    :func:`check` first for readable errors.
+    """
+    t = settings.transform_args
+    transform = ImageTransform(t.image_size, t.normalize.mean, t.normalize.std)
+    dataset: TensorImageDataset | ImageFolderDataset
+    if settings.data is None:
+        images, labels = generate_images(GENERATED_NUM_IMAGES, GENERATED_IMAGE_SIZE, GENERATED_NUM_CLASSES)
+        classes = list(SHAPE_NAMES[:GENERATED_NUM_CLASSES])
+        dataset = TensorImageDataset(images, labels, transform, classes)
+        in_memory = True
+    else:
+        path = _data_path(settings.data)
+        if path is None:
+            raise ValueError(f"data: expected an image folder path, got {type(settings.data).__name__}")
+        dataset = ImageFolderDataset(path, transform)
+        classes = list(dataset.classes)
+        in_memory = False
+    meta = {"num_classes": len(classes), "classes": classes}
+    return Task(
+        name="image_classification",
+        model=build_model(settings, meta),
+        dataset=dataset,
+        model_meta=meta,
+        in_memory=in_memory,
+    )
+
+
+def build_model(settings: TrainSettings, model_meta: dict[str, Any]) -> nn.Module:
+    """The same freshly initialised model as :func:`build` makes, without reading the data.
+
+    Args:
+        settings: The run's settings (model name, ``model_args.cnn_width``, ``seed``).
+        model_meta: ``Task.model_meta`` of the run, for ``num_classes``.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(settings.seed)
+        return _make_model(_model_name(settings), int(model_meta["num_classes"]), settings)

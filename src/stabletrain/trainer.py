@@ -1,0 +1,576 @@
+"""The training loop on Lightning Fabric.
+
+``train()`` validates settings, prepares the output folder and hands over to
+:class:`Trainer`, whose ``fit -> train_step -> forward_backward`` is the whole loop. The
+events it fires, and where, are listed in :mod:`stabletrain.events`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from stabletrain import __version__
+from stabletrain.checkpoint import (
+    CheckpointError,
+    checkpoint_dir,
+    load_checkpoint,
+    resume_conflicts,
+    save_checkpoint,
+)
+from stabletrain.config import TrainSettings, load_settings
+from stabletrain.data.loader import build_loader
+from stabletrain.debug.grad_norm import GradNorm, clip_grad_norm_with_total, compute_grad_norm
+from stabletrain.errors import ConfigError, StabletrainError
+from stabletrain.events import CallbackList
+from stabletrain.loggers import Logger, build_loggers, check_loggers
+from stabletrain.loggers.console import Console, format_duration, progress_line
+from stabletrain.tasks import Task, build_task, check_task, resolve_task_name
+from stabletrain.utils.io import atomic_write_text
+from stabletrain.utils.rng import get_rng_state, seed_everything, set_rng_state
+
+#: Files and folders a run writes directly under ``out/``; ``overwrite=True`` removes these only.
+RUN_OUTPUTS = (
+    "metrics.jsonl",
+    "train.log",
+    "settings.json",
+    "checkpoints",
+    "debug",
+    "report",
+    "tensorboard",
+    "mlflow.db",
+    "mlruns",
+    "wandb",
+)
+
+
+@dataclass
+class TrainResult:
+    """What ``train()`` returns on rank 0 (other ranks get the same object with their rank)."""
+
+    out: Path
+    steps_done: int
+    last_metrics: dict[str, float] = field(default_factory=dict)
+    checkpoint: Optional[Path] = None
+    stop_reason: Optional[str] = None
+
+
+def train(out: str | Path, **settings: Any) -> TrainResult:
+    """Train a model and log ``gradient_norm`` at every logging step.
+
+    Args:
+        out: Output folder (metrics.jsonl, train.log, settings.json, checkpoints/, debug/).
+        **settings: Any setting of :class:`stabletrain.config.TrainSettings`, nested groups as
+            dicts, e.g. ``model_args={"lr": 3e-4}``. ``stabletrain train --help`` lists them.
+
+    Returns:
+        A :class:`TrainResult`.
+
+    Raises:
+        ConfigError: Invalid settings, listed all at once, before training starts.
+
+    Example::
+
+        import stabletrain
+        stabletrain.train(out="out/demo", steps=200, model_args={"lr": 1e-3})
+    """
+    return Trainer(load_settings({"out": out, **settings})).fit()
+
+
+def resolve_precision(precision: str, accelerator: str) -> str:
+    """'auto' becomes bf16-mixed on a GPU that supports it, else 32-true."""
+    if precision != "auto":
+        return precision
+    if accelerator in ("auto", "cuda", "gpu") and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return "bf16-mixed"
+    return "32-true"
+
+
+class _TrainingStep(nn.Module):
+    """Routes the model's ``training_step`` through Fabric's forward (autocast, DDP hooks).
+
+    Fabric applies precision and DDP only around ``forward``; making ``training_step`` the
+    forward of a thin wrapper gives every user model the same treatment on one device and many.
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        return self.model.training_step(batch)
+
+
+class Trainer:
+    """Runs one training job; see :mod:`stabletrain.events` for the loop it runs.
+
+    Attributes useful to callbacks: ``fabric``, ``settings``, ``model`` (the user's module,
+    unwrapped), ``optimizer``, ``scaler`` (fp16 GradScaler or None), ``precision`` (resolved),
+    ``out``, ``rank``, ``world_size``, ``step``, ``task``, ``console``, ``loggers``.
+    """
+
+    def __init__(self, settings: TrainSettings, fabric: Any = None):
+        self.settings = settings
+        self.out = Path(settings.out)
+        self._fabric_given = fabric
+        self.step = 0
+        self.microbatches_consumed = 0
+        self.stop_reason: Optional[str] = None
+        self.console = Console(None, enabled=False)
+        self.loggers: list[Logger] = []
+        self.last_metrics: dict[str, float] = {}
+
+    # ----------------------------------------------------------------------------- setup
+
+    def _make_fabric(self) -> Any:
+        if self._fabric_given is not None:
+            return self._fabric_given
+        from lightning_fabric import Fabric
+
+        s = self.settings
+        try:
+            return Fabric(
+                accelerator=s.accelerator,
+                devices=s.devices,
+                num_nodes=s.num_nodes,
+                strategy=s.strategy,
+                precision=resolve_precision(s.precision, s.accelerator),
+            )
+        except (ValueError, RuntimeError, TypeError, ImportError) as exc:
+            raise ConfigError(
+                f"accelerator/devices/strategy/precision: Lightning Fabric refused "
+                f"accelerator={s.accelerator!r}, devices={s.devices!r}, strategy={s.strategy!r}, "
+                f"precision={s.precision!r}: {exc}"
+            ) from None
+
+    def _check(self, world_size: int, is_rank_zero: bool) -> None:
+        """Every configuration problem at once, before anything is written or trained."""
+        s = self.settings
+        problems = list(check_task(s))
+        per_step = world_size * s.gradient_accumulation_steps
+        if s.batch_size % per_step:
+            problems.append(
+                f"batch_size: {s.batch_size} is not divisible by devices x num_nodes x "
+                f"gradient_accumulation_steps = {world_size} x {s.gradient_accumulation_steps} = {per_step}; "
+                f"use a multiple of {per_step}, e.g. {max(per_step, s.batch_size // per_step * per_step)}"
+            )
+        problems.extend(check_loggers(s))
+        problems.extend(_check_debug(s))
+        if is_rank_zero:
+            problems.extend(self._check_out_dir())
+        if problems:
+            raise ConfigError(problems)
+
+    def _check_out_dir(self) -> list[str]:
+        s = self.settings
+        last = checkpoint_dir(self.out) / "last.ckpt"
+        if s.resume_interrupted:
+            if not last.exists():
+                return [f"resume_interrupted: no checkpoint to resume from at {last} (run without resume_interrupted)"]
+            return []
+        if self.out.exists() and not self.out.is_dir():
+            return [f"out: {self.out} exists and is not a folder"]
+        if self.out.is_dir() and any(self.out.iterdir()) and not s.overwrite:
+            return [
+                f"out: {self.out} is not empty; pass overwrite=true to replace its outputs, "
+                "resume_interrupted=true to continue its run, or choose another folder"
+            ]
+        return []
+
+    def _prepare_out_dir(self) -> None:
+        if self.settings.overwrite and not self.settings.resume_interrupted and self.out.is_dir():
+            for name in RUN_OUTPUTS:
+                path = self.out / name
+                if path.is_dir():
+                    shutil.rmtree(path)
+                elif path.exists():
+                    path.unlink()
+        self.out.mkdir(parents=True, exist_ok=True)
+
+    def fit(self) -> TrainResult:
+        """Validate, launch (one process per device when distributed), train, clean up."""
+        fabric = self._make_fabric()
+        # Before launch we are the first process: check and prepare out/ once. Processes
+        # started by the launcher (rank > 0) skip the out/ checks; rank 0 owns the folder.
+        first = fabric.global_rank == 0
+        self._check(fabric.world_size, is_rank_zero=first)
+        if first:
+            self._prepare_out_dir()
+        self.fabric = fabric
+        return fabric.launch(self._run)
+
+    def _run(self, fabric: Any = None) -> TrainResult:
+        fabric = self.fabric
+        s = self.settings
+        self.rank = fabric.global_rank
+        self.world_size = fabric.world_size
+        self.is_rank_zero = self.rank == 0
+        self.precision = getattr(fabric.strategy.precision, "precision", resolve_precision(s.precision, s.accelerator))
+        self.scaler = getattr(fabric.strategy.precision, "scaler", None)
+        if self.is_rank_zero:
+            self.out.mkdir(parents=True, exist_ok=True)
+            self.console = Console(self.out / "train.log")
+        fabric.barrier()
+
+        seed_everything(s.seed)
+        self.task = build_task(s)
+        self.model = self.task.model
+        state = None
+        if s.resume_interrupted:
+            state = load_checkpoint(checkpoint_dir(self.out) / "last.ckpt")
+            self._check_resume(state)
+            self.model.load_state_dict(state["model"])
+        self.optimizer = self._build_optimizer()
+        if state is not None:
+            self._load_optimizer_state(state["optimizer"])
+            if self.scaler is not None and state.get("scaler"):
+                self.scaler.load_state_dict(state["scaler"])
+            self.step = int(state["step"])
+            self.microbatches_consumed = int(state["data"]["microbatches_consumed"])
+
+        module: nn.Module = _TrainingStep(self.model)
+        compile_args = s.torch_compile_args
+        if not compile_args.disable:
+            module = torch.compile(  # type: ignore[assignment]
+                module,
+                mode=compile_args.mode,
+                backend=compile_args.backend,
+                fullgraph=compile_args.fullgraph,
+                dynamic=compile_args.dynamic,
+            )
+        self.fabric_module, self.fabric_optimizer = fabric.setup(module, self.optimizer)
+
+        accum = s.gradient_accumulation_steps
+        self.microbatch_size = s.batch_size // (self.world_size * accum)
+        num_workers = s.num_workers
+        if num_workers == "auto":
+            num_workers = 0 if self.task.in_memory else min(8, max(0, (os.cpu_count() or 1) - 1))
+        self.loader, self.sampler = build_loader(
+            self.task.dataset,
+            microbatch_size=self.microbatch_size,
+            seed=s.seed,
+            rank=self.rank,
+            world_size=self.world_size,
+            start=self.microbatches_consumed,
+            num_workers=int(num_workers),
+            pin_memory=fabric.device.type == "cuda",
+        )
+
+        self.loggers = build_loggers(s, self.out) if self.is_rank_zero else []
+        self.callbacks = CallbackList([*_build_debug_callbacks(self), *s.callbacks])
+        if self.is_rank_zero:
+            self._write_settings()
+        if state is not None:
+            # Restored last so that nothing above (model init, loader setup) draws from the RNGs.
+            set_rng_state(state["rng"][self.rank])
+            self.callbacks("on_checkpoint_load", self, state=state)
+            self._log_event({"event": "resume", "step": self.step, "checkpoint": str(checkpoint_dir(self.out) / "last.ckpt")})
+        try:
+            self._loop()
+        except BaseException as exc:
+            self.callbacks("on_exception", self, exception=exc)
+            if isinstance(exc, KeyboardInterrupt):
+                self.console.info(
+                    f"Interrupted at step {self.step}. Continue with resume_interrupted=true "
+                    f"(from the last checkpoint in {checkpoint_dir(self.out)})."
+                )
+            raise
+        finally:
+            self._close()
+        return TrainResult(
+            out=self.out,
+            steps_done=self.step,
+            last_metrics=dict(self.last_metrics),
+            checkpoint=checkpoint_dir(self.out) / "last.ckpt",
+            stop_reason=self.stop_reason,
+        )
+
+    def _check_resume(self, state: dict[str, Any]) -> None:
+        saved = json.loads(state["settings"])
+        current = self._resolved_settings()
+        problems = resume_conflicts(saved, current)
+        if self.settings.steps <= int(state["step"]):
+            problems.append(
+                f"steps: the checkpoint already holds {int(state['step'])} steps; "
+                f"set steps above that to train on (got {self.settings.steps})"
+            )
+        if problems:
+            raise ConfigError(problems)
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        args = self.settings.model_args
+        configure = getattr(self.model, "configure_optimizer", None)
+        if callable(configure):
+            optimizer = configure(args)
+        else:
+            decay, no_decay = [], []
+            for p in self.model.parameters():
+                if p.requires_grad:
+                    (decay if p.ndim >= 2 else no_decay).append(p)
+            groups = [
+                {"params": decay, "weight_decay": args.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ]
+            groups = [g for g in groups if g["params"]]
+            if args.optimizer == "adamw":
+                optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=args.betas)
+            else:
+                optimizer = torch.optim.SGD(groups, lr=args.lr, momentum=args.momentum)
+        for group in optimizer.param_groups:
+            group.setdefault("base_lr", group["lr"])
+        return optimizer
+
+    def _load_optimizer_state(self, saved: dict[str, Any]) -> None:
+        # The saved param groups carry the old run's lr and weight decay; keep the new ones,
+        # so that e.g. a lower model_args.lr takes effect on resume.
+        keep = [{k: g[k] for k in ("base_lr", "weight_decay") if k in g} for g in self.optimizer.param_groups]
+        self.optimizer.load_state_dict(saved)
+        for group, kept in zip(self.optimizer.param_groups, keep):
+            group.update(kept)
+
+    def _resolved_settings(self) -> dict[str, Any]:
+        data = self.settings.to_json_dict()
+        data["task"] = resolve_task_name(self.settings)
+        data["precision"] = self.precision
+        data["world_size"] = self.world_size
+        return data
+
+    def _write_settings(self) -> None:
+        resolved = self._resolved_settings()
+        resolved["model_meta"] = self.task.model_meta
+        text = json.dumps(resolved, indent=2)
+        atomic_write_text(text + "\n", self.out / "settings.json")
+        for logger in self.loggers:
+            logger.log_hyperparams(resolved)
+        n_params = sum(p.numel() for p in self.model.parameters())
+        self.console.info(f"stabletrain {__version__} | torch {torch.__version__} | out: {self.out}")
+        self.console.info(
+            f"task {resolve_task_name(self.settings)}: {type(self.model).__name__} with {n_params:,} parameters, "
+            f"{len(self.task.dataset):,} samples | device {self.fabric.device} x {self.world_size} | "
+            f"precision {self.precision} | microbatch {self.microbatch_size} x "
+            f"{self.settings.gradient_accumulation_steps} accumulation x {self.world_size} devices"
+        )
+        self.console._to_log("resolved settings:\n" + text)
+
+    # ------------------------------------------------------------------------------ loop
+
+    def _loop(self) -> None:
+        s = self.settings
+        self.data_iter = iter(self.loader)
+        self.callbacks("on_train_start", self)
+        self._t_start = self._t_last = time.perf_counter()
+        self._steps_at_last_log = self.step
+        while self.step < s.steps and self.stop_reason is None:
+            self.train_step()
+            self.step += 1
+            if self.step % s.checkpoint_every_num_steps == 0 and self.step < s.steps and self.stop_reason is None:
+                self._save_checkpoint(periodic=True)
+        if self.stop_reason is not None:
+            self.console.info(f"Stopped after step {self.step - 1}: {self.stop_reason}")
+        self._save_checkpoint(periodic=False)
+        self.callbacks("on_train_end", self)
+        if self.is_rank_zero:
+            elapsed = time.perf_counter() - self._t_start
+            loss = self.last_metrics.get("loss", float("nan"))
+            self.console.info(
+                f"Done: {self.step} steps in {format_duration(elapsed)}, final loss {loss:.4f}. "
+                f"Checkpoint: {checkpoint_dir(self.out) / 'last.ckpt'}"
+            )
+
+    def train_step(self) -> None:
+        """One optimizer step: accumulate microbatches, norm, clip, step, log, checkpoint."""
+        s = self.settings
+        step = self.step
+        cb = self.callbacks
+        cb("on_step_start", self, step=step)
+        lr = self._set_lr(step)
+        accum = s.gradient_accumulation_steps
+        losses = []
+        for micro_step in range(accum):
+            indices, batch = next(self.data_iter)
+            batch = self.fabric.to_device(batch)
+            self.microbatches_consumed += 1
+            cb("on_microbatch", self, step=step, micro_step=micro_step, batch=batch, indices=indices)
+            with self.fabric.no_backward_sync(self.fabric_module, enabled=micro_step < accum - 1):
+                loss = self.forward_backward(step, micro_step, batch)
+            losses.append(loss.detach())
+
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        gn = compute_grad_norm(self.model.named_parameters())
+        cb("on_after_backward", self, step=step, grad_norm=gn)
+        if s.gradient_clip_val > 0:
+            clip_grad_norm_with_total(gn.params, s.gradient_clip_val, gn.total)
+        cb("on_before_optimizer_step", self, step=step)
+        self.fabric_optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        cb("on_after_optimizer_step", self, step=step)
+
+        if step % s.log_every_num_steps == 0 or step + 1 == s.steps or self.stop_reason is not None:
+            self._log_step(step, losses, gn, lr)
+
+    def forward_backward(self, step: int, micro_step: int, batch: Any) -> torch.Tensor:
+        """Forward through Fabric (precision, DDP), then backward of loss / accumulation steps."""
+        loss = self.fabric_module(batch)
+        if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+            raise StabletrainError(
+                f"training_step must return a scalar loss tensor, got "
+                f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else ' of shape ' + str(tuple(loss.shape))}"
+            )
+        self.callbacks("on_before_backward", self, step=step, micro_step=micro_step, loss=loss)
+        self.fabric.backward(loss / self.settings.gradient_accumulation_steps)
+        self.callbacks("on_after_microbatch", self, step=step, micro_step=micro_step, loss=loss)
+        return loss
+
+    # -------------------------------------------------------------------- schedule, logs
+
+    def lr_factor(self, step: int) -> float:
+        """Multiplier of each parameter group's base lr at ``step``."""
+        args = self.settings.model_args
+        if args.warmup_steps and step < args.warmup_steps:
+            return (step + 1) / args.warmup_steps
+        if args.lr_schedule == "constant":
+            return 1.0
+        span = max(1, self.settings.steps - args.warmup_steps)
+        progress = min(1.0, (step - args.warmup_steps) / span)
+        floor = args.min_lr_ratio
+        if args.lr_schedule == "linear":
+            return floor + (1 - floor) * (1 - progress)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    def _set_lr(self, step: int) -> float:
+        factor = self.lr_factor(step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["base_lr"] * factor
+        return self.optimizer.param_groups[0]["lr"]
+
+    def _log_step(self, step: int, losses: list[torch.Tensor], gn: GradNorm, lr: float) -> None:
+        loss = torch.stack(losses).float().mean()
+        if self.world_size > 1:
+            loss = self.fabric.all_reduce(loss, reduce_op="mean")
+        values = [loss, gn.total.to(loss.device)]
+        if self.scaler is not None:
+            values.append(_scale_tensor(self.scaler, loss.device))
+        host = torch.stack([v.float().reshape(()) for v in values]).tolist()  # the step's one sync
+        now = time.perf_counter()
+        steps_since = max(1, step + 1 - self._steps_at_last_log)
+        dt = now - self._t_last
+        steps_per_s = steps_since / dt if dt > 0 else float("nan")
+        metrics: dict[str, float] = {
+            "loss": host[0],
+            "gradient_norm": host[1],
+            "lr": lr,
+            "epoch": self.microbatches_consumed / self.sampler.batches_per_epoch,
+            "samples": (step + 1) * self.settings.batch_size,
+            "elapsed_s": now - self._t_start,
+            "steps_per_s": steps_per_s,
+            "samples_per_s": steps_per_s * self.settings.batch_size,
+            "eta_s": (self.settings.steps - step - 1) / steps_per_s if steps_per_s > 0 else float("nan"),
+        }
+        if self.scaler is not None:
+            metrics["loss_scale"] = host[2]
+        if self.fabric.device.type == "cuda":
+            metrics["max_memory_gb"] = torch.cuda.max_memory_allocated(self.fabric.device) / 2**30
+        self._t_last, self._steps_at_last_log = now, step + 1
+        self.last_metrics = metrics
+        if self.is_rank_zero:
+            for logger in self.loggers:
+                logger.log_metrics(metrics, step)
+            self.console.progress(progress_line(step, self.settings.steps, metrics))
+        self.callbacks("on_log", self, step=step, metrics=metrics)
+
+    def _log_event(self, event: dict[str, Any]) -> None:
+        if self.is_rank_zero:
+            for logger in self.loggers:
+                logger.log_event(event)
+
+    log_event = _log_event
+
+    # ------------------------------------------------------------------- for callbacks
+
+    def any_rank(self, flag: bool | torch.Tensor) -> bool:
+        """True on every rank when ``flag`` is true on any rank (one all-reduce when distributed).
+
+        Every rank must call it at the same point of the step.
+        """
+        if self.world_size == 1:
+            return bool(flag)
+        t = torch.as_tensor(flag, dtype=torch.float32, device=self.fabric.device).reshape(())
+        return bool(self.fabric.all_reduce(t, reduce_op="max"))
+
+    def request_stop(self, reason: str) -> None:
+        """Finish the current step (log it, checkpoint it), then stop training."""
+        if self.stop_reason is None:
+            self.stop_reason = reason
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """The resumable state between steps; ``step`` is the next step to run.
+
+        Collective when distributed (the RNG states of all ranks are gathered)."""
+        rng = get_rng_state()
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            gathered: list[Any] = [None] * self.world_size
+            dist.all_gather_object(gathered, rng)
+            rng_all = gathered
+        else:
+            rng_all = [rng]
+        return {
+            "step": self.step,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler is not None else {},
+            "rng": rng_all,
+            "data": {"microbatches_consumed": self.microbatches_consumed},
+            "settings": json.dumps(self._resolved_settings()),
+            "model_meta": json.dumps(self.task.model_meta),
+            "callbacks": {},
+            "stabletrain_version": __version__,
+            "torch_version": str(torch.__version__),
+        }
+
+    def _save_checkpoint(self, periodic: bool) -> None:
+        """Checkpoint the state after ``self.step`` completed steps (rank 0 writes)."""
+        state = self.checkpoint_state()
+        self.callbacks("on_checkpoint_save", self, step=self.step, state=state)
+        if self.is_rank_zero:
+            save_checkpoint(state, self.out, periodic=periodic, keep=self.settings.max_checkpoints_to_keep)
+        self.fabric.barrier()
+
+    def _close(self) -> None:
+        for logger in self.loggers:
+            logger.close()
+        self.console.close()
+
+
+def _scale_tensor(scaler: Any, device: torch.device) -> torch.Tensor:
+    """The GradScaler's current scale as a device tensor (``get_scale()`` would sync)."""
+    scale = getattr(scaler, "_scale", None)
+    if isinstance(scale, torch.Tensor):
+        return scale.to(device)
+    return torch.tensor(float(scaler.get_scale()), device=device)
+
+
+def _check_debug(settings: TrainSettings) -> list[str]:
+    """Problems with debug_args; each debugging tool adds its checks here."""
+    return []
+
+
+def _build_debug_callbacks(trainer: Trainer) -> list[Any]:
+    """The debugging tools turned on in ``debug_args``, as callbacks."""
+    return []
+
+
+__all__ = ["train", "Trainer", "TrainResult", "resolve_precision", "CheckpointError"]

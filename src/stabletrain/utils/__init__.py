@@ -1,0 +1,1 @@
+"""Small shared helpers: RNG state, atomic file writes."""

@@ -1,0 +1,59 @@
+"""Shared fixtures: tiny settings, a CLI runner that uses this checkout's sources."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+#: A language model small enough that a step takes a few milliseconds on one CPU core.
+TINY_LM: dict[str, Any] = {
+    "model_args": {"n_layers": 1, "n_heads": 2, "dim": 32, "context_length": 16, "dropout": 0.0, "warmup_steps": 2},
+    "batch_size": 8,
+    "steps": 4,
+    "log_every_num_steps": 1,
+}
+
+
+def tiny_lm(**overrides: Any) -> dict[str, Any]:
+    """TINY_LM with overrides; nested dicts are merged one level deep."""
+    settings = {k: (dict(v) if isinstance(v, dict) else v) for k, v in TINY_LM.items()}
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(settings.get(key), dict):
+            settings[key].update(value)
+        else:
+            settings[key] = value
+    return settings
+
+
+def cli_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(SRC) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def run_cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run ``python -m stabletrain ARGS`` with this checkout's sources."""
+    return subprocess.run(
+        [sys.executable, "-m", "stabletrain", *args],
+        cwd=cwd,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture
+def cli(tmp_path: Path):
+    def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        return run_cli(*args, cwd=tmp_path, timeout=timeout)
+
+    return run

@@ -1,0 +1,152 @@
+"""Settings: one definition, two front ends, every mistake reported at once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+from stabletrain.config import TrainSettings, load_settings, parse_cli_overrides, settings_help
+from stabletrain.errors import ConfigError
+from stabletrain.trainer import train
+
+from conftest import tiny_lm
+
+
+def _all_dotted(model: type[BaseModel] = TrainSettings, prefix: str = "") -> list[str]:
+    names = []
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            names += _all_dotted(ann, prefix + name + ".")
+        else:
+            names.append(prefix + name)
+    return names
+
+
+def test_cli_keys_map_one_to_one_onto_python_settings():
+    from_cli = load_settings(
+        parse_cli_overrides(
+            [
+                "out=out/x",
+                "model_args.lr=0.01",
+                "precision=bf16-mixed",
+                "debug_args.underflow_overflow.enabled=true",
+                "debug_args.underflow_overflow.trace_batch_nums=[3,1]",
+                "devices=2",
+                "transform_args.normalize.mean=[0.5,0.5,0.5]",
+                "torch_compile_args.mode=null",
+            ]
+        )
+    )
+    from_python = TrainSettings(
+        out="out/x",
+        model_args={"lr": 0.01},
+        precision="bf16-mixed",
+        debug_args={"underflow_overflow": {"enabled": True, "trace_batch_nums": [1, 3]}},
+        devices=2,
+        transform_args={"normalize": {"mean": (0.5, 0.5, 0.5)}},
+    )
+    assert from_cli == from_python
+    assert from_cli.model_args.lr == 0.01 and from_cli.out == Path("out/x")
+
+
+def test_help_lists_every_setting_with_type_default_and_description(cli):
+    result = cli("train", "--help")
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    for name in _all_dotted():
+        if name == "callbacks":  # Python only
+            continue
+        assert f"  {name}  (" in text, name
+    assert "  model_args.lr  (float, default 0.001)" in text
+    assert "  precision  (auto|32-true|bf16-mixed|16-mixed|bf16-true|16-true|64-true, default \"auto\")" in text
+    rows = settings_help()
+    assert all(desc for name, _, _, desc in rows if not name.startswith("loggers.") or name.endswith("enabled")), [
+        r for r in rows if not r[3]
+    ]
+
+
+@pytest.mark.parametrize(
+    "settings, expected",
+    [
+        ({"setps": 3}, "setps: unknown setting. Did you mean 'steps'?"),
+        ({"model_args": {"lrr": 3}}, "model_args.lrr: unknown setting. Did you mean 'model_args.lr'?"),
+        ({"debug_args": {"nancapture": {"enable": True}}}, "Did you mean 'debug_args.nancapture.enabled'?"),
+        ({"steps": "many"}, "steps: Input should be a valid integer"),
+        ({"model_args": {"lr": -1}}, "model_args.lr: Input should be greater than 0 (got -1)"),
+        ({"precision": "fp8"}, "precision: Input should be 'auto', '32-true', 'bf16-mixed'"),
+        ({"gradient_clip_val": -0.5}, "gradient_clip_val: Input should be greater than or equal to 0 (got -0.5)"),
+        ({"debug_args": {"underflow_overflow": {"max_frames_to_save": 0}}}, "max_frames_to_save: Input should be greater than or equal to 1"),
+        ({"debug_args": {"underflow_overflow": {"trace_batch_nums": [2, -1]}}}, "step numbers must be >= 0, got [-1]"),
+        ({"num_workers": -2}, "num_workers"),
+    ],
+)
+def test_bad_values_name_setting_value_and_valid_range(settings, expected):
+    with pytest.raises(ConfigError) as info:
+        load_settings({"out": "o", **settings})
+    assert expected in str(info.value)
+
+
+def test_several_mistakes_are_listed_at_once():
+    with pytest.raises(ConfigError) as info:
+        load_settings({"out": "o", "steps": 0, "model_args": {"lr": 0, "wd": 1}, "precision": "fp4"})
+    assert len(info.value.problems) == 4
+    assert str(info.value).startswith("Invalid settings (4 problems):")
+
+
+def test_cli_values_are_parsed_as_json_else_strings():
+    parsed = parse_cli_overrides(["a=1", "b=1.5", "c=true", "d=null", "e=[1,2]", "f=bf16-mixed", "g.h=x"])
+    assert parsed == {"a": 1, "b": 1.5, "c": True, "d": None, "e": [1, 2], "f": "bf16-mixed", "g": {"h": "x"}}
+    with pytest.raises(ConfigError, match="expected key=value"):
+        parse_cli_overrides(["model_args.lr"])
+    with pytest.raises(ConfigError, match="cannot also have sub-keys"):
+        parse_cli_overrides(["model_args=1", "model_args.lr=2"])
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        ({"data": "missing.txt"}, "data: file not found"),
+        ({"model": "torchvision/resnet1008"}, "model:"),
+        ({"model": "transfomer"}, "model:"),
+        ({"batch_size": 10, "gradient_accumulation_steps": 4}, "batch_size: 10 is not divisible"),
+        ({"model_args": {"cnn_width": 8}}, "model_args.cnn_width: not used by the language_model task"),
+    ],
+)
+def test_semantic_mistakes_fail_before_training(tmp_path, overrides, expected):
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError) as info:
+        train(out=out, **tiny_lm(**overrides))
+    assert expected in str(info.value)
+    assert not out.exists(), "nothing may be written for a configuration mistake"
+
+
+def test_empty_dataset_fails_before_training(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(ConfigError, match="data:"):
+        train(out=tmp_path / "run", **tiny_lm(data=str(empty)))
+    short = tmp_path / "short.txt"
+    short.write_text("abc")
+    with pytest.raises(ConfigError, match="data:"):
+        train(out=tmp_path / "run", **tiny_lm(data=str(short)))
+
+
+def test_semantic_and_task_mistakes_are_reported_together(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        train(out=tmp_path / "run", **tiny_lm(data="nope.txt", batch_size=7, gradient_accumulation_steps=2))
+    assert len(info.value.problems) >= 2
+    assert any(p.startswith("data:") for p in info.value.problems)
+    assert any(p.startswith("batch_size:") for p in info.value.problems)
+
+
+def test_cli_config_error_exits_2_without_traceback(cli):
+    result = cli("train", "out=o", "model_args.lrr=0.1", "steps=-1", "precision=fp8")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert "Invalid settings (3 problems)" in result.stderr
+    assert "Did you mean 'model_args.lr'?" in result.stderr
+    missing_out = cli("train", "steps=3")
+    assert missing_out.returncode == 2 and "out: required setting is missing" in missing_out.stderr

@@ -1,0 +1,49 @@
+"""The README's two commands stay true."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from stabletrain.loggers.jsonl import read_metrics
+
+from conftest import cli_env
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _readme_commands() -> list[str]:
+    block = re.search(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert block, "the README starts with a bash block"
+    return [line.split("#")[0].strip() for line in block.group(1).strip().splitlines()]
+
+
+def test_readme_starts_with_install_and_run_then_install_and_test():
+    run, test = _readme_commands()
+    assert run == 'pip install -e ".[all]" && stabletrain train out=out/demo'
+    assert test == 'pip install -e ".[dev]" && python -m pytest -q'
+    ci = (ROOT / ".ci" / "run").read_text()
+    install, command = test.split(" && ")
+    assert install in ci and command in ci, ".ci/run runs the README's test command"
+
+
+@pytest.mark.slow
+def test_main_command_trains_the_default_task_in_under_two_minutes(tmp_path):
+    command = _readme_commands()[0].split(" && ")[1].split()  # stabletrain train out=out/demo
+    exe = Path(sys.executable).with_name("stabletrain")
+    argv = [str(exe), *command[1:]] if exe.exists() else [sys.executable, "-m", "stabletrain", *command[1:]]
+    start = time.perf_counter()
+    result = subprocess.run(argv, cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300)
+    elapsed = time.perf_counter() - start
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert elapsed < 120, f"took {elapsed:.0f} s"
+    rows, _ = read_metrics(tmp_path / "out" / "demo" / "metrics.jsonl")
+    assert rows[-1]["step"] == 499
+    assert rows[-1]["loss"] < 1.5 < 5.0 < rows[0]["loss"], "the default model learns the generated text"
+    assert "Done: 500 steps" in result.stdout
+    assert (tmp_path / "out" / "demo" / "checkpoints" / "last.ckpt").exists()
