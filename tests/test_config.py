@@ -150,3 +150,17 @@ def test_cli_config_error_exits_2_without_traceback(cli):
     assert "Did you mean 'model_args.lr'?" in result.stderr
     missing_out = cli("train", "steps=3")
     assert missing_out.returncode == 2 and "out: required setting is missing" in missing_out.stderr
+
+
+def test_resolved_settings_rebuild_the_same_settings(tmp_path):
+    import json
+
+    from stabletrain.config import settings_from_resolved
+
+    out = tmp_path / "run"
+    train(out=out, **tiny_lm(steps=1, model_args={"lr": 0.02}))
+    resolved = json.loads((out / "settings.json").read_text())
+    rebuilt = settings_from_resolved(resolved)
+    assert rebuilt.model_args.lr == 0.02 and rebuilt.model_args.dim == 32
+    assert rebuilt.task == "language_model" and rebuilt.precision == "32-true"
+    assert settings_from_resolved(resolved, precision="bf16-mixed").precision == "bf16-mixed"

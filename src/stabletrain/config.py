@@ -272,6 +272,25 @@ class TrainSettings(_Settings):
         return json.loads(json.dumps(data, default=str))
 
 
+#: Keys that settings.json and checkpoints add to the settings; not settings themselves.
+RESOLVED_ONLY_KEYS = ("world_size", "model_meta")
+
+
+def settings_from_resolved(resolved: dict[str, Any], **overrides: Any) -> TrainSettings:
+    """Rebuild :class:`TrainSettings` from a run's resolved settings (settings.json, a checkpoint).
+
+    Python objects that were only described (a custom model or dataset, callbacks) cannot be
+    restored; they come back as None/[] unless given in ``overrides``.
+    """
+    data = {k: v for k, v in resolved.items() if k not in RESOLVED_ONLY_KEYS}
+    for key in ("model", "data"):
+        if isinstance(data.get(key), str) and data[key].startswith("<"):
+            data[key] = None
+    data["callbacks"] = []
+    data.update(overrides)
+    return load_settings(data)
+
+
 def _describe(obj: Any) -> Any:
     if obj is None or isinstance(obj, (str, int, float, bool)):
         return obj

@@ -8,13 +8,13 @@ import copy
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import Dataset
 
 import stabletrain.trainer as trainer_module
 from stabletrain.config import load_settings
 from stabletrain.debug.grad_norm import GradNorm, clip_grad_norm_with_total, compute_grad_norm
 from stabletrain.loggers.jsonl import read_metrics
+from stabletrain.utils.sync import CountSyncs
 from stabletrain.trainer import Trainer, train
 
 from conftest import tiny_lm
@@ -178,19 +178,6 @@ def test_fp16_loss_scaling_norm_is_unscaled(tmp_path):
         ref = float64_reference_norm(rec.states[row["step"]], rec.batches[row["step"]])
         # fp16 autocast differs from float64 by rounding, never by the 4096x loss scale
         assert row["gradient_norm"] == pytest.approx(ref, rel=2e-2)
-
-
-class CountSyncs(TorchDispatchMode):
-    """Counts host-device synchronisations: .item(), bool(t), float(t) all dispatch here."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 class SyncsPerStep:

@@ -1,0 +1,59 @@
+"""What the benchmarks share: the benchmark model and a side-by-side timer.
+
+The benchmark model is the built-in transformer language model at a size where one
+training step takes a few hundred milliseconds on 2 CPU cores (4 layers, dim 256, 8 heads,
+context 128, batch 16, dropout 0.1; 3.3M parameters).
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+from torch.utils.data import default_collate
+
+from stabletrain.config import load_settings
+from stabletrain.tasks import build_task
+
+BENCH_MODEL_ARGS: dict[str, Any] = {"n_layers": 4, "n_heads": 8, "dim": 256, "context_length": 128, "dropout": 0.1}
+BENCH_SETTINGS: dict[str, Any] = {"model_args": BENCH_MODEL_ARGS, "batch_size": 16}
+
+
+def bench_model_and_batches(num_batches: int = 8, seed: int = 0) -> tuple[torch.nn.Module, list[Any]]:
+    """A fresh benchmark model and ``num_batches`` microbatches of its data."""
+    settings = load_settings({"out": "unused", "seed": seed, **BENCH_SETTINGS})
+    task = build_task(settings)
+    bs = settings.batch_size
+    batches = [default_collate([task.dataset[i * bs + j] for j in range(bs)]) for i in range(num_batches)]
+    return task.model, batches
+
+
+def interleaved(variants: dict[str, Callable[[], None]], repeats: int, rounds: int) -> dict[str, list[float]]:
+    """Seconds per call of each variant, measured round-robin so machine noise hits all alike.
+
+    Each round runs every variant ``repeats`` times in turn (order rotated per round); the
+    first round is a warm-up and is discarded. Returns per-round mean seconds per call.
+    """
+    names = list(variants)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds + 1):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order:
+            fn = variants[name]
+            start = time.perf_counter()
+            for _ in range(repeats):
+                fn()
+            if r:
+                times[name].append((time.perf_counter() - start) / repeats)
+    return times
+
+
+def machine() -> str:
+    return f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
