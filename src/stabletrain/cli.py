@@ -60,9 +60,16 @@ def _cmd_train(args: list[str]) -> int:
     return 0
 
 
+def _cmd_replay(args: list[str]) -> int:
+    from stabletrain.debug.replay import replay_main
+
+    return replay_main(args)
+
+
 #: name -> (one-line help, function taking the remaining arguments and returning an exit code)
 COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "train": ("train a model (stabletrain train --help lists every setting)", _cmd_train),
+    "replay": ("rerun a captured NaN step offline: stabletrain replay PATH [--json]", _cmd_replay),
 }
 
 
