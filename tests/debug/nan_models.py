@@ -50,25 +50,61 @@ class PoisonNet(nn.Module):
         return F.mse_loss(self(batch["x"], batch["grad_poison"].sum()), batch["y"])
 
 
+class SpikeNet(PoisonNet):
+    """PoisonNet plus a positive parameter ``s`` fitted by ``s * c - log(s)`` (minimum at ``s = 1/c``).
+
+    An outlier batch (large ``c``) gives ``s`` a large gradient; with too high a learning
+    rate one SGD step pushes ``s`` below 0 and the next step's ``log(s)`` is NaN. With a
+    lower learning rate the same batch is harmless: the failure is the learning rate's.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.s = nn.Parameter(torch.ones(()))
+
+    def training_step(self, batch):
+        return super().training_step(batch) + self.s * batch["c"].mean() - torch.log(self.s)
+
+
 class PoisonData(Dataset):
     """64 regression samples; ``grad_poison={index: value}`` plants gradient faults,
-    ``input_poison={index: value}`` plants a value in a sample's input."""
+    ``input_poison={index: value}`` plants a value in a sample's input, ``spikes={index: c}``
+    outliers for :class:`SpikeNet` (``c`` is 1 elsewhere)."""
 
-    def __init__(self, n=64, grad_poison=None, input_poison=None):
+    def __init__(self, n=64, grad_poison=None, input_poison=None, spikes=None):
         g = torch.Generator().manual_seed(3)
         self.x = torch.randn(n, 4, generator=g)
         self.y = self.x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
         self.poison = torch.zeros(n)
+        self.c = torch.ones(n)
         for i, v in (grad_poison or {}).items():
             self.poison[i] = v
         for i, v in (input_poison or {}).items():
             self.x[i, 0] = v
+        for i, v in (spikes or {}).items():
+            self.c[i] = v
 
     def __len__(self):
         return len(self.x)
 
     def __getitem__(self, i):
-        return {"x": self.x[i], "y": self.y[i], "grad_poison": self.poison[i]}
+        return {"x": self.x[i], "y": self.y[i], "grad_poison": self.poison[i], "c": self.c[i]}
+
+
+class PlainNet(nn.Module):
+    """A model without training_step: a plain loop computes its loss with :func:`plain_step_fn`."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 16), nn.GELU(), nn.Dropout(0.2), nn.Linear(16, 1))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def plain_step_fn(model, batch):
+    x, y = batch
+    return F.mse_loss(model(x), y)
 
 
 def samples_of_step(step, *, n=64, batch_size=8, accum=1, world_size=1, rank=0, seed=0):

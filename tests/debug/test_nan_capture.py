@@ -351,3 +351,75 @@ def test_standalone_monitor_with_a_cpu_grad_scaler(tmp_path):
     assert scales[:3] == [2.0**15, 2.0**14, 2.0**14], "two skipped steps did not stop the loop"
     assert (info.value.step, info.value.reason) == (6, "nonfinite_loss")  # sample 50 is in step 6
 
+
+
+# ----------------------------------------------------------------- a plain PyTorch loop
+
+
+def _plain_loop(out_dir, poison_step, accum=2, copy_batches=False, mutate=False):
+    """A hand-written loop over PlainNet with NaNCaptureMonitor; the target of one sample of
+    ``poison_step`` is +Inf, so that step's loss and gradients are non-finite."""
+    from nan_models import PlainNet, plain_step_fn
+
+    torch.manual_seed(0)
+    model = PlainNet()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g)
+    poisoned = poison_step * accum * 4 + 5  # second microbatch of the step, row 1
+    y[poisoned] = float("inf")
+    monitor = NaNCaptureMonitor(model, out_dir=out_dir, step_fn=plain_step_fn, copy_batches=copy_batches)
+    for step in range(8):
+        monitor.begin_step(step)
+        for micro in range(accum):
+            rows = slice((step * accum + micro) * 4, (step * accum + micro + 1) * 4)
+            batch = (x[rows].clone(), y[rows].clone())
+            monitor.collect_batch(batch, indices=list(range(64))[rows])
+            loss = plain_step_fn(model, batch)
+            monitor.collect_loss(loss)
+            (loss / accum).backward()
+            if mutate:
+                batch[0].zero_()  # e.g. a prefetcher reusing its buffers in place
+        monitor.check_and_capture()
+        optimizer.step()
+        optimizer.zero_grad()
+    raise AssertionError("no NaN was detected")
+
+
+def test_standalone_monitor_in_a_plain_loop_replays_with_model_and_step_fn(tmp_path):
+    from nan_models import PlainNet, plain_step_fn
+
+    with pytest.raises(NaNDetectedError) as info:
+        _plain_loop(tmp_path / "caps", poison_step=3)
+    err = info.value
+    assert (err.step, err.rank, err.reason) == (3, 0, "nonfinite_loss")
+    assert err.capture_path == tmp_path / "caps" / "rank0" / "nan_capture.pt"
+    assert set(err.nan_param_names) == {"body.0.weight", "body.0.bias", "body.3.weight", "body.3.bias"}
+
+    cap = load_nan_capture(err.capture_path.parent, model=PlainNet(), step_fn=plain_step_fn)
+    result = cap.replay()
+    assert result.reproduced and result.losses_bitwise_equal
+    assert result.nan_param_names == err.nan_param_names
+    assert math.isfinite(result.losses[0]) and result.losses[1] == math.inf
+    assert result.sample_indices == [list(range(24, 28)), list(range(28, 32))]
+    with pytest.raises(NaNCaptureError, match="has no training_step.*step_fn"):
+        load_nan_capture(err.capture_path, model=PlainNet()).replay()
+
+    # The error's command names the model class and the step function by file: it runs as pasted.
+    assert err.replay_command.startswith("stabletrain replay ")
+    assert "nan_models.py:PlainNet --step-fn " in err.replay_command and "nan_models.py:plain_step_fn" in err.replay_command
+    env = cli_env()
+    env["PATH"] = str(Path(sys.executable).parent) + ":" + env.get("PATH", "")
+    run = subprocess.run(err.replay_command, shell=True, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "reproduced: YES" in run.stdout and "bitwise equal" in run.stdout
+
+
+def test_copy_batches_protects_against_a_loop_that_mutates_batches(tmp_path):
+    from nan_models import PlainNet, plain_step_fn
+
+    for copy_batches, bitwise in ((False, False), (True, True)):
+        with pytest.raises(NaNDetectedError) as info:
+            _plain_loop(tmp_path / str(copy_batches), poison_step=2, copy_batches=copy_batches, mutate=True)
+        result = load_nan_capture(info.value.capture_path, model=PlainNet(), step_fn=plain_step_fn).replay()
+        assert result.losses_bitwise_equal is bitwise, copy_batches

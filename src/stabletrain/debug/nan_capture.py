@@ -567,8 +567,8 @@ class NaNCaptureCallback:
         )
         if self._checkpoint_step == step:
             text += (
-                f" It was saved right before the failing step, so resuming repeats the same gradient; "
-                f"resume from an older checkpoints/step_*.ckpt copied over last.ckpt to change the steps leading here."
+                " It holds the state right before the failing step, whose gradient a lower lr cannot change; "
+                "to change the steps leading here, copy an older checkpoints/step_*.ckpt over last.ckpt first."
             )
         return text
 
