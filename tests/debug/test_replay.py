@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +43,19 @@ def pasted_command(message: str) -> str:
     match = re.search(r"Replay it offline:\n(?:\[rank\d+\]: )?\s+(.+)", message)  # DDP prefixes [rankN]:
     assert match, message
     return match.group(1).strip()
+
+
+def replay_json(command: str, cwd: Path, capsys) -> dict:
+    """The same command with --json, run in this process (a subprocess costs seconds of imports)."""
+    from stabletrain.cli import main
+
+    argv = shlex.split(command)
+    assert argv[:2] == ["stabletrain", "replay"]
+    capsys.readouterr()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(cwd)
+        assert main([*argv[1:], "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
 
 
 @pytest.mark.parametrize("accum", [1, 4])
@@ -140,7 +154,7 @@ def test_bf16_mixed_capture_replays_in_bf16_by_default(tmp_path):
     assert fp32.losses == pytest.approx(default.losses, rel=0.05)
 
 
-def test_error_message_command_works_when_pasted(cli, tmp_path):
+def test_error_message_command_works_when_pasted(cli, tmp_path, capsys):
     args = ["train", "out=boom", "steps=10", "batch_size=8", "checkpoint_every_num_steps=3",
             "model_args.n_layers=1", "model_args.n_heads=2", "model_args.dim=32", "model_args.context_length=16",
             "model_args.optimizer=sgd", "model_args.lr=1000", "model_args.warmup_steps=0",
@@ -156,9 +170,7 @@ def test_error_message_command_works_when_pasted(cli, tmp_path):
     assert pasted.returncode == 0, pasted.stderr[-2000:]
     assert "reproduced: YES" in pasted.stdout and "losses: bitwise equal" in pasted.stdout
 
-    as_json = subprocess.run(command + " --json", shell=True, cwd=tmp_path, env=shell_env(), capture_output=True,
-                             text=True, timeout=120)
-    data = json.loads(as_json.stdout)
+    data = replay_json(command, tmp_path, capsys)
     assert data["reproduced"] is True and data["losses_bitwise_equal"] is True and data["step"] == 4
     assert data["nan_param_names"] and data["gradient_norm"] == "nan"
 
@@ -206,7 +218,7 @@ def test_resume_from_the_healthy_checkpoint_with_a_lower_lr(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_ddp_ranks_only_rank1_poisoned(tmp_path):
+def test_two_ddp_ranks_only_rank1_poisoned(tmp_path, capsys):
     script = Path(__file__).with_name("nan_models.py")
     proc = subprocess.run([sys.executable, str(script), "run", "2"], cwd=tmp_path, env=cli_env(),
                           capture_output=True, text=True, timeout=300)
@@ -228,8 +240,7 @@ def test_two_ddp_ranks_only_rank1_poisoned(tmp_path):
     assert "rank 0's microbatches alone: finite" in pasted.stdout
     assert "rank 1's microbatches alone: non-finite" in pasted.stdout
 
-    data = json.loads(subprocess.run(command + " --json", shell=True, cwd=tmp_path, env=shell_env(),
-                                     capture_output=True, text=True, timeout=120).stdout)
+    data = replay_json(command, tmp_path, capsys)
     assert data["ranks"] == [0, 1] and data["reproduced"] is True
     assert data["ranks_reproducing_alone"] == [1]
     assert data["losses_bitwise_equal"] is True

@@ -768,11 +768,16 @@ class ReplayResult:
                 lines.append(f"  -> the data of rank(s) {', '.join(map(str, alone))} alone reproduces the NaN")
             elif self.reproduced:
                 lines.append("  -> no single rank's data reproduces it alone: only their combination does")
-        if not self.reproduced:
+        if not self.reproduced and self.precision != self.captured_precision:
+            lines.append(
+                f"  In {self.precision} this step is finite: the failure comes from the range or rounding of "
+                f"{self.captured_precision} arithmetic (replay without --precision to see it fail)."
+            )
+        elif not self.reproduced:
             lines.append(
                 "  The captured state and data do not produce the failure here. Suspects: nondeterministic GPU kernels "
-                "or hardware faults (replay on the original device), a different precision than captured, or an "
-                "effect outside the model's forward and backward."
+                "or hardware faults (replay on the original device), or an effect outside the model's forward and "
+                "backward (a callback or hook that changed gradients, memory corruption)."
             )
         return "\n".join(lines)
 
