@@ -22,7 +22,8 @@ examples:
   stabletrain train out=out/demo
   stabletrain train out=out/lm model_args.lr=3e-4 steps=2000 precision=bf16-mixed
   stabletrain train out=out/img model=torchvision/resnet18 data=path/to/images transform_args.image_size=64
-  stabletrain train out=out/boom model_args.lr=100 debug_args.nancapture.enabled=true
+  stabletrain train out=out/boom model_args.optimizer=sgd model_args.lr=1000 debug_args.nancapture.enabled=true
+  stabletrain replay out/boom/debug/nan_capture/rank0
 """
 
 

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 import stabletrain
 from stabletrain import NaNCaptureError, NaNCaptureMonitor, NaNDetectedError, load_nan_capture

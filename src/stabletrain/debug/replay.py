@@ -371,7 +371,8 @@ class ForwardBackwardResult:
         nonfinite_param_names: The names whose gradient is not finite, in model order.
         gradient_norm: L2 norm over all gradients (float32 accumulation), as training logs it.
         model: The model, holding the parameters the step started from and the gradients
-            in ``.grad`` (averaged over ranks as DDP does, un-scaled under fp16).
+            in ``.grad`` (un-scaled under fp16; over several ranks averaged as DDP does,
+            while one rank's microbatches alone give that rank's local gradient).
         precision: The precision used.
     """
 
