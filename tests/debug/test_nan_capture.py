@@ -324,6 +324,20 @@ def test_fp16_nonfinite_loss_is_captured_at_once(tmp_path):
     assert "Microbatch losses: nan" in str(info.value)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the CPU tests above use GradScaler('cpu'))")
+def test_fp16_on_a_gpu_skipped_steps_pass_and_a_nan_loss_is_captured(tmp_path):
+    victim = samples_of_step(6)[1]
+    with pytest.raises(NaNDetectedError) as info:
+        train(out=tmp_path / "run", model=PoisonNet(), data=PoisonData(input_poison={victim: float("nan")}),
+              accelerator="cuda", devices=1, precision="16-mixed", debug_args=NANCAPTURE, **POISON_RUN)
+    assert (info.value.step, info.value.reason) == (6, "nonfinite_loss")
+    rows, _ = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(6))
+    assert min(r["loss_scale"] for r in rows) < 2.0**16, "the scaler skipped steps and training went on"
+    result = load_nan_capture(info.value.capture_path, model=PoisonNet()).replay()
+    assert result.device.startswith("cuda") and result.precision == "16-mixed" and result.reproduced
+
+
 def test_standalone_monitor_with_a_cpu_grad_scaler(tmp_path):
     """A plain fp16 loop: skipped steps pass, a NaN loss raises at once."""
     torch.manual_seed(0)
