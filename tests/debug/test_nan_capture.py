@@ -78,6 +78,10 @@ def test_nonfinite_gradient_stops_the_step_before_the_optimizer_and_is_captured(
     assert err.capture_path == tmp_path / "run" / "debug" / "nan_capture" / "rank0" / "nan_capture.pt"
     assert err.capture_path.is_file()
     assert "fc2.weight" in str(err) and str(err.capture_path) in str(err)
+    rows, events = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert events == [{"event": "nan_detected", "step": step, "reason": "nonfinite_gradients",
+                       "nan_param_names": ["fc2.weight"], "capture": str(err.capture_path)}]
     # Stopped before clipping and the optimizer step: the weights are those the step started from.
     assert rec.optimizer_steps == [0, 1, 2]
     for name, value in model.state_dict().items():

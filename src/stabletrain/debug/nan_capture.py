@@ -549,6 +549,15 @@ class NaNCaptureCallback:
             self.monitor.close()
 
     def on_exception(self, trainer: Any, *, exception: BaseException) -> None:
+        if isinstance(exception, NaNDetectedError):
+            # An event row in metrics.jsonl (and the other loggers), next to the last logged step.
+            trainer.log_event({
+                "event": "nan_detected",
+                "step": exception.step,
+                "reason": exception.reason,
+                "nan_param_names": exception.nan_param_names,
+                "capture": str(exception.capture_path),
+            })
         if self.monitor is not None:
             self.monitor.close()
 
