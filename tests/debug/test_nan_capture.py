@@ -349,7 +349,7 @@ def test_standalone_monitor_with_a_cpu_grad_scaler(tmp_path):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
     scales = []
-    with NaNCaptureMonitor(model, out_dir=tmp_path / "caps", scaler=scaler, precision="16-mixed") as monitor:
+    with NaNCaptureMonitor(model, out_dir=tmp_path / "caps", scaler=scaler) as monitor:
         with pytest.raises(NaNDetectedError) as info:
             for step in range(8):
                 batch = torch.utils.data.default_collate([data[i] for i in range(step * 8, step * 8 + 8)])
@@ -367,6 +367,10 @@ def test_standalone_monitor_with_a_cpu_grad_scaler(tmp_path):
                 optimizer.zero_grad()
     assert scales[:3] == [2.0**15, 2.0**14, 2.0**14], "two skipped steps did not stop the loop"
     assert (info.value.step, info.value.reason) == (6, "nonfinite_loss")  # sample 50 is in step 6
+    cap = load_nan_capture(info.value.capture_path, model=PoisonNet())
+    assert (cap.precision, cap.loss_scale) == ("16-mixed", scales[5])
+    result = cap.replay()
+    assert result.reproduced and result.losses_bitwise_equal
 
 
 

@@ -197,6 +197,7 @@ class NaNCaptureMonitor:
         max_skipped_steps: With a scaler: capture after this many consecutive skipped steps.
         precision: The precision the loop runs in, as a Lightning Fabric name ("32-true",
             "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true"); replay uses it.
+            Default: "16-mixed" with a scaler, else "32-true".
         gradient_accumulation_steps: Microbatches per optimizer step; default: the number
             of :meth:`collect_batch` calls in the step. Replay divides each loss by it.
         step_fn: ``step_fn(model, batch) -> loss``, if the model has no ``training_step``.
@@ -234,7 +235,7 @@ class NaNCaptureMonitor:
         world_size: Optional[int] = None,
         scaler: Any = None,
         max_skipped_steps: int = 10,
-        precision: str = "32-true",
+        precision: Optional[str] = None,
         gradient_accumulation_steps: Optional[int] = None,
         step_fn: Optional[Callable[[nn.Module, Any], Tensor]] = None,
         settings: Optional[dict[str, Any]] = None,
@@ -252,7 +253,7 @@ class NaNCaptureMonitor:
         self.world_size = dist_world if world_size is None else int(world_size)
         self.scaler = scaler if (scaler is not None and getattr(scaler, "is_enabled", lambda: True)()) else None
         self.max_skipped_steps = int(max_skipped_steps)
-        self.precision = str(precision)
+        self.precision = str(precision) if precision is not None else ("16-mixed" if self.scaler is not None else "32-true")
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.step_fn = step_fn
         self.settings = settings
