@@ -207,7 +207,7 @@ def test_resume_from_the_healthy_checkpoint_with_a_lower_lr(tmp_path):
     result = train(out=out, model=SpikeNet(), resume_interrupted=True, model_args={**lr, "lr": 0.001}, **run)
     assert result.steps_done == 12
     rows, events = read_metrics(out / "metrics.jsonl")
-    assert [e["event"] for e in events] == ["resume"] and events[0]["step"] == 4
+    assert [(e["event"], e["step"]) for e in events] == [("nan_detected", 5), ("resume", 4)]
     resumed = rows[-8:]
     assert [r["step"] for r in resumed] == list(range(4, 12))
     assert all(r["lr"] == 0.001 for r in resumed)
