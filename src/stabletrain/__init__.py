@@ -4,6 +4,7 @@ Public API (imported lazily, so ``import stabletrain`` is cheap and has no side 
 
     stabletrain.train(out=..., **settings)     # the training loop; gradient_norm always logged
     stabletrain.compute_grad_norm(named_params) # the same norm in any PyTorch loop
+    stabletrain.load_nan_capture(path).replay() # rerun a captured failing step (debug_args.nancapture)
 """
 
 from __future__ import annotations
@@ -26,6 +27,12 @@ _EXPORTS = {
     "StabletrainError": "stabletrain.errors",
     "ConfigError": "stabletrain.errors",
     "CheckpointError": "stabletrain.checkpoint",
+    "NaNCaptureMonitor": "stabletrain.debug.nan_capture",
+    "NaNDetectedError": "stabletrain.debug.nan_capture",
+    "NaNCaptureError": "stabletrain.debug.nan_capture",
+    "load_nan_capture": "stabletrain.debug.replay",
+    "NaNCapture": "stabletrain.debug.replay",
+    "ReplayResult": "stabletrain.debug.replay",
 }
 
 __all__ = ["__version__", *_EXPORTS]

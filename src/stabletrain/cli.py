@@ -22,7 +22,8 @@ examples:
   stabletrain train out=out/demo
   stabletrain train out=out/lm model_args.lr=3e-4 steps=2000 precision=bf16-mixed
   stabletrain train out=out/img model=torchvision/resnet18 data=path/to/images transform_args.image_size=64
-  stabletrain train out=out/boom model_args.lr=100 debug_args.nancapture.enabled=true
+  stabletrain train out=out/boom model_args.optimizer=sgd model_args.lr=1000 debug_args.nancapture.enabled=true
+  stabletrain replay out/boom/debug/nan_capture/rank0
 """
 
 
@@ -60,9 +61,16 @@ def _cmd_train(args: list[str]) -> int:
     return 0
 
 
+def _cmd_replay(args: list[str]) -> int:
+    from stabletrain.debug.replay import replay_main
+
+    return replay_main(args)
+
+
 #: name -> (one-line help, function taking the remaining arguments and returning an exit code)
 COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "train": ("train a model (stabletrain train --help lists every setting)", _cmd_train),
+    "replay": ("rerun a captured NaN step offline: stabletrain replay PATH [--json]", _cmd_replay),
 }
 
 

@@ -570,7 +570,13 @@ def _check_debug(settings: TrainSettings) -> list[str]:
 
 def _build_debug_callbacks(trainer: Trainer) -> list[Any]:
     """The debugging tools turned on in ``debug_args``, as callbacks."""
-    return []
+    callbacks: list[Any] = []
+    debug = trainer.settings.debug_args
+    if debug.nancapture.enabled:
+        from stabletrain.debug.nan_capture import NaNCaptureCallback
+
+        callbacks.append(NaNCaptureCallback(debug.nancapture))
+    return callbacks
 
 
 __all__ = ["train", "Trainer", "TrainResult", "resolve_precision", "CheckpointError"]

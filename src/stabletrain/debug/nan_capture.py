@@ -1,0 +1,817 @@
+"""nancapture: stop at the first non-finite step and capture it for offline replay.
+
+After every gradient-accumulation cycle (gradients final and un-scaled, before clipping
+and the optimizer step) the monitor decides whether the step went bad. On detection it
+writes ``<out>/debug/nan_capture/rank{rank}/nan_capture.pt`` atomically and raises
+:class:`NaNDetectedError`, whose message holds a replay command that works when pasted
+into a shell. :func:`stabletrain.load_nan_capture` reads the file back and ``.replay()``
+reruns the step (see :mod:`stabletrain.debug.replay`).
+
+What counts as a failure:
+
+* any gradient element is NaN, +Inf or -Inf; detected from the total gradient norm the
+  trainer already computes (a finite L2 norm means every gradient element is finite), so
+  the common case costs no extra pass over the gradients;
+* a microbatch loss is non-finite;
+* under fp16 loss scaling, non-finite gradients alone are expected (the GradScaler skips
+  the step and lowers its scale); the monitor captures only when the loss itself is
+  non-finite or when ``max_skipped_steps`` steps in a row were skipped.
+
+Cost per optimizer step while nothing is wrong (see ``benchmarks/nancapture_overhead.py``):
+
+* one host synchronisation: the failure flag is reduced over ranks (``any_rank``) and read
+  once; every rank therefore stops at the same step, and no rank waits in a collective
+  for one that raised;
+* no copy of the batch: the monitor keeps references to the step's microbatches (the
+  trainer never modifies a batch in place; a plain loop that does passes
+  ``copy_batches=True`` for a device-side copy) and lets go of them once the step is
+  found healthy, so at most one step's microbatches are held;
+* no copy of the parameters: at detection time the optimizer has not stepped, so the
+  parameters are still those the step started from. Buffers do change during the forward
+  pass (BatchNorm running statistics), so the persistent buffers are copied on the device
+  at the start of each step (none in the built-in language model, a few KB in a CNN);
+* the RNG states (torch CPU and CUDA, NumPy, Python) of each microbatch, taken just before
+  its forward pass, kept as the objects the RNGs return (a few KB) and converted to the
+  file format only on capture.
+
+The capture holds only tensors, numbers, strings, lists, tuples and dicts, plus a format
+name and version, so it loads with ``torch.load(weights_only=True)`` and never runs code.
+
+In a plain PyTorch loop::
+
+    from stabletrain import NaNCaptureMonitor
+
+    monitor = NaNCaptureMonitor(model, out_dir="out/debug/nan_capture", step_fn=my_step_fn)
+    for step in range(steps):
+        monitor.begin_step(step)                  # before the first forward of the step
+        for batch in microbatches_of(step):
+            monitor.collect_batch(batch)          # just before the forward pass
+            loss = my_step_fn(model, batch)
+            monitor.collect_loss(loss)            # optional: losses go into the capture
+            (loss / len(microbatches)).backward()
+        monitor.check_and_capture()               # raises NaNDetectedError; before optimizer.step()
+        optimizer.step()
+        optimizer.zero_grad()
+"""
+
+from __future__ import annotations
+
+import datetime
+import inspect
+import math
+import os
+import random
+import shlex
+import sys
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from stabletrain.debug.grad_norm import GradNorm, compute_grad_norm
+from stabletrain.errors import StabletrainError
+from stabletrain.utils.io import atomic_torch_save
+
+#: The ``format`` entry of every capture file, and the newest ``version`` this code writes and reads.
+FORMAT = "stabletrain.nan_capture"
+VERSION = 1
+FILE_NAME = "nan_capture.pt"
+
+#: Why a capture was taken (the ``reason`` entry).
+REASON_GRADIENTS = "nonfinite_gradients"
+REASON_LOSS = "nonfinite_loss"
+REASON_SKIPPED = "skipped_steps"
+REASON_OTHER_RANK = "other_rank"
+
+__all__ = [
+    "NaNCaptureMonitor",
+    "NaNDetectedError",
+    "NaNCaptureError",
+    "NaNCaptureCallback",
+    "FORMAT",
+    "VERSION",
+    "FILE_NAME",
+]
+
+
+class NaNCaptureError(StabletrainError):
+    """A capture cannot be written, found, read or replayed; the message says why.
+
+    Attributes:
+        path: The file or folder concerned, when there is one.
+    """
+
+    def __init__(self, message: str, path: Optional[str | Path] = None):
+        super().__init__(message)
+        self.path = None if path is None else Path(path)
+
+    def __reduce__(self) -> Any:
+        return (type(self), (str(self), self.path))
+
+
+class NaNDetectedError(StabletrainError):
+    """A training step produced non-finite gradients or losses; the step was captured.
+
+    Raised before clipping and the optimizer step, so no non-finite value reached the
+    parameters, the optimizer state or a checkpoint.
+
+    Attributes:
+        step: The optimizer step that failed (numbered from 0).
+        rank: The process that raised (every rank raises at the same step).
+        nan_param_names: Parameters whose gradient holds a NaN or Inf on this rank.
+        capture_path: The capture file, ``.../nan_capture/rank{rank}/nan_capture.pt``.
+        reason: ``"nonfinite_gradients"``, ``"nonfinite_loss"``, ``"skipped_steps"`` (fp16
+            loss scaling skipped ``max_skipped_steps`` steps in a row) or ``"other_rank"``.
+        replay_command: A shell command that replays the capture.
+
+    Example::
+
+        try:
+            stabletrain.train(out="out/boom", debug_args={"nancapture": {"enabled": True}}, ...)
+        except stabletrain.NaNDetectedError as err:
+            result = stabletrain.load_nan_capture(err.capture_path).replay()
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        step: int,
+        rank: int,
+        nan_param_names: Sequence[str],
+        capture_path: str | Path,
+        reason: str = REASON_GRADIENTS,
+        replay_command: str = "",
+    ):
+        super().__init__(message)
+        self.step = step
+        self.rank = rank
+        self.nan_param_names = list(nan_param_names)
+        self.capture_path = Path(capture_path)
+        self.reason = reason
+        self.replay_command = replay_command
+
+    def __reduce__(self) -> Any:
+        # Picklable across processes despite the keyword-only constructor.
+        return (
+            _rebuild_nan_detected_error,
+            (str(self), self.step, self.rank, self.nan_param_names, str(self.capture_path), self.reason, self.replay_command),
+        )
+
+
+def _rebuild_nan_detected_error(message: str, step: int, rank: int, names: list[str], path: str, reason: str, command: str) -> NaNDetectedError:
+    return NaNDetectedError(
+        message, step=step, rank=rank, nan_param_names=names, capture_path=path, reason=reason, replay_command=command
+    )
+
+
+# --------------------------------------------------------------------------------------
+# The monitor
+# --------------------------------------------------------------------------------------
+
+
+def _default_step_fn(model: nn.Module, batch: Any) -> Tensor:
+    return model.training_step(batch)  # type: ignore[operator]
+
+
+class NaNCaptureMonitor:
+    """Detect the first non-finite optimizer step in any PyTorch loop and capture it.
+
+    Call :meth:`begin_step` before the step's first forward pass, :meth:`collect_batch`
+    just before each microbatch's forward pass (the RNG states are taken there, so dropout
+    replays identically), optionally :meth:`collect_loss` after it, and
+    :meth:`check_and_capture` once the gradients are final (after the last backward and,
+    under fp16 loss scaling, after ``scaler.unscale_(optimizer)``) and before clipping
+    and ``optimizer.step()``.
+
+    Args:
+        model: The module being trained (unwrapped: not the DDP wrapper), with the
+            parameter names you want to see in reports.
+        out_dir: Folder of the captures; this rank writes ``out_dir/rank{rank}/nan_capture.pt``.
+        rank: This process's rank; default: ``torch.distributed``'s rank when initialised, else 0.
+        world_size: Number of processes; default: from ``torch.distributed``, else 1.
+        scaler: The fp16 ``torch.amp.GradScaler``, if any. With a scaler, non-finite
+            gradients alone are skipped steps, not failures.
+        max_skipped_steps: With a scaler: capture after this many consecutive skipped steps.
+        precision: The precision the loop runs in, as a Lightning Fabric name ("32-true",
+            "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true"); replay uses it.
+            Default: "16-mixed" with a scaler, else "32-true".
+        gradient_accumulation_steps: Microbatches per optimizer step; default: the number
+            of :meth:`collect_batch` calls in the step. Replay divides each loss by it.
+        step_fn: ``step_fn(model, batch) -> loss``, if the model has no ``training_step``.
+            Only its name is stored (in the replay command); replay needs it passed again.
+        settings: Resolved stabletrain settings (as in ``settings.json``) that rebuild a
+            built-in model; None for your own model.
+        model_meta: The built-in task's ``model_meta`` (with ``settings``).
+        copy_batches: Keep a device-side copy of each microbatch instead of a reference.
+            Needed only if the loop or the model modifies batch tensors in place.
+        any_rank: ``any_rank(flag_tensor) -> bool``, true on every rank when the flag is
+            set on any; default: an all-reduce over ``torch.distributed`` when it is
+            initialised with more than one process, else ``bool(flag)``.
+        replay_command: The command shown in the error; default: derived from the model.
+
+    Example::
+
+        monitor = NaNCaptureMonitor(model, out_dir="out/debug/nan_capture")
+        for step, batch in enumerate(loader):
+            monitor.begin_step(step)
+            monitor.collect_batch(batch)
+            loss = model.training_step(batch)
+            monitor.collect_loss(loss)
+            loss.backward()
+            monitor.check_and_capture()   # raises NaNDetectedError
+            optimizer.step()
+            optimizer.zero_grad()
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        out_dir: str | Path = "out/debug/nan_capture",
+        *,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        scaler: Any = None,
+        max_skipped_steps: int = 10,
+        precision: Optional[str] = None,
+        gradient_accumulation_steps: Optional[int] = None,
+        step_fn: Optional[Callable[[nn.Module, Any], Tensor]] = None,
+        settings: Optional[dict[str, Any]] = None,
+        model_meta: Optional[dict[str, Any]] = None,
+        copy_batches: bool = False,
+        any_rank: Optional[Callable[[Tensor], bool]] = None,
+        replay_command: Optional[str] = None,
+    ):
+        if max_skipped_steps < 1:
+            raise ValueError(f"max_skipped_steps must be >= 1, got {max_skipped_steps}")
+        dist_rank, dist_world = _dist_rank_and_world()
+        self.model = model
+        self.out_dir = Path(out_dir)
+        self.rank = dist_rank if rank is None else int(rank)
+        self.world_size = dist_world if world_size is None else int(world_size)
+        self.scaler = scaler if (scaler is not None and getattr(scaler, "is_enabled", lambda: True)()) else None
+        self.max_skipped_steps = int(max_skipped_steps)
+        self.precision = str(precision) if precision is not None else ("16-mixed" if self.scaler is not None else "32-true")
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.step_fn = step_fn
+        self.settings = settings
+        self.model_meta = model_meta
+        self.copy_batches = copy_batches
+        self.any_rank = any_rank or _default_any_rank
+        self.replay_command = replay_command or default_replay_command(
+            self.capture_dir if self.world_size == 1 else self.out_dir,
+            model=model,
+            step_fn=step_fn,
+            builtin=settings is not None and settings.get("task") not in (None, "custom"),
+        )
+        #: Extra advice appended to the error message (the trainer adds where to resume from).
+        self.advice: Optional[Callable[[int], str]] = None
+        self.step: Optional[int] = None
+        self._batches: list[Any] = []
+        self._indices: list[Any] = []
+        self._rng: list[Any] = []
+        self._losses: list[Tensor] = []
+        self._buffers: list[tuple[str, Tensor]] = []
+        self._skipped: Optional[Tensor] = None
+
+    @property
+    def capture_dir(self) -> Path:
+        """This rank's capture folder, ``out_dir/rank{rank}``."""
+        return self.out_dir / f"rank{self.rank}"
+
+    @property
+    def capture_path(self) -> Path:
+        return self.capture_dir / FILE_NAME
+
+    # ------------------------------------------------------------------ per step
+
+    def begin_step(self, step: int) -> None:
+        """Start optimizer step ``step``: forget the last step, copy the persistent buffers.
+
+        Call it before the step's first forward pass (BatchNorm updates its running
+        statistics during the forward pass; the capture must hold the values before it).
+        """
+        self.step = int(step)
+        self._batches, self._indices, self._rng, self._losses = [], [], [], []
+        # A device-side copy, no host transfer; empty for models without persistent buffers.
+        self._buffers = [(name, b.detach().clone()) for name, b in persistent_buffers(self.model)]
+
+    def collect_batch(self, batch: Any, indices: Any = None) -> None:
+        """Record one microbatch just before its forward pass.
+
+        Args:
+            batch: The microbatch exactly as the model receives it (already on the device).
+            indices: Dataset indices of its samples, if known (a tensor or list).
+        """
+        if self.step is None:
+            raise RuntimeError("NaNCaptureMonitor.collect_batch: call begin_step(step) first")
+        self._batches.append(_device_copy(batch) if self.copy_batches else batch)
+        self._indices.append(indices)
+        self._rng.append(_raw_rng_state())
+
+    def collect_loss(self, loss: Tensor) -> None:
+        """Record the loss the model returned for the last collected microbatch (before any
+        division by the accumulation steps or loss scaling). Kept on the device."""
+        self._losses.append(loss.detach())
+
+    def check_and_capture(self, grad_norm: Optional[GradNorm] = None) -> None:
+        """Decide whether this step failed; if so write the capture and raise.
+
+        Costs one host synchronisation (inside ``any_rank``), on every rank.
+
+        Args:
+            grad_norm: The step's :class:`~stabletrain.debug.grad_norm.GradNorm`, if already
+                computed (the trainer passes its own); else it is computed here.
+
+        Raises:
+            NaNDetectedError: On every rank, when any rank saw a failure.
+        """
+        if self.step is None:
+            raise RuntimeError("NaNCaptureMonitor.check_and_capture: call begin_step(step) first")
+        gn = grad_norm if grad_norm is not None else compute_grad_norm(self.model.named_parameters())
+        flag = self._failure_flag(gn)
+        if not self.any_rank(flag):
+            self._release()
+            return
+        self._raise(gn)
+
+    def close(self) -> None:
+        """Let go of everything held (idempotent)."""
+        self._release()
+        self._buffers = []
+
+    def __enter__(self) -> "NaNCaptureMonitor":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _release(self) -> None:
+        self._batches, self._indices, self._rng, self._losses = [], [], [], []
+
+    def _failure_flag(self, gn: GradNorm) -> Tensor:
+        """A device bool: did this rank's step fail? No host synchronisation."""
+        grad_bad = ~torch.isfinite(gn.total)
+        device = grad_bad.device
+        if self.scaler is None:
+            flag = grad_bad
+        else:
+            # Skipped steps are expected under loss scaling; count them in a row on the device.
+            if self._skipped is None or self._skipped.device != device:
+                self._skipped = torch.zeros((), dtype=torch.int64, device=device)
+            self._skipped = torch.where(grad_bad, self._skipped + 1, torch.zeros_like(self._skipped))
+            flag = self._skipped >= self.max_skipped_steps
+        if self._losses:
+            losses = torch.stack([loss.reshape(()).float().to(device) for loss in self._losses])
+            flag = flag | ~torch.isfinite(losses).all()
+        return flag
+
+    def _raise(self, gn: GradNorm) -> None:
+        # The rare path: host reads are fine from here on.
+        losses = [loss.float().cpu() for loss in self._losses]
+        loss_bad = [i for i, loss in enumerate(losses) if not bool(torch.isfinite(loss))]
+        total = float(gn.total)
+        skipped = int(self._skipped) if self._skipped is not None else 0
+        if loss_bad:
+            reason = REASON_LOSS
+        elif self.scaler is not None and skipped >= self.max_skipped_steps:
+            reason = REASON_SKIPPED
+        elif not math.isfinite(total):
+            reason = REASON_GRADIENTS
+        else:
+            reason = REASON_OTHER_RANK
+        names = nonfinite_grad_names(self.model.named_parameters())
+        if not names and not math.isfinite(total):
+            # Every element finite but the float32 norm overflowed: name the parameters whose norm did.
+            names = gn.nonfinite_names()
+        path = self._write(names, reason, skipped)
+        message = self._message(names, reason, skipped, losses, path)
+        raise NaNDetectedError(
+            message,
+            step=int(self.step),  # type: ignore[arg-type]
+            rank=self.rank,
+            nan_param_names=names,
+            capture_path=path,
+            reason=reason,
+            replay_command=self.replay_command,
+        )
+
+    def _write(self, names: list[str], reason: str, skipped: int) -> Path:
+        batches, unstorable = [], []
+        for i, b in enumerate(self._batches):
+            try:
+                batches.append(to_storable(b, f"microbatch {i}"))
+            except TypeError as exc:
+                batches.append(None)
+                unstorable.append(str(exc))
+        scale = None
+        if self.scaler is not None:
+            s = getattr(self.scaler, "_scale", None)
+            scale = float(s) if isinstance(s, Tensor) else float(self.scaler.get_scale())
+        device = next((p.device.type for p in self.model.parameters()), "cpu")
+        state = {
+            "format": FORMAT,
+            "version": VERSION,
+            "step": int(self.step),  # type: ignore[arg-type]
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "reason": reason,
+            "precision": self.precision,
+            "device": device,
+            "loss_scale": scale,
+            "consecutive_skipped_steps": skipped,
+            "gradient_accumulation_steps": int(self.gradient_accumulation_steps or len(self._batches)),
+            "params": {n: _to_cpu(p) for n, p in self.model.named_parameters()},
+            "buffers": {n: _to_cpu(b) for n, b in self._buffers},
+            "microbatches": batches,
+            "unstorable": unstorable,
+            "indices": [_indices_to_storable(ix) for ix in self._indices],
+            "rng": [_rng_to_storable(r) for r in self._rng],
+            "losses": [_to_cpu(loss) for loss in self._losses],
+            "nan_param_names": list(names),
+            "settings": self.settings,
+            "model_meta": self.model_meta,
+            "model_class": f"{type(self.model).__module__}.{type(self.model).__qualname__}",
+            "step_fn": None if self.step_fn is None else _qualified_name(self.step_fn),
+            "replay_command": self.replay_command,
+            "stabletrain_version": _stabletrain_version(),
+            "torch_version": str(torch.__version__),
+            "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        }
+        try:
+            return atomic_torch_save(state, self.capture_path)
+        except OSError as exc:
+            raise NaNCaptureError(f"cannot write the NaN capture to {self.capture_path}: {exc}", self.capture_path) from exc
+
+    def _message(self, names: list[str], reason: str, skipped: int, losses: list[Tensor], path: Path) -> str:
+        where = f"step {self.step} (rank {self.rank} of {self.world_size})"
+        n_params = sum(1 for _ in self.model.parameters())
+        if reason == REASON_LOSS:
+            head = f"Non-finite loss at {where}"
+        elif reason == REASON_SKIPPED:
+            head = (
+                f"fp16 loss scaling skipped {skipped} steps in a row (max_skipped_steps={self.max_skipped_steps}) "
+                f"up to {where}; the loss scale is down to {self._scale_text()}"
+            )
+        elif reason == REASON_OTHER_RANK:
+            head = f"Another rank found a non-finite value at {where}; this rank stopped with it"
+        else:
+            head = f"Non-finite gradients at {where}"
+        lines = [head + "."]
+        if names:
+            lines.append(f"Gradients with NaN/Inf: {len(names)} of {n_params} parameters: {_short_list(names)}.")
+        if losses:
+            lines.append(
+                f"Microbatch losses: {', '.join(_fmt(float(loss)) for loss in losses)}."
+            )
+        lines.append(f"The step was captured before clipping and the optimizer step: {path}")
+        lines.append("Replay it offline:")
+        lines.append(f"    {self.replay_command}")
+        if self.advice is not None:
+            lines.append(self.advice(int(self.step)))  # type: ignore[arg-type]
+        return "\n".join(lines)
+
+    def _scale_text(self) -> str:
+        s = getattr(self.scaler, "_scale", None)
+        return _fmt(float(s)) if isinstance(s, Tensor) else "?"
+
+
+# --------------------------------------------------------------------------------------
+# The trainer's callback
+# --------------------------------------------------------------------------------------
+
+
+class NaNCaptureCallback:
+    """Wires :class:`NaNCaptureMonitor` into the trainer (``debug_args.nancapture``).
+
+    The trainer calls ``on_microbatch`` after the batch is on the device and just before
+    the forward pass, and ``on_after_backward`` with the gradient norm it computed after
+    un-scaling and before clipping, which the check reuses.
+    """
+
+    def __init__(self, args: Any):
+        self.args = args
+        self.monitor: Optional[NaNCaptureMonitor] = None
+        self._checkpoint_step: Optional[int] = None
+
+    def on_checkpoint_load(self, trainer: Any, *, state: dict[str, Any]) -> None:
+        self._checkpoint_step = int(state["step"])
+
+    def on_train_start(self, trainer: Any) -> None:
+        settings = trainer._resolved_settings()
+        custom = settings.get("task") == "custom"
+        folder = trainer.out / "debug" / "nan_capture"
+        self.monitor = NaNCaptureMonitor(
+            trainer.model,
+            folder,
+            rank=trainer.rank,
+            world_size=trainer.world_size,
+            scaler=trainer.scaler,
+            max_skipped_steps=self.args.max_skipped_steps,
+            precision=trainer.precision,
+            gradient_accumulation_steps=trainer.settings.gradient_accumulation_steps,
+            settings=settings,
+            model_meta=dict(trainer.task.model_meta),
+            any_rank=trainer.any_rank,
+            # One process: its rank folder. Several: the folder of all ranks, replayed together.
+            replay_command=default_replay_command(
+                folder / f"rank{trainer.rank}" if trainer.world_size == 1 else folder,
+                model=trainer.model,
+                builtin=not custom,
+            ),
+        )
+        self.monitor.advice = lambda step: self._advice(trainer, step)
+
+    def on_step_start(self, trainer: Any, *, step: int) -> None:
+        assert self.monitor is not None
+        self.monitor.begin_step(step)
+
+    def on_microbatch(self, trainer: Any, *, step: int, micro_step: int, batch: Any, indices: Any) -> None:
+        assert self.monitor is not None
+        self.monitor.collect_batch(batch, indices)
+
+    def on_after_microbatch(self, trainer: Any, *, step: int, micro_step: int, loss: Tensor) -> None:
+        assert self.monitor is not None
+        self.monitor.collect_loss(loss)
+
+    def on_after_backward(self, trainer: Any, *, step: int, grad_norm: GradNorm) -> None:
+        assert self.monitor is not None
+        self.monitor.check_and_capture(grad_norm)
+
+    def on_checkpoint_save(self, trainer: Any, *, step: int, state: dict[str, Any]) -> None:
+        self._checkpoint_step = int(step)
+
+    def on_train_end(self, trainer: Any) -> None:
+        if self.monitor is not None:
+            self.monitor.close()
+
+    def on_exception(self, trainer: Any, *, exception: BaseException) -> None:
+        if isinstance(exception, NaNDetectedError):
+            # An event row in metrics.jsonl (and the other loggers), next to the last logged step.
+            trainer.log_event({
+                "event": "nan_detected",
+                "step": exception.step,
+                "reason": exception.reason,
+                "nan_param_names": exception.nan_param_names,
+                "capture": str(exception.capture_path),
+            })
+        if self.monitor is not None:
+            self.monitor.close()
+
+    def _advice(self, trainer: Any, step: int) -> str:
+        last = trainer.out / "checkpoints" / "last.ckpt"
+        every = trainer.settings.checkpoint_every_num_steps
+        if self._checkpoint_step is None:
+            return (
+                f"No non-finite value reached the optimizer, but no checkpoint was written before step {step} "
+                f"(checkpoint_every_num_steps={every}); after a fix, start again (overwrite=true)."
+            )
+        text = (
+            f"No non-finite value reached the optimizer or a checkpoint: {last} holds the healthy state "
+            f"from before step {self._checkpoint_step}. After a fix, continue from it with "
+            "resume_interrupted=true (settings such as model_args.lr, gradient_clip_val and precision may change)."
+        )
+        if self._checkpoint_step == step:
+            text += (
+                " It holds the state right before the failing step, whose gradient a lower lr cannot change; "
+                "to change the steps leading here, copy an older checkpoints/step_*.ckpt over last.ckpt first."
+            )
+        return text
+
+
+# --------------------------------------------------------------------------------------
+# Helpers shared with replay
+# --------------------------------------------------------------------------------------
+
+
+def persistent_buffers(model: nn.Module) -> list[tuple[str, Tensor]]:
+    """(name, tensor) of the buffers that ``state_dict`` saves, named as in ``state_dict``."""
+    out = []
+    for prefix, module in model.named_modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                out.append((f"{prefix}.{name}" if prefix else name, buf))
+    return out
+
+
+def nonfinite_grad_names(named_parameters: Any) -> list[str]:
+    """Names of the parameters whose gradient has a NaN or Inf element (one host sync)."""
+    names, flags = [], []
+    for name, p in named_parameters:
+        if p.grad is not None:
+            names.append(name)
+            flags.append(torch.isfinite(p.grad).all().to("cpu" if p.grad.device.type == "meta" else p.grad.device))
+    if not flags:
+        return []
+    devices = {f.device for f in flags}
+    first = next(iter(devices))
+    finite = torch.stack([f.to(first) for f in flags]).tolist()
+    return [n for n, ok in zip(names, finite) if not ok]
+
+
+def to_storable(obj: Any, where: str = "batch") -> Any:
+    """A copy of ``obj`` that ``torch.load(weights_only=True)`` can read back: CPU tensors,
+    numbers, strings, None, and lists, tuples and dicts of them.
+
+    Named tuples become plain tuples and NumPy arrays become tensors.
+
+    Raises:
+        TypeError: ``obj`` holds something else (a custom class); the message names where.
+    """
+    if isinstance(obj, Tensor):
+        return _to_cpu(obj)
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(obj.copy())
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, dict):
+        bad = [k for k in obj if not isinstance(k, (str, int))]
+        if bad:
+            raise TypeError(f"{where}: dict keys must be str or int to be stored safely, got {type(bad[0]).__name__}")
+        return {k: to_storable(v, f"{where}[{k!r}]") for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        items = [to_storable(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+        return items if isinstance(obj, list) else tuple(items)
+    raise TypeError(
+        f"{where}: a {type(obj).__module__}.{type(obj).__qualname__} cannot be stored in a capture safely "
+        "(only tensors, numbers, strings, None, lists, tuples and dicts); the capture is written without this microbatch"
+    )
+
+
+def _to_cpu(t: Tensor) -> Tensor:
+    # copy=True: a tensor of its own, never a view that would drag its whole storage into the file.
+    return t.detach().to("cpu", copy=True)
+
+
+def _device_copy(obj: Any) -> Any:
+    if isinstance(obj, Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _device_copy(v) for k, v in obj.items()}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_device_copy(v) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_device_copy(v) for v in obj)
+    return obj
+
+
+def _indices_to_storable(indices: Any) -> Optional[Tensor]:
+    if indices is None:
+        return None
+    if isinstance(indices, Tensor):
+        return _to_cpu(indices).long()
+    try:
+        return torch.as_tensor(list(indices), dtype=torch.long)
+    except (TypeError, ValueError):
+        return None
+
+
+def _raw_rng_state() -> tuple[Tensor, Any, Any, Optional[list[Tensor]]]:
+    """The RNG states as the RNGs return them: cheap, converted only when a capture is written."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), np.random.get_state(legacy=True), random.getstate(), cuda
+
+
+def _rng_to_storable(raw: tuple[Tensor, Any, Any, Optional[list[Tensor]]]) -> dict[str, Any]:
+    """The same form as :func:`stabletrain.utils.rng.get_rng_state` (``set_rng_state`` restores it)."""
+    torch_state, np_state, py_state, cuda = raw
+    name, keys, pos, has_gauss, cached_gaussian = np_state
+    version, internal, gauss = py_state
+    state: dict[str, Any] = {
+        "torch": torch_state.clone(),
+        "numpy": {
+            "name": str(name),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64).copy()),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
+        "python": {"version": int(version), "internal": list(internal), "gauss": gauss},
+    }
+    if cuda is not None:
+        state["cuda"] = [c.clone() for c in cuda]
+    return state
+
+
+def _dist_rank_and_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _default_any_rank(flag: Tensor) -> bool:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        t = flag.to(torch.float32).reshape(1)
+        if dist.get_backend() == "nccl" and t.device.type != "cuda":
+            t = t.cuda()
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t)
+    return bool(flag)
+
+
+def _stabletrain_version() -> str:
+    from stabletrain import __version__
+
+    return __version__
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.6g}" if math.isfinite(x) else str(x)
+
+
+def _short_list(names: Sequence[str], limit: int = 6) -> str:
+    if len(names) <= limit:
+        return ", ".join(names)
+    return ", ".join(names[:limit]) + f", ... ({len(names) - limit} more; all are in the capture)"
+
+
+# --------------------------------------------------------------------------------------
+# The replay command shown in the error
+# --------------------------------------------------------------------------------------
+
+
+def _qualified_name(obj: Any) -> str:
+    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__qualname__)}"
+
+
+def _shell_path(path: str | Path) -> str:
+    """``path`` relative to the working directory when it lies below it, else absolute."""
+    p = Path(path)
+    absolute = p if p.is_absolute() else Path.cwd() / p
+    try:
+        rel = os.path.relpath(absolute, Path.cwd())
+    except ValueError:
+        rel = str(absolute)
+    text = str(absolute) if rel.startswith("..") else rel
+    return shlex.quote(text)
+
+
+def importable_ref(obj: Any, needs_no_args: bool) -> Optional[str]:
+    """``file.py:Name`` (or ``package.module:Name``) that ``stabletrain replay --model`` can
+    import, when ``obj`` is defined at the top level of a source file; else None.
+
+    Args:
+        obj: A class or function.
+        needs_no_args: For a model class: also require a constructor without required arguments.
+    """
+    qualname = getattr(obj, "__qualname__", "")
+    module_name = getattr(obj, "__module__", None)
+    if not qualname or "<" in qualname or "." in qualname or module_name is None:
+        return None
+    module = sys.modules.get(module_name)
+    if module is None or getattr(module, qualname, None) is not obj:
+        return None
+    if needs_no_args:
+        try:
+            sig = inspect.signature(obj)
+        except (TypeError, ValueError):
+            return None
+        required = [
+            p for p in sig.parameters.values()
+            if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        ]
+        if required:
+            return None
+    source = getattr(module, "__file__", None)
+    if source and source.endswith(".py"):
+        return f"{_shell_path(source)}:{qualname}"
+    if module_name != "__main__":
+        return f"{module_name}:{qualname}"
+    return None
+
+
+def default_replay_command(
+    path: str | Path, *, model: Any = None, step_fn: Any = None, builtin: bool = False
+) -> str:
+    """The shell command that replays the capture at ``path`` (a rank folder or the folder of ranks).
+
+    Built-in models are rebuilt from the stored settings. For your own model the command
+    names its class as ``file.py:Class`` (``stabletrain replay --model``) when the class is
+    defined at the top level of a file and needs no constructor arguments; otherwise it is
+    the Python call to make, with the model to construct.
+    """
+    target = _shell_path(path)
+    if builtin:
+        return f"stabletrain replay {target}"
+    model_ref = importable_ref(type(model), needs_no_args=True) if model is not None else None
+    step_ref = None
+    if step_fn is not None and step_fn is not _default_step_fn:
+        step_ref = importable_ref(step_fn, needs_no_args=False)
+    if model_ref is not None and (step_fn is None or step_ref is not None):
+        return f"stabletrain replay {target} --model {model_ref}" + (f" --step-fn {step_ref}" if step_ref else "")
+    cls = type(model).__name__ if model is not None else "MyModel"
+    step = f", step_fn={getattr(step_fn, '__name__', 'my_step_fn')}" if step_fn is not None else ""
+    return (
+        f"python -c \"import stabletrain; print(stabletrain.load_nan_capture({str(path)!r}, model={cls}(){step}).replay())\""
+        f"  # construct {cls} as in training (and import it)"
+    )
