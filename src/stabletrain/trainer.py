@@ -565,12 +565,20 @@ def _scale_tensor(scaler: Any, device: torch.device) -> torch.Tensor:
 
 def _check_debug(settings: TrainSettings) -> list[str]:
     """Problems with debug_args; each debugging tool adds its checks here."""
-    return []
+    from stabletrain.debug import underflow_overflow
+
+    return [*underflow_overflow.check_settings(settings)]
 
 
 def _build_debug_callbacks(trainer: Trainer) -> list[Any]:
     """The debugging tools turned on in ``debug_args``, as callbacks."""
-    return []
+    callbacks: list[Any] = []
+    debug = trainer.settings.debug_args
+    if debug.underflow_overflow.enabled:
+        from stabletrain.debug.underflow_overflow import UnderflowOverflowCallback
+
+        callbacks.append(UnderflowOverflowCallback(debug.underflow_overflow))
+    return callbacks
 
 
 __all__ = ["train", "Trainer", "TrainResult", "resolve_precision", "CheckpointError"]
