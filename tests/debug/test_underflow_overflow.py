@@ -18,6 +18,8 @@ from stabletrain.errors import ConfigError
 from stabletrain.tasks.language_model import MLP, TransformerLM
 from stabletrain.utils.sync import CountSyncs
 
+from conftest import tiny_lm
+
 UnderflowOverflowError = stabletrain.UnderflowOverflowError
 
 
@@ -413,3 +415,237 @@ def test_compile_conflict_is_a_config_error_before_training(tmp_path):
     assert len(info.value.problems) == 1
     assert "debug_args.underflow_overflow.enabled: cannot be combined with torch_compile_args.disable=false" in str(info.value)
     assert not (tmp_path / "run").exists()
+
+
+# --------------------------------------------------------------------------------------
+# In the trainer: debug_args.underflow_overflow
+# --------------------------------------------------------------------------------------
+
+UO_ON = {"underflow_overflow": {"enabled": True}}
+
+
+def lm_task(**overrides):
+    """The built-in language-model task (model and data) to plant faults in."""
+    from stabletrain.config import load_settings
+    from stabletrain.tasks import build_task
+
+    settings = load_settings({"out": "unused", **tiny_lm(**overrides)})
+    return build_task(settings)
+
+
+def train_custom(tmp_path, model, dataset, **kw):
+    """Train ``model`` on ``dataset`` with the tiny-LM loop settings (no architecture keys)."""
+    settings = {"batch_size": 8, "steps": 4, "log_every_num_steps": 1, "model_args": {"warmup_steps": 0}}
+    settings.update(kw)
+    return stabletrain.train(out=tmp_path / "run", model=model, data=dataset, **settings)
+
+
+def test_trainer_names_the_module_in_the_users_names_and_stops_before_the_checkpoint(tmp_path):
+    task = lm_task(model_args={"n_layers": 2})
+    # Forward calls 4 and 5 are step 2 (2 microbatches per step); NaN in the second one.
+    task.model.blocks[1].mlp.act = Planted(lambda x: torch.log(-x.abs() - 1), fire_at={5})
+    with pytest.raises(UnderflowOverflowError) as info:
+        train_custom(tmp_path, task.model, task.dataset, steps=6, gradient_accumulation_steps=2,
+                     checkpoint_every_num_steps=2, debug_args=UO_ON)
+    exc = info.value
+    assert (exc.step, exc.phase, exc.module, exc.tensor, exc.value, exc.rank) == (2, "forward", "blocks.1.mlp.act", "output[0]", "nan", 0)
+    assert exc.report_path == tmp_path / "run" / "debug" / "underflow_overflow_rank0.log"
+    report = exc.report_path.read_text()
+    assert "_forward_module" not in report and "module.model" not in report and "model: TransformerLM, 34 modules watched" in report
+    assert last_frame(report).startswith("[forward] step 2.1  blocks.1.mlp.act (Planted)")
+    # Step 2 never reached the optimizer: the last checkpoint is the one after step 1.
+    assert torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)["step"] == 2
+
+
+def test_trainer_backward_fault(tmp_path):
+    task = lm_task()
+    task.model.blocks[0].mlp.act = Planted(nn.Sequential(nn.ReLU(), Sqrt()), fire_at={1})
+    with pytest.raises(UnderflowOverflowError) as info:
+        train_custom(tmp_path, task.model, task.dataset, debug_args=UO_ON)
+    exc = info.value
+    assert (exc.step, exc.phase, exc.module, exc.tensor) == (1, "backward", "blocks.0.mlp.act.fn.1", "grad of input[0]")
+
+
+class SyncsPerStep:
+    """Host synchronisations from each step's start to the next one's."""
+
+    def __init__(self):
+        self.counts: dict[int, int] = {}
+        self._mode = None
+
+    def _close(self):
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self.counts[self._step] = self._mode.count
+            self._mode = None
+
+    def on_step_start(self, trainer, *, step):
+        self._close()
+        self._step, self._mode = step, CountSyncs()
+        self._mode.__enter__()
+
+    def on_checkpoint_save(self, trainer, *, step, state):
+        self._close()
+
+    def on_exception(self, trainer, *, exception):
+        self._close()
+
+
+@pytest.mark.parametrize("n_layers, accumulation", [(1, 1), (3, 1), (1, 3)])
+def test_trainer_adds_two_syncs_per_step_whatever_the_model_size_and_accumulation(tmp_path, n_layers, accumulation):
+    counts = {}
+    for enabled in (False, True):
+        counter = SyncsPerStep()
+        stabletrain.train(
+            out=tmp_path / str(enabled), callbacks=[counter],
+            **tiny_lm(steps=4, batch_size=12, gradient_accumulation_steps=accumulation, log_every_num_steps=3,
+                      model_args={"n_layers": n_layers}, debug_args={"underflow_overflow": {"enabled": enabled}}),
+        )
+        counts[enabled] = counter.counts
+    assert sorted(counts[True]) == [0, 1, 2, 3]
+    assert {s: counts[True][s] - counts[False][s] for s in counts[True]} == {0: 2, 1: 2, 2: 2, 3: 2}
+
+
+class Aux(nn.Module):
+    """Returns (x, aux); the caller ignores aux. On the calls in ``nan_aux`` aux is NaN (harmless:
+    unused), on the calls in ``nan_x`` x itself is NaN (a real fault)."""
+
+    def __init__(self, nan_aux=(), nan_x=()):
+        super().__init__()
+        self.nan_aux, self.nan_x, self.calls = set(nan_aux), set(nan_x), 0
+
+    def forward(self, x):
+        call, self.calls = self.calls, self.calls + 1
+        aux = x * float("nan") if call in self.nan_aux else x * 2
+        return (x * float("nan") if call in self.nan_x else x), aux
+
+
+class AuxNet(nn.Module):
+    def __init__(self, aux):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.aux, self.fc2 = nn.Linear(4, 16), aux, nn.Linear(16, 1)
+
+    def forward(self, x):
+        h, _ = self.aux(self.fc1(x))
+        return self.fc2(h)
+
+    def training_step(self, batch):
+        x, y = batch
+        return F.mse_loss(self(x), y)
+
+
+class Points(torch.utils.data.Dataset):
+    def __init__(self, n=256):
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+def test_trainer_trace_then_detection_after_a_traced_nan(tmp_path):
+    model = AuxNet(Aux(nan_aux={1}, nan_x={3}))
+    debug = {"underflow_overflow": {"enabled": True, "trace_batch_nums": [1]}}
+    with pytest.raises(UnderflowOverflowError) as info:
+        train_custom(tmp_path, model, Points(), steps=6, debug_args=debug)
+    exc = info.value
+    assert (exc.step, exc.module, exc.tensor, exc.value) == (3, "aux", "output[0]", "nan")
+    report = exc.report_path.read_text()
+    trace = report[report.index("=== step 1: trace") : report.index("=== step 3,")]
+    assert "the first: module aux (Aux), output[1] (forward). Not aborting" in trace
+    assert re.findall(r"^\[(\w+)\] step 1  (\S+)", trace, re.M)[:5] == [
+        ("forward", "<model>"), ("forward", "fc1"), ("forward", "aux"), ("forward", "fc2"), ("forward", "<model>")
+    ]
+    assert ("backward", "fc2") in re.findall(r"^\[(\w+)\] step 1  (\S+)", trace, re.M)
+
+
+def test_trainer_abort_after_batch_num(tmp_path):
+    debug = {"underflow_overflow": {"enabled": True, "trace_batch_nums": [1], "abort_after_batch_num": 2}}
+    result = stabletrain.train(out=tmp_path / "run", **tiny_lm(steps=10, debug_args=debug))
+    assert result.steps_done == 3
+    assert result.stop_reason.startswith("debug_args.underflow_overflow.abort_after_batch_num=2 reached")
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "Stopped after step 2: debug_args.underflow_overflow.abort_after_batch_num=2 reached" in log
+    report = (tmp_path / "run" / "debug" / "underflow_overflow_rank0.log").read_text()
+    assert report.count("=== step 1: trace") == 1 and "step 0" not in report and "step 2" not in report
+
+
+def test_trainer_fp16_loss_scaling_overflow_is_not_a_failure_but_a_persistent_one_is(tmp_path):
+    """Fabric allows no fp16 on the CPU, so give the trainer a GradScaler("cpu") plugin directly."""
+    from lightning_fabric import Fabric
+    from lightning_fabric.plugins import MixedPrecision
+
+    from stabletrain.config import load_settings
+    from stabletrain.debug.underflow_overflow import SCALER_PATIENCE
+    from stabletrain.loggers.jsonl import read_metrics
+    from stabletrain.trainer import Trainer
+
+    def fit(out, model=None, dataset=None, steps=6, init_scale=2.0**20):
+        scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+        settings = tiny_lm(steps=steps, debug_args=UO_ON) if model is None else dict(
+            model=model, data=dataset, batch_size=8, steps=steps, log_every_num_steps=1, debug_args=UO_ON)
+        return Trainer(load_settings({"out": tmp_path / out, **settings}), fabric=fabric).fit()
+
+    # Too high a scale: the first steps' scaled gradients overflow, the scaler skips them.
+    result = fit("scaled")
+    assert result.steps_done == 6
+    _, events = read_metrics(tmp_path / "scaled" / "metrics.jsonl")
+    skips = [e for e in events if e["event"] == "underflow_overflow_scaler_skip"]
+    assert 1 <= len(skips) < SCALER_PATIENCE
+
+    # A gradient that is inf at any scale: named after SCALER_PATIENCE skipped steps in a row.
+    task = lm_task()
+    task.model.blocks[0].mlp.act = nn.Sequential(nn.ReLU(), Sqrt())
+    with pytest.raises(UnderflowOverflowError) as info:
+        fit("fault", task.model, task.dataset, steps=SCALER_PATIENCE + 2, init_scale=2.0**8)
+    assert (info.value.step, info.value.phase, info.value.module) == (SCALER_PATIENCE - 1, "backward", "blocks.0.mlp.act.1")
+
+
+def test_trainer_cli_turns_it_on_and_reports_bad_values(cli, tmp_path):
+    result = cli("train", "out=run", "steps=2", "model_args.n_layers=1", "model_args.dim=32", "model_args.n_heads=2",
+                 "model_args.context_length=16", "batch_size=8", "debug_args.underflow_overflow.enabled=true",
+                 "debug_args.underflow_overflow.trace_batch_nums=[1]")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "underflow_overflow: watching 20 modules forward and backward" in result.stdout
+    assert "=== step 1: trace" in (tmp_path / "run" / "debug" / "underflow_overflow_rank0.log").read_text()
+
+    bad = cli("train", "out=bad", "debug_args.underflow_overflow.max_frames_to_save=0",
+              "debug_args.underflow_overflow.abort_after_batch_num=-1", "debug_args.underflow_overflow.trace_batch_nums=[3,-1]")
+    assert bad.returncode == 2
+    assert "debug_args.underflow_overflow.max_frames_to_save: Input should be greater than or equal to 1 (got 0)" in bad.stderr
+    assert "debug_args.underflow_overflow.abort_after_batch_num: Input should be greater than or equal to 0 (got -1)" in bad.stderr
+    assert "debug_args.underflow_overflow.trace_batch_nums: step numbers must be >= 0, got [-1]" in bad.stderr
+
+
+@pytest.mark.slow
+def test_ddp_only_rank1_bad_every_rank_stops_each_writes_its_report(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import cli_env
+
+    script = Path(__file__).with_name("ddp_underflow_overflow_script.py")
+    out = tmp_path / "run"
+    # A hang would be the gloo timeout (30 min); 240 s is generous for two CPU processes.
+    proc = subprocess.run([sys.executable, str(script), str(out)], cwd=tmp_path, env=cli_env(),
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    r0 = json.loads((out / "error_rank0.json").read_text())
+    r1 = json.loads((out / "error_rank1.json").read_text())
+    assert (r1["rank"], r1["step"], r1["detected_by"], r1["phase"], r1["module"], r1["tensor"], r1["value"]) == (
+        1, 2, [1], "forward", "square", "output[0]", "inf")
+    assert (r0["rank"], r0["step"], r0["detected_by"], r0["module"]) == (0, 2, [1], None)
+    assert "rank 1 found a non-finite value in the forward pass" in r0["message"]
+    rep1 = (out / "debug" / "underflow_overflow_rank1.log").read_text()
+    rep0 = (out / "debug" / "underflow_overflow_rank0.log").read_text()
+    assert last_frame(rep1).startswith("[forward] step 2  square (Square)") and "module." not in rep1
+    assert "rank 1 found a non-finite value (forward); none on this rank (rank 0)" in rep0
+    assert "inf" not in rep0.split("===")[-1], "rank 0's own frames are finite"
+    assert "step 3" not in rep0 + rep1, "both ranks stopped at step 2"
