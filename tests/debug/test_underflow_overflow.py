@@ -101,8 +101,8 @@ def test_log_of_zero_names_the_module_output(tmp_path):
     model = lm()
     model.blocks[1].mlp.act = Planted(lambda x: torch.log(F.relu(x)))  # log(0) = -inf
     exc = run(model, tmp_path)
-    report = assert_named(exc, tmp_path, module="blocks.1.mlp.act", tensor="output[0]", phase="forward", value="-inf")
-    assert re.search(r"inf  output\[0\] +float32\[4, 16, 128\]   <-- first non-finite \(-inf\)", report)
+    report = assert_named(exc, tmp_path, module="blocks.1.mlp.act", tensor="output[0]", phase="forward", value="inf")
+    assert re.search(r"inf  output\[0\] +float32\[4, 16, 128\]   <-- first non-finite \(inf\)", report)
     assert "culprit: module blocks.1.mlp.act (Planted)" in report
     # The frames before it are the healthy ones, in execution order, the last 21 at most.
     assert len(re.findall(r"^\[forward\]", report, re.M)) == 21
@@ -113,7 +113,7 @@ def test_log_of_zero_names_the_module_output(tmp_path):
     "fn, value",
     [
         (lambda x: x.abs() / torch.zeros_like(x), "inf"),
-        (lambda x: -x.abs() / torch.zeros_like(x), "-inf"),
+        (lambda x: -x.abs() / torch.zeros_like(x), "inf"),  # abs min/max: either sign is "inf"
         (lambda x: (x * 0) / torch.zeros_like(x), "nan"),
     ],
     ids=["inf", "-inf", "nan"],
@@ -163,7 +163,7 @@ def test_nonfinite_weight(tmp_path, bad):
     with torch.no_grad():
         model.blocks[1].attn.qkv.weight[3, 5] = bad
     exc = run(model, tmp_path)
-    report = assert_named(exc, tmp_path, module="blocks.1.attn.qkv", tensor="weight", phase="forward", value=str(bad))
+    report = assert_named(exc, tmp_path, module="blocks.1.attn.qkv", tensor="weight", phase="forward", value="nan" if math.isnan(bad) else "inf")
     frame = last_frame(report)
     assert "weight" in frame and "input[0]" not in frame, "the frame stops at the bad weight"
 
@@ -213,7 +213,7 @@ def test_loss_made_outside_the_forward_is_blamed_on_the_model(tmp_path):
         monitor.record_loss(torch.log(logits.softmax(-1) * 0).mean())
         with pytest.raises(UnderflowOverflowError) as info:
             monitor.check()
-    assert (info.value.module, info.value.tensor, info.value.value) == ("", "loss", "-inf")
+    assert (info.value.module, info.value.tensor, info.value.value) == ("", "loss", "inf")
 
 
 # --------------------------------------------------------------------------------------
@@ -322,7 +322,7 @@ def test_tuple_and_dict_outputs_are_named_by_position_and_key(tmp_path):
 
     with pytest.raises(UnderflowOverflowError) as info, UnderflowOverflowMonitor(Net(), out_dir=tmp_path) as m:
         m.model(torch.randn(3, 8))
-    assert (info.value.module, info.value.tensor, info.value.value) == ("split", "output['b'][1]", "-inf")
+    assert (info.value.module, info.value.tensor, info.value.value) == ("split", "output['b'][1]", "inf")
 
 
 def test_users_own_hooks_survive_and_still_fire(tmp_path):

@@ -41,6 +41,7 @@ decides together with the other ranks (see :class:`UnderflowOverflowCallback`).
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 from collections import deque
 from pathlib import Path
@@ -76,24 +77,40 @@ def report_path(out_dir: str | Path, rank: int) -> Path:
 # --------------------------------------------------------------------------------------
 
 
-def tensor_stats(t: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``(min, max, abs min)`` of ``t`` as device scalars, without a host synchronisation.
+def tensor_stats(t: Tensor) -> tuple[Tensor, Tensor]:
+    """``(abs min, abs max)`` of ``t`` as device scalars, without a host synchronisation.
 
-    The abs max is ``max(-min, max)``; a NaN anywhere makes min and max NaN, ``+inf`` shows in
-    max and ``-inf`` in min, so min and max alone decide finiteness and keep the sign.
+    A NaN anywhere makes both NaN and an inf of either sign makes the abs max inf, so the
+    abs max alone decides finiteness.
 
-    Measured over the 58 module outputs of one forward of the benchmark model (53M elements,
-    2 CPU threads, torch 2.14): ``torch.aminmax(t)`` 6 ms, ``t.abs().amin()`` 12 ms,
-    ``torch.aminmax(t.abs())`` 15 ms, ``torch.linalg.vector_norm(t, -inf)`` 78 ms (not
-    vectorised on the CPU). On a GPU ``vector_norm(t, -inf)`` is one fused pass that does not
-    materialise ``|t|`` (a temporary as large as the activation, e.g. the logits).
+    Kernels measured over the 58 module outputs of one forward of the benchmark model (53M
+    elements, 2 CPU threads, torch 2.14, best of 10): ``torch.aminmax(t)`` (signed, no abs
+    min) 7 ms, ``|t|`` into a reused buffer then ``torch.aminmax`` 13 ms, ``torch.aminmax(t)``
+    plus ``t.abs().amin()`` 17 ms, ``torch.linalg.vector_norm(t, +-inf)`` 78 ms each (not
+    vectorised on the CPU). Allocating ``|t|`` afresh is what costs on the CPU, hence the
+    buffer. On a GPU, ``vector_norm(t, +-inf)`` are fused passes that never materialise
+    ``|t|`` (a temporary as large as the activation, e.g. the logits).
     """
-    lo, hi = torch.aminmax(t)
     if t.device.type == "cpu":
-        amin = t.abs().amin()
-    else:
-        amin = torch.linalg.vector_norm(t, float("-inf"))
-    return lo, hi, amin
+        return torch.aminmax(_abs_into_scratch(t))
+    return torch.linalg.vector_norm(t, float("-inf")), torch.linalg.vector_norm(t, float("inf"))
+
+
+_scratch = threading.local()
+
+
+def _abs_into_scratch(t: Tensor) -> Tensor:
+    """``|t|`` written into a per-thread, per-dtype buffer that grows to the largest tensor."""
+    buffers = getattr(_scratch, "buffers", None)
+    if buffers is None:
+        buffers = _scratch.buffers = {}
+    n = t.numel()
+    buf = buffers.get(t.dtype)
+    if buf is None or buf.numel() < n:
+        buf = buffers[t.dtype] = torch.empty(n, dtype=t.dtype)
+    out = buf[:n].view(t.shape)
+    torch.abs(t, out=out)
+    return out
 
 
 # --------------------------------------------------------------------------------------
@@ -115,7 +132,7 @@ class UnderflowOverflowError(StabletrainError):
         tensor: Which tensor went bad: a weight name, ``input[i]``, ``output[k]``,
             ``output['key']``, ``<child> input[i]`` for a value made between two child
             modules, ``grad of ...`` in backward, or ``loss``.
-        value: ``"nan"``, ``"inf"`` or ``"-inf"``.
+        value: ``"nan"``, or ``"inf"`` for an infinity of either sign.
         explanation: One sentence on how the culprit was chosen.
         report_path: This rank's report.
     """
@@ -215,7 +232,7 @@ class _GradSite:
         self.dtype = dtype
 
 
-# A line: (label, role, lo, hi, amin, shape, dtype); role is weight|input|output|loss|grad.
+# A line: (label, role, abs min, abs max, shape, dtype); role is weight|input|output|loss|grad.
 _Line = tuple
 
 
@@ -255,13 +272,11 @@ def _outputs(output: Any) -> Iterator[tuple[str, Tensor]]:
         yield from _flatten(output, "output")
 
 
-def _value_kind(lo: float, hi: float) -> Optional[str]:
-    if lo != lo or hi != hi:
+def _value_kind(amin: float, amax: float) -> Optional[str]:
+    if amax != amax:
         return "nan"
-    if hi == float("inf"):
+    if amax == float("inf"):
         return "inf"
-    if lo == float("-inf"):
-        return "-inf"
     return None
 
 
@@ -361,6 +376,7 @@ class UnderflowOverflowMonitor:
         self._weight_cache: dict[int, tuple] = {}
         self._bw_queued = False
         self._report_text: Optional[str] = None
+        self._stats = tensor_stats
         self._attach()
 
     # ------------------------------------------------------------------ hooks in and out
@@ -430,38 +446,37 @@ class UnderflowOverflowMonitor:
 
     # --------------------------------------------------------------------------- forward
 
-    def _measure(self, t: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _measure(self, t: Tensor) -> tuple[Tensor, Tensor]:
         # A tensor is often the output of one module and the input of the next, and of the
         # parents of both: measure each (tensor, version) once per forward.
         if t.is_inference():
-            return tensor_stats(t)
+            return self._stats(t)
         key = id(t)
         version = t._version
         hit = self._seen.get(key)
         if hit is not None and hit[0]() is t and hit[1] == version:
             return hit[2]
-        stats = tensor_stats(t)
+        stats = self._stats(t)
         self._seen[key] = (weakref.ref(t), version, stats)
         return stats
 
-    def _weight_stats(self, p: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _weight_stats(self, p: Tensor) -> tuple[Tensor, Tensor]:
         # Weights change at the optimizer step only (which bumps their version): measure them
         # once per change, not once per call (gradient accumulation, shared modules).
         key = (p._version, p.data_ptr(), p.dtype, p.device)
         hit = self._weight_cache.get(id(p))
         if hit is not None and hit[0] == key:
             return hit[1]
-        stats = tensor_stats(p)
+        stats = self._stats(p)
         self._weight_cache[id(p)] = (key, stats)
         return stats
 
     def _line(self, label: str, role: str, t: Tensor) -> Optional[_Line]:
         if not t.is_floating_point() or t.numel() == 0 or t.is_sparse:
             return None
-        lo, hi, amin = self._measure(t) if role != "weight" else self._weight_stats(t)
-        self._pending.append(lo)
-        self._pending.append(hi)
-        return (label, role, lo, hi, amin, tuple(t.shape), t.dtype)
+        amin, amax = self._measure(t) if role != "weight" else self._weight_stats(t)
+        self._pending.append(amax)
+        return (label, role, amin, amax, tuple(t.shape), t.dtype)
 
     def _watch_grad(self, t: Tensor, call: _Call, role: str, label: str) -> None:
         key = id(t)
@@ -539,9 +554,8 @@ class UnderflowOverflowMonitor:
 
     # -------------------------------------------------------------------------- backward
 
-    def _backward_event(self, event: _Event, lo: Tensor, hi: Tensor) -> None:
-        self._pending.append(lo)
-        self._pending.append(hi)
+    def _backward_event(self, event: _Event, amax: Tensor) -> None:
+        self._pending.append(amax)
         self._events.append(event)
         if self.auto_check and not self.tracing and not self._bw_queued:
             # One decision at the end of this backward pass, however many hooks fire.
@@ -552,18 +566,18 @@ class UnderflowOverflowMonitor:
         if self._closed or grad is None or not grad.is_floating_point() or grad.numel() == 0:
             return None
         with torch.no_grad():
-            lo, hi, amin = tensor_stats(grad)
-        line = ("grad", "grad", lo, hi, amin, tuple(grad.shape), grad.dtype)
-        self._backward_event(_Event("backward", self.step, self.micro_step, "grad", None, [line], site), lo, hi)
+            amin, amax = self._stats(grad)
+        line = ("grad", "grad", amin, amax, tuple(grad.shape), grad.dtype)
+        self._backward_event(_Event("backward", self.step, self.micro_step, "grad", None, [line], site), amax)
         return None
 
     def _on_param_grad(self, owner: _Call, name: str, shape: tuple, dtype: torch.dtype, grad: Tensor) -> None:
         if self._closed or grad is None or grad.numel() == 0 or grad.is_sparse:
             return None
         with torch.no_grad():
-            lo, hi, amin = tensor_stats(grad)
-        line = (f"grad of {name}", "grad", lo, hi, amin, tuple(grad.shape), grad.dtype)
-        self._backward_event(_Event("backward", self.step, self.micro_step, "param", owner, [line]), lo, hi)
+            amin, amax = self._stats(grad)
+        line = (f"grad of {name}", "grad", amin, amax, tuple(grad.shape), grad.dtype)
+        self._backward_event(_Event("backward", self.step, self.micro_step, "param", owner, [line]), amax)
         return None
 
     def _end_of_backward(self) -> None:
@@ -615,8 +629,7 @@ class UnderflowOverflowMonitor:
         if self.rank in detected:
             for i in range(n_history, len(events)):
                 for j, line in enumerate(events[i].lines):
-                    lo, hi, _ = values[(i, j)]
-                    if _value_kind(lo, hi) is not None:
+                    if _value_kind(*values[(i, j)]) is not None:
                         first = (i, j)
                         break
                 if first is not None:
@@ -632,8 +645,7 @@ class UnderflowOverflowMonitor:
             )
         i, j = first
         blame = _blame(events[i], j, self._root_cls)
-        lo, hi, _ = values[(i, j)]
-        value = _value_kind(lo, hi)
+        value = _value_kind(*values[(i, j)])
         text = self._failure_section(events[: i + 1], values, first, blame, value)
         path = self._append_report(text)
         culprit_path, culprit_cls, tensor, explanation = blame
@@ -652,14 +664,14 @@ class UnderflowOverflowMonitor:
 
     # --------------------------------------------------------------------------- reports
 
-    def _host_values(self, events: list[_Event]) -> dict[tuple[int, int], tuple[float, float, float]]:
+    def _host_values(self, events: list[_Event]) -> dict[tuple[int, int], tuple[float, float]]:
         keys, tensors = [], []
         for i, ev in enumerate(events):
             for j, line in enumerate(ev.lines):
                 keys.append((i, j))
-                tensors.extend(line[2:5])
+                tensors.extend(line[2:4])
         flat = _to_host(tensors)
-        return {k: (flat[3 * n], flat[3 * n + 1], flat[3 * n + 2]) for n, k in enumerate(keys)}
+        return {k: (flat[2 * n], flat[2 * n + 1]) for n, k in enumerate(keys)}
 
     def write_trace(self) -> Path:
         """Write every frame recorded in the current (traced) step to the report, then forget
@@ -670,7 +682,7 @@ class UnderflowOverflowMonitor:
         first = None
         for i, ev in enumerate(events):
             for j, line in enumerate(ev.lines):
-                if _value_kind(*values[(i, j)][:2]) is not None:
+                if _value_kind(*values[(i, j)]) is not None:
                     first = (i, j)
                     break
             if first is not None:
@@ -857,7 +869,7 @@ def _frames(events: list[_Event]) -> list[_Frame]:
             frames.append(frame)
         for j, label in enumerate(labels):
             line = ev.lines[j]
-            meta = f"{str(line[6]).replace('torch.', '')}{list(line[5])}"
+            meta = f"{str(line[5]).replace('torch.', '')}{list(line[4])}"
             frame.rows.append((i, j, label, meta))
         prev = ev
     return frames
@@ -869,7 +881,7 @@ def _fmt(v: float) -> str:
 
 def _render(
     frames: list[_Frame],
-    values: dict[tuple[int, int], tuple[float, float, float]],
+    values: dict[tuple[int, int], tuple[float, float]],
     mark: Optional[tuple[int, int]],
     extra: Optional[tuple],
     extra_tensor: str = "",
@@ -881,10 +893,9 @@ def _render(
         micro = f".{frame.micro}" if frame.micro else ""
         out.append(f"[{frame.phase}] step {frame.step}{micro}  {name} ({frame.cls}){suffix}")
         for i, j, label, meta in frame.rows:
-            lo, hi, amin = values[(i, j)]
-            kind = _value_kind(lo, hi)
-            flag = f"   <-- first non-finite ({kind})" if mark == (i, j) else ""
-            out.append(f"  {_fmt(amin)} {_fmt(_abs_max(lo, hi))}  {label:<24} {meta}{flag}")
+            amin, amax = values[(i, j)]
+            flag = f"   <-- first non-finite ({_value_kind(amin, amax)})" if mark == (i, j) else ""
+            out.append(f"  {_fmt(amin)} {_fmt(amax)}  {label:<24} {meta}{flag}")
     if extra is not None:
         path, cls, phase, step, micro, explanation = extra
         name = path or "<model>"
@@ -892,12 +903,6 @@ def _render(
         out.append(f"[{phase}] step {step}{m}  {name} ({cls}) own ops  <-- culprit")
         out.append(f"  {extra_tensor}: {explanation}")
     return out
-
-
-def _abs_max(lo: float, hi: float) -> float:
-    if lo != lo or hi != hi:
-        return float("nan")
-    return max(abs(lo), abs(hi))
 
 
 # --------------------------------------------------------------------------------------
