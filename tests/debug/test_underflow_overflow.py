@@ -649,3 +649,23 @@ def test_ddp_only_rank1_bad_every_rank_stops_each_writes_its_report(tmp_path):
     assert "rank 1 found a non-finite value (forward); none on this rank (rank 0)" in rep0
     assert "inf" not in rep0.split("===")[-1], "rank 0's own frames are finite"
     assert "step 3" not in rep0 + rep1, "both ranks stopped at step 2"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_tensor_stats_are_exact_abs_min_and_max(dtype):
+    from stabletrain.debug.underflow_overflow import tensor_stats
+
+    g = torch.Generator().manual_seed(0)
+    scratch: dict = {}
+    for shape in [(7,), (3, 5, 4), (64, 33)]:
+        t = (torch.randn(shape, generator=g) * 10).to(dtype)
+        for view in (t, t.transpose(0, -1), t[..., ::2]):
+            ref = view.abs().float()
+            for got in (tensor_stats(view), tensor_stats(view, scratch)):
+                assert (got[0].item(), got[1].item()) == (ref.min().item(), ref.max().item())
+    t = torch.randn(10, generator=g)
+    for bad, kind in [(float("nan"), "nan"), (float("inf"), "inf"), (float("-inf"), "inf")]:
+        u = t.clone()
+        u[4] = bad
+        amin, amax = tensor_stats(u, scratch)
+        assert str(amax.item()) == kind and torch.isfinite(tensor_stats(t, scratch)[1])
