@@ -304,6 +304,30 @@ def test_resnet18_gradients_are_unchanged_and_a_bad_batchnorm_weight_is_found(tm
     )
 
 
+def test_hugging_face_gpt2_gradients_are_unchanged_and_a_bad_weight_is_found(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, attn_implementation="eager",
+    )
+    model = transformers.GPT2LMHeadModel(config)  # random weights, nothing downloaded
+    ids = torch.randint(64, (2, 16))
+    reference = copy.deepcopy(model)
+    reference(input_ids=ids, labels=ids).loss.backward()
+    with UnderflowOverflowMonitor(model, out_dir=tmp_path):
+        out = model(input_ids=ids, labels=ids)  # a ModelOutput (a dict), keyword inputs
+        out.loss.backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+    with torch.no_grad():
+        model.transformer.h[1].mlp.c_fc.weight[0, 0] = float("-inf")
+    with pytest.raises(UnderflowOverflowError) as info, UnderflowOverflowMonitor(model, out_dir=tmp_path):
+        model(input_ids=ids, labels=ids)
+    assert (info.value.module, info.value.module_type, info.value.tensor) == ("transformer.h.1.mlp.c_fc", "Conv1D", "weight")
+
+
 def test_tuple_and_dict_outputs_are_named_by_position_and_key(tmp_path):
     class Split(nn.Module):
         def forward(self, x):
