@@ -477,6 +477,13 @@ def test_trainer_names_the_module_in_the_users_names_and_stops_before_the_checkp
     report = exc.report_path.read_text()
     assert "_forward_module" not in report and "module.model" not in report and "model: TransformerLM, 34 modules watched" in report
     assert last_frame(report).startswith("[forward] step 2.1  blocks.1.mlp.act (Planted)")
+    from stabletrain.loggers.jsonl import read_metrics
+
+    _, events = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [e for e in events if e["event"] == "underflow_overflow"] == [{
+        "event": "underflow_overflow", "step": 2, "phase": "forward", "module": "blocks.1.mlp.act", "tensor": "output[0]",
+        "value": "nan", "detected_by": [0], "report": str(exc.report_path),
+    }]
     # Step 2 never reached the optimizer: the last checkpoint is the one after step 1.
     assert torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)["step"] == 2
 

@@ -1003,7 +1003,14 @@ class UnderflowOverflowCallback:
                 trainer.log_event({"event": "underflow_overflow_scaler_skip", "step": trainer.step, "in_a_row": self._skipped})
                 return
         detected = self._ranks_that_found(trainer, flag)
-        monitor.fail(detected_by=detected, phase=phase)
+        try:
+            monitor.fail(detected_by=detected, phase=phase)
+        except UnderflowOverflowError as exc:
+            trainer.log_event({
+                "event": "underflow_overflow", "step": exc.step, "phase": exc.phase or phase, "module": exc.module,
+                "tensor": exc.tensor, "value": exc.value, "detected_by": exc.detected_by, "report": str(exc.report_path),
+            })
+            raise
 
     @staticmethod
     def _ranks_that_found(trainer: Any, flag: Tensor) -> list[int]:
