@@ -367,7 +367,7 @@ class UnderflowOverflowMonitor:
         self._stack: list[_Call] = []
         self._events: list[_Event] = []
         self._pending: list[Tensor] = []  # abs max of everything since the last decision
-        self._history: deque[_Event] = deque(maxlen=2 * max_frames_to_save + 4)
+        self._history: deque[_Event] = deque(maxlen=4 * max_frames_to_save + 8)
         self._seen: dict[int, tuple] = {}  # id(tensor) -> (weakref, version, stats) within a forward
         self._grad_sites: dict[int, _GradSite] = {}
         self._weight_cache: dict[int, tuple] = {}
