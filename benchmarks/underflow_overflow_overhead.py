@@ -13,7 +13,7 @@ It prints the step time of each over the plain loop's, and the host synchronisat
 (``aten._local_scalar_dense``) each adds per training step. Goal for stabletrain: at most
 1.15x step time and 2 added synchronisations.
 
-    python benchmarks/underflow_overflow_overhead.py [--rounds 5] [--repeats 2]
+    python benchmarks/underflow_overflow_overhead.py [--rounds 12] [--repeats 1]
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ def syncs_per_step(loop: Loop) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--repeats", type=int, default=1)
     ns = parser.parse_args()
 
     model, batches = bench_model_and_batches(num_batches=4)
