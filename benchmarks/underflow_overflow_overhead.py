@@ -13,7 +13,7 @@ It prints the step time of each over the plain loop's, and the host synchronisat
 (``aten._local_scalar_dense``) each adds per training step. Goal for stabletrain: at most
 1.15x step time and 2 added synchronisations.
 
-    python benchmarks/underflow_overflow_overhead.py [--rounds 12] [--repeats 1]
+    python benchmarks/underflow_overflow_overhead.py [--rounds 12] [--repeats 1] [--threads N]
 """
 
 from __future__ import annotations
@@ -57,7 +57,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ns = parser.parse_args()
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
 
     model, batches = bench_model_and_batches(num_batches=4)
     loops: dict[str, Loop] = {"no monitor": Loop(model, batches)}
