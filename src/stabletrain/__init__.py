@@ -5,6 +5,7 @@ Public API (imported lazily, so ``import stabletrain`` is cheap and has no side 
     stabletrain.train(out=..., **settings)     # the training loop; gradient_norm always logged
     stabletrain.compute_grad_norm(named_params) # the same norm in any PyTorch loop
     stabletrain.load_nan_capture(path).replay() # rerun a captured failing step (debug_args.nancapture)
+    stabletrain.UnderflowOverflowMonitor(model) # the first module whose values go non-finite
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ _EXPORTS = {
     "compute_grad_norm": "stabletrain.debug.grad_norm",
     "clip_grad_norm_with_total": "stabletrain.debug.grad_norm",
     "GradNorm": "stabletrain.debug.grad_norm",
+    "UnderflowOverflowMonitor": "stabletrain.debug.underflow_overflow",
+    "UnderflowOverflowError": "stabletrain.debug.underflow_overflow",
     "StabletrainError": "stabletrain.errors",
     "ConfigError": "stabletrain.errors",
     "CheckpointError": "stabletrain.checkpoint",

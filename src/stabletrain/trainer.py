@@ -565,7 +565,9 @@ def _scale_tensor(scaler: Any, device: torch.device) -> torch.Tensor:
 
 def _check_debug(settings: TrainSettings) -> list[str]:
     """Problems with debug_args; each debugging tool adds its checks here."""
-    return []
+    from stabletrain.debug import underflow_overflow
+
+    return [*underflow_overflow.check_settings(settings)]
 
 
 def _build_debug_callbacks(trainer: Trainer) -> list[Any]:
@@ -576,6 +578,10 @@ def _build_debug_callbacks(trainer: Trainer) -> list[Any]:
         from stabletrain.debug.nan_capture import NaNCaptureCallback
 
         callbacks.append(NaNCaptureCallback(debug.nancapture))
+    if debug.underflow_overflow.enabled:
+        from stabletrain.debug.underflow_overflow import UnderflowOverflowCallback
+
+        callbacks.append(UnderflowOverflowCallback(debug.underflow_overflow))
     return callbacks
 
 

@@ -1,0 +1,98 @@
+"""The cost of watching every module for non-finite values, side by side in one run.
+
+Three copies of the benchmark model (built-in transformer LM, see ``common.py``) train on
+the same batches with AdamW, interleaved round by round so that machine noise hits all
+alike:
+
+* no monitor;
+* stabletrain's ``UnderflowOverflowMonitor`` (forward and backward, in a plain loop);
+* Hugging Face transformers' ``DebugUnderflowOverflow`` (forward only; ``pip install
+  ".[bench]"``), the tool this design comes from.
+
+It prints the step time of each over the plain loop's, and the host synchronisations
+(``aten._local_scalar_dense``) each adds per training step. Goal for stabletrain: at most
+1.15x step time and 2 added synchronisations.
+
+    python benchmarks/underflow_overflow_overhead.py [--rounds 12] [--repeats 1] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import tempfile
+from typing import Any, Callable
+
+import torch
+
+from common import bench_model_and_batches, interleaved, machine, median
+from stabletrain import UnderflowOverflowMonitor
+from stabletrain.utils.sync import CountSyncs
+
+
+class Loop:
+    """One model, its optimizer and a cycle of batches: ``step()`` is one training step."""
+
+    def __init__(self, model: torch.nn.Module, batches: list[Any], before_step: Callable[[int], None] = lambda s: None):
+        self.model, self.batches, self.before_step = model, batches, before_step
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        self.n = 0
+
+    def step(self) -> None:
+        self.before_step(self.n)
+        loss = self.model.training_step(self.batches[self.n % len(self.batches)])
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.n += 1
+
+
+def syncs_per_step(loop: Loop) -> int:
+    with CountSyncs() as counter:
+        loop.step()
+    return counter.count
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ns = parser.parse_args()
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
+
+    model, batches = bench_model_and_batches(num_batches=4)
+    loops: dict[str, Loop] = {"no monitor": Loop(model, batches)}
+
+    ours_model = copy.deepcopy(model)
+    with tempfile.TemporaryDirectory() as tmp:
+        monitor = UnderflowOverflowMonitor(ours_model, out_dir=tmp)
+        loops["stabletrain UnderflowOverflowMonitor"] = Loop(ours_model, batches, monitor.set_step)
+        try:
+            from transformers.debug_utils import DebugUnderflowOverflow
+        except ImportError:
+            print("transformers is not installed (pip install -e '.[bench]'): skipping DebugUnderflowOverflow")
+        else:
+            hf_model = copy.deepcopy(model)
+            DebugUnderflowOverflow(hf_model)
+            loops["transformers DebugUnderflowOverflow"] = Loop(hf_model, batches)
+
+        syncs = {name: syncs_per_step(loop) for name, loop in loops.items()}
+        times = interleaved({name: loop.step for name, loop in loops.items()}, repeats=ns.repeats, rounds=ns.rounds)
+        monitor.close()
+
+    base = times["no monitor"]
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"machine: {machine()}")
+    print(f"model: built-in transformer LM, 4 layers, dim 256, batch 16, context 128 ({n_params / 1e6:.1f}M parameters); "
+          f"AdamW step; {ns.rounds} rounds x {ns.repeats} steps, interleaved")
+    print(f"{'':40}{'ms/step':>10}{'ratio (median, min-max)':>28}{'added syncs/step':>18}")
+    for name, ts in times.items():
+        ratios = [t / b for t, b in zip(ts, base)]
+        spread = f"{median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+        print(f"{name:40}{median(ts) * 1e3:>10.0f}{spread:>28}{syncs[name] - syncs['no monitor']:>18}")
+
+
+if __name__ == "__main__":
+    main()
