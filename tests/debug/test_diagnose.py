@@ -1,0 +1,277 @@
+"""diagnose: planted faults at known samples, each found with its op, module, phase, cause
+class and culprit sample; the report files and the command line."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import stabletrain
+from stabletrain import NaNCaptureMonitor, NaNDetectedError, load_nan_capture
+from stabletrain.debug.diagnose import (
+    DETERMINISTIC_NUMERICAL,
+    NOT_REPRODUCIBLE,
+    PRECISION_INDUCED,
+    Diagnosis,
+    _ddmin,
+)
+from stabletrain.trainer import train
+
+from conftest import cli_env, tiny_lm
+from fault_models import FAULTS, FaultData, FaultNet, FlakyNet
+from nan_models import PoisonData, PoisonNet, samples_of_step
+
+NANCAPTURE = {"nancapture": {"enabled": True}}
+RUN = dict(steps=8, batch_size=8, num_workers=0, log_every_num_steps=1, model_args={"lr": 0.01, "warmup_steps": 0})
+
+
+def _fault_capture(tmp_path, fault, step=2, row=3, **settings):
+    """Train FaultNet with ``fault`` planted in sample ``row`` of step ``step``; return the
+    capture path and the planted dataset index."""
+    victim = samples_of_step(step)[row]
+    plant, _, _ = FAULTS[fault]
+    with pytest.raises(NaNDetectedError) as info:
+        train(out=tmp_path / fault, model=FaultNet(fault), data=FaultData(plant={victim: plant}), debug_args=NANCAPTURE,
+              **{**RUN, **settings})
+    assert info.value.step == step
+    return info.value.capture_path, victim
+
+
+@pytest.mark.parametrize("fault", ["log0", "div0", "sqrt_neg", "sqrt_at_0"])
+def test_planted_fault_is_found_with_its_op_module_phase_cause_and_sample(tmp_path, fault):
+    path, victim = _fault_capture(tmp_path, fault)
+    _, op, phase = FAULTS[fault]
+    d = stabletrain.diagnose(path.parent, model=FaultNet(fault))
+
+    assert d.cause == DETERMINISTIC_NUMERICAL and d.deterministic and d.matches_capture
+    assert d.reproduces_in == {"32-true": True, "64-true": True}
+    f = d.finding
+    assert (f.op, f.phase, f.module, f.module_type) == (op, phase, "gate", "Gate")
+    assert f.dtype == "float32" and not f.inputs_nonfinite and not f.outside_forward
+    assert "fault_models.py:" in f.source
+    if phase == "backward":
+        assert f.forward_op == "SqrtBackward0" and "torch.sqrt(s * h * h)" in f.source
+        assert d.data.check == "forward+backward"
+        assert all(math.isfinite(x) for x in d.replays[0].losses), "the forward pass is finite"
+    else:
+        assert d.data.check == "forward"
+    assert d.data.status == "isolated"
+    assert d.data.microbatches == [(0, 0)] and d.data.row_sets == [[3]] and d.data.dataset_indices == [victim]
+    assert d.weights.status == "healthy"
+    assert d.data.nonfinite_inputs == [], "the data itself is finite: the op makes the NaN"
+    words = {"log0": "log of zero", "div0": "division by zero", "sqrt_neg": "square root of a negative",
+             "sqrt_at_0": "infinite gradient"}[fault]
+    assert words in d.probable_cause and f"dataset index {victim}" in d.probable_cause
+    guard = {"log0": "clamp_min", "div0": "clamp_min", "sqrt_neg": "clamp_min(0)", "sqrt_at_0": "torch.sqrt(x + 1e-12)"}[fault]
+    assert guard in d.next_actions[0]
+
+
+def test_fp16_overflow_of_a_large_activation_is_precision_induced(tmp_path):
+    from lightning_fabric import Fabric
+    from lightning_fabric.plugins import MixedPrecision
+
+    from stabletrain.config import load_settings
+    from stabletrain.trainer import Trainer
+
+    victim = samples_of_step(2)[5]
+    plant, op, _ = FAULTS["square"]
+    fabric = Fabric(accelerator="cpu", devices=1,
+                    plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**8))])
+    settings = load_settings({"out": tmp_path / "fp16", "model": FaultNet("square"),
+                              "data": FaultData(plant={victim: plant}), "debug_args": NANCAPTURE, **RUN})
+    with pytest.raises(NaNDetectedError) as info:
+        Trainer(settings, fabric=fabric).fit()
+    assert (info.value.step, info.value.reason) == (2, "nonfinite_loss")
+
+    d = load_nan_capture(info.value.capture_path, model=FaultNet("square")).diagnose()
+    assert d.precision == "16-mixed"
+    assert d.reproduces_in == {"16-mixed": True, "32-true": False, "64-true": False}
+    assert d.cause == PRECISION_INDUCED
+    f = d.finding
+    assert (f.op, f.phase, f.module, f.dtype) == (op, "forward", "gate", "float16")
+    assert f.output.posinf > 0 and not f.inputs_nonfinite
+    assert 256 < max(s.abs_max for s in f.inputs) < 65504, "a finite float16 input whose square overflows"
+    assert d.data.row_sets == [[5]] and d.data.dataset_indices == [victim]
+    assert "float16 overflow" in d.probable_cause
+    assert "precision=bf16-mixed" in d.next_actions[0] and "precision=32-true" in d.next_actions[0]
+
+
+def test_poisoned_sample_in_a_batch_of_32_with_accumulation_4(tmp_path):
+    step, micro, row = 1, 2, 5
+    victim = samples_of_step(step, batch_size=32, accum=4)[micro * 8 + row]
+    with pytest.raises(NaNDetectedError) as info:
+        train(out=tmp_path / "run", model=PoisonNet(), data=PoisonData(input_poison={victim: float("nan")}),
+              gradient_accumulation_steps=4, debug_args=NANCAPTURE, **{**RUN, "batch_size": 32})
+    d = stabletrain.diagnose(info.value.capture_path, model=PoisonNet())
+
+    assert d.cause == DETERMINISTIC_NUMERICAL and d.step == step
+    assert d.data.failing_microbatches == [(0, micro)] and d.data.microbatches == [(0, micro)]
+    assert d.data.status == "isolated" and d.data.rows == [row] and d.data.dataset_indices == [victim]
+    assert d.data.microbatch_size == 8 and d.data.check == "forward"
+    assert d.data.replays <= 8, "bisection, not one replay per sample"
+    assert d.data.nonfinite_inputs == [{"rank": 0, "micro_step": micro, "row": row, "index": victim,
+                                        "field": "batch['x']", "count": 1}]
+    f = d.finding
+    assert f.phase == "forward" and f.module == "fc1" and f.inputs_nonfinite and d.origin == "data"
+    assert d.traced_on == {"microbatches": [(0, micro)], "rows": [row], "dataset_indices": [victim]}
+    assert d.weights.status == "healthy"
+    assert f"batch['x'] of sample {victim} (1 non-finite value)" in d.probable_cause and "bad data" in d.probable_cause
+    assert f"dataset index {victim}" in d.next_actions[0]
+    assert any("dropout" in c for c in d.data.caveats), "PoisonNet has dropout"
+
+
+def test_weights_made_huge_by_earlier_steps(tmp_path):
+    boom = {"optimizer": "sgd", "lr": 1000.0, "warmup_steps": 0, "lr_schedule": "constant"}
+    with pytest.raises(NaNDetectedError) as info:
+        train(out=tmp_path / "boom", debug_args=NANCAPTURE,
+              **tiny_lm(steps=10, checkpoint_every_num_steps=1, max_checkpoints_to_keep=10, model_args=boom))
+    d = stabletrain.diagnose(info.value.capture_path.parent)  # built-in model, rebuilt from the settings
+
+    assert d.weights.status == "huge"
+    top = d.weights.largest[0]
+    assert top.abs_max >= 1e3 and top.abs_max == max(p.abs_max for p in d.weights.largest)
+    assert "weights were already huge" in d.probable_cause and top.name in d.probable_cause
+    assert d.cause == DETERMINISTIC_NUMERICAL and d.reproduces_in["32-true"]
+    assert d.data.status == "not_data_specific", "any sample fails: no culprit sample"
+    assert d.finding is not None and d.finding.phase == "forward" and not d.finding.inputs_nonfinite
+    # The checkpoints tell when the weights were still healthy: resume from there with a lower lr.
+    steps = [c["step"] for c in d.weights.checkpoints]
+    assert steps == list(range(1, d.step + 1))
+    healthy = [c for c in d.weights.checkpoints if c["healthy"]]
+    assert healthy and d.weights.healthy_checkpoint == healthy[-1]["path"]
+    assert healthy[-1]["step"] < d.step
+    assert "model_args.lr=100 (was 1000)" in d.next_actions[0] and "resume_interrupted=true" in d.next_actions[0]
+    assert f"step_{healthy[-1]['step']:06d}.ckpt" in d.next_actions[0]
+    assert "gradient_clip_val=1.0" in d.next_actions[1]
+    assert [h["step"] for h in d.history] == list(range(max(0, d.step - 5), d.step))
+
+
+def _plain_loop_capture(tmp_path, fires):
+    """A plain loop with the standalone monitor over FlakyNet, failing at step 3."""
+    torch.manual_seed(0)
+    model = FlakyNet(fires=fires)
+    data = PoisonData()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = NaNCaptureMonitor(model, out_dir=tmp_path / "caps")
+    with pytest.raises(NaNDetectedError) as info:
+        for step in range(8):
+            batch = torch.utils.data.default_collate([data[i] for i in range(step * 8, step * 8 + 8)])
+            monitor.begin_step(step)
+            monitor.collect_batch(batch, indices=list(range(step * 8, step * 8 + 8)))
+            loss = model.training_step(batch)
+            monitor.collect_loss(loss)
+            loss.backward()
+            monitor.check_and_capture()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert info.value.step == 3
+    return info.value.capture_path
+
+
+@pytest.mark.parametrize("replays_hit", [[False, False], [True, False]], ids=["never-again", "1-of-2"])
+def test_nondeterministic_fault_is_not_reproducible(tmp_path, replays_hit):
+    path = _plain_loop_capture(tmp_path, fires=[False, False, False, True])
+    d = stabletrain.diagnose(path, model=FlakyNet(fires=replays_hit))
+
+    assert d.cause == NOT_REPRODUCIBLE
+    assert [r.reproduced for r in d.replays[:2]] == replays_hit
+    assert d.finding is None and d.data.status == "not_searched"
+    assert "nondeterminism" in d.cause_explanation and "hardware fault" in d.cause_explanation
+    if replays_hit[0]:
+        assert "failed only the first time" in d.cause_explanation
+    else:
+        assert "finite both times" in d.cause_explanation
+    assert d.next_actions[0].startswith("Rerun from the last checkpoint") and "resume_interrupted=true" in d.next_actions[0]
+    assert "not reproducible" in d.report()
+
+
+def test_batchnorm_makes_single_sample_isolation_approximate(tmp_path):
+    from torch.utils.data import Dataset
+
+    from stabletrain.tasks.image_classification import SmallCNN
+
+    class Images(Dataset):
+        def __init__(self, poisoned):
+            g = torch.Generator().manual_seed(2)
+            self.x, self.y = torch.randn(32, 3, 16, 16, generator=g), torch.randint(4, (32,), generator=g)
+            self.x[poisoned, 1, 4, 7] = float("inf")
+
+        def __len__(self):
+            return 32
+
+        def __getitem__(self, i):
+            return self.x[i], self.y[i]
+
+    def cnn():
+        torch.manual_seed(0)
+        return SmallCNN(num_classes=4, width=4)
+
+    victim = samples_of_step(1, n=32)[6]
+    with pytest.raises(NaNDetectedError) as info:
+        train(out=tmp_path / "cnn", model=cnn(), data=Images(victim), debug_args=NANCAPTURE, **RUN)
+    d = stabletrain.diagnose(info.value.capture_path, model=cnn())
+    assert d.data.approximate and "BatchNorm" in d.data.caveats[0] and "approximate" in d.data.caveats[0]
+    assert d.data.dataset_indices == [victim] and d.data.rows == [6]
+    assert d.finding.module == "features.0.conv" and d.finding.inputs_nonfinite and d.origin == "data"
+    assert "BatchNorm makes their isolation approximate" in d.next_actions[-2]
+
+
+def test_report_files_json_and_command_line(tmp_path, capsys):
+    from stabletrain.cli import main
+
+    path, victim = _fault_capture(tmp_path, "log0")
+    model_spec = f"{sys.modules[FaultNet.__module__].__file__}:LogFaultNet"
+    capsys.readouterr()
+    assert main(["diagnose", str(path.parent), "--model", model_spec]) == 0
+    printed = capsys.readouterr().out
+    md, js = path.parent / "diagnosis.md", path.parent / "diagnosis.json"
+    assert md.read_text().strip() == printed.split("\nWritten: ")[0].strip()
+    assert f"Written: {md}, {js}" in printed
+    for heading in ("## What happened", "## Where", "## Why", "## Which data", "## Before or during the step", "## Next actions"):
+        assert heading in printed
+    assert "**Verdict: deterministic numerical**" in printed and "`aten.log.default`" in printed
+
+    data = json.loads(js.read_text())
+    assert main(["diagnose", str(path.parent), "--model", model_spec, "--json", "--no-write"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    for key in ("verdict", "summary", "cause", "where", "data", "weights", "next_actions", "reproduces_in"):
+        assert again[key] == data[key], key
+    untimed = lambda replays: [{k: v for k, v in r.items() if k != "seconds"} for r in replays]  # noqa: E731
+    assert untimed(again["replays"]) == untimed(data["replays"])
+    assert data["cause"] == "deterministic_numerical" and data["where"]["op"] == "aten.log.default"
+    assert data["where"]["module"] == "gate" and data["where"]["phase"] == "forward"
+    assert data["data"]["dataset_indices"] == [victim] and data["weights"]["status"] == "healthy"
+    assert data["replays"][0]["losses"][0] in ("nan", "inf", "-inf"), "non-finite numbers as strings"
+    assert stabletrain.Diagnosis is Diagnosis
+
+
+def test_diagnose_command_as_a_user_runs_it(tmp_path):
+    boom = {"optimizer": "sgd", "lr": 1000.0, "warmup_steps": 0, "lr_schedule": "constant"}
+    with pytest.raises(NaNDetectedError) as info:
+        train(out=tmp_path / "boom", debug_args=NANCAPTURE, **tiny_lm(steps=10, model_args=boom))
+    run = subprocess.run([sys.executable, "-m", "stabletrain", "diagnose", "boom/debug/nan_capture/rank0", "--json"],
+                         cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    data = json.loads(run.stdout)
+    assert data["step"] == info.value.step and data["weights"]["status"] == "huge"
+    assert (tmp_path / "boom/debug/nan_capture/rank0/diagnosis.md").is_file()
+    bad = subprocess.run([sys.executable, "-m", "stabletrain", "diagnose", "nowhere"], cwd=tmp_path, env=cli_env(),
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1 and "no such file or folder: nowhere" in bad.stderr
+
+
+def test_ddmin_finds_one_minimal_culprit_set():
+    calls = []
+
+    def fails(s):
+        calls.append(list(s))
+        return 13 in s
+
+    assert _ddmin(list(range(32)), fails) == [13]
+    assert len(calls) <= 2 * 5, "a bisection: about 2 log2(32) checks"
+    assert sorted(_ddmin(list(range(16)), lambda s: 3 in s and 11 in s)) == [3, 11], "a pair needed together"
