@@ -120,7 +120,7 @@ def test_poisoned_sample_in_a_batch_of_32_with_accumulation_4(tmp_path):
     assert f.phase == "forward" and f.module == "fc1" and f.inputs_nonfinite and d.origin == "data"
     assert d.traced_on == {"microbatches": [(0, micro)], "rows": [row], "dataset_indices": [victim]}
     assert d.weights.status == "healthy"
-    assert f"batch['x'] of sample {victim} (1 non-finite value)" in d.probable_cause and "bad data" in d.probable_cause
+    assert f"batch['x'] of sample {victim} holds 1 non-finite value" in d.probable_cause and "bad data" in d.probable_cause
     assert f"dataset index {victim}" in d.next_actions[0]
     assert any("dropout" in c for c in d.data.caveats), "PoisonNet has dropout"
 
@@ -145,7 +145,7 @@ def test_weights_made_huge_by_earlier_steps(tmp_path):
     healthy = [c for c in d.weights.checkpoints if c["healthy"]]
     assert healthy and d.weights.healthy_checkpoint == healthy[-1]["path"]
     assert healthy[-1]["step"] < d.step
-    assert "model_args.lr=100 (was 1000)" in d.next_actions[0] and "resume_interrupted=true" in d.next_actions[0]
+    assert "model_args.lr=100 or lower (was 1000)" in d.next_actions[0] and "resume_interrupted=true" in d.next_actions[0]
     assert f"step_{healthy[-1]['step']:06d}.ckpt" in d.next_actions[0]
     assert "gradient_clip_val=1.0" in d.next_actions[1]
     assert [h["step"] for h in d.history] == list(range(max(0, d.step - 5), d.step))
@@ -219,6 +219,41 @@ def test_batchnorm_makes_single_sample_isolation_approximate(tmp_path):
     assert d.data.dataset_indices == [victim] and d.data.rows == [6]
     assert d.finding.module == "features.0.conv" and d.finding.inputs_nonfinite and d.origin == "data"
     assert "BatchNorm makes their isolation approximate" in d.next_actions[-2]
+
+
+def test_two_ranks_the_culprit_sample_is_on_rank_1(tmp_path):
+    """Captures of a 2-rank step (the standalone monitor, as under torch.distributed) where
+    only rank 1's data holds a NaN; each rank alone, and both together."""
+    import copy
+
+    from torch.utils.data import default_collate
+
+    data = PoisonData(input_poison={13: float("nan")})
+    torch.manual_seed(0)
+    base = PoisonNet()
+    for rank in (0, 1):
+        model = copy.deepcopy(base)
+        monitor = NaNCaptureMonitor(model, out_dir=tmp_path / "caps", rank=rank, world_size=2, any_rank=lambda flag: True)
+        rows = list(range(rank * 8, rank * 8 + 8))  # rank 1 holds sample 13, at row 5
+        batch = default_collate([data[i] for i in rows])
+        monitor.begin_step(0)
+        monitor.collect_batch(batch, indices=rows)
+        loss = model.training_step(batch)
+        monitor.collect_loss(loss)
+        loss.backward()
+        with pytest.raises(NaNDetectedError):
+            monitor.check_and_capture()
+
+    d = stabletrain.diagnose(tmp_path / "caps", model=PoisonNet())
+    assert d.ranks == [0, 1] and d.reason == "nonfinite_loss" and d.cause == DETERMINISTIC_NUMERICAL
+    assert d.data.failing_microbatches == [(1, 0)] and d.data.microbatches == [(1, 0)]
+    assert d.data.rows == [5] and d.data.dataset_indices == [13] and "microbatch 0 of rank 1" in d.data.note
+    assert d.files == [str(tmp_path / "caps" / "diagnosis.md"), str(tmp_path / "caps" / "diagnosis.json")]
+
+    alone = stabletrain.diagnose(tmp_path / "caps" / "rank0", model=PoisonNet())
+    assert alone.reason == "other_rank" and alone.cause == NOT_REPRODUCIBLE
+    assert "another rank" in alone.probable_cause
+    assert alone.next_actions == [f"Diagnose all ranks together: stabletrain diagnose {tmp_path / 'caps'}"]
 
 
 def test_report_files_json_and_command_line(tmp_path, capsys):

@@ -459,7 +459,7 @@ def diagnose(
         with clock("bisect"):
             data = _isolate(cap, first.result, precision, dev, max_subset_replays)
         data.nonfinite_inputs = bad_inputs
-        data.caveats = _isolation_caveats(replay_model, data) if data.status != "combination" else []
+        data.caveats = _isolation_caveats(replay_model, data) if data.status == "isolated" else data.caveats
         data.approximate = any("batch-dependent" in c for c in data.caveats)
         with clock("trace"):
             keys = data.microbatches
@@ -488,7 +488,8 @@ def diagnose(
         world_size=cap.world_size,
         precision=precision,
         loss_scale=cap.loss_scale,
-        reason=cap.ranks[0].reason,
+        # Of several ranks, the one that failed says why; the others stopped with it (other_rank).
+        reason=next((r.reason for r in cap.ranks if r.reason != REASON_OTHER_RANK), cap.ranks[0].reason),
         model_class=cap.ranks[0].model_class,
         device=str(dev),
         cause=cause,
@@ -1043,7 +1044,7 @@ def _probable_cause(d: Diagnosis, cap: NaNCapture) -> str:
     if kind == "propagated":
         if d.origin == "data":
             bad = _bad_input_text(d)
-            return f"bad data: {bad} in the captured batch; {f.op_name} in {f.where} is only the first op to use it"
+            return f"bad data: {bad}; {f.op_name} in {f.where} is only the first op to use it"
         return f"a non-finite value reached {f.op_name} in {f.where} from outside the traced ops ({d.origin or 'unknown origin'})"
     if d.cause == PRECISION_INDUCED:
         dtype = _DTYPE_NAMES.get(d.precision, d.precision)
@@ -1076,7 +1077,7 @@ def _bad_input_text(d: Diagnosis) -> str:
     for bad in d.data.nonfinite_inputs:
         if (bad["rank"], bad["micro_step"]) in keys and (bad["row"] is None or bad["row"] in rows):
             who = f"sample {bad['index']}" if bad["index"] is not None else f"row {bad['row']}"
-            parts.append(f"{bad['field']} of {who} ({bad['count']} non-finite value{'s' if bad['count'] > 1 else ''})")
+            parts.append(f"{bad['field']} of {who} holds {bad['count']} non-finite value{'s' if bad['count'] > 1 else ''}")
     return ", ".join(parts[:3]) or "the input"
 
 
@@ -1110,7 +1111,7 @@ def _lr_text(settings: Optional[dict[str, Any]]) -> tuple[str, Optional[float]]:
     if settings and isinstance(settings.get("model_args"), dict):
         lr = settings["model_args"].get("lr")
     if isinstance(lr, (int, float)) and lr > 0:
-        return f"model_args.lr={_round(lr / 10)} (was {_round(lr)})", float(lr)
+        return f"model_args.lr={_round(lr / 10)} or lower (was {_round(lr)})", float(lr)
     return "a 10x lower learning rate (model_args.lr)", None
 
 
@@ -1142,7 +1143,7 @@ def _next_actions(d: Diagnosis, cap: NaNCapture, out: Optional[Path]) -> list[st
             "shows the first module that goes non-finite.",
             "On a GPU: make kernels deterministic (torch.use_deterministic_algorithms(True)) and check the hardware "
             "(nvidia-smi -q for ECC errors, temperatures); replay the capture on the original machine "
-            f"(stabletrain replay {cap.path} --device cuda).",
+            f"({_replay_command(cap)} --device cuda).",
         ]
     if w.status in ("nonfinite", "huge"):
         if w.healthy_checkpoint:
@@ -1191,8 +1192,8 @@ def _next_actions(d: Diagnosis, cap: NaNCapture, out: Optional[Path]) -> list[st
         src = f" at {f.source}" if f is not None and f.source else ""
         if kind == "propagated" and d.origin == "data":
             actions.append(
-                f"Fix or drop {samples or 'the bad samples'} ({_bad_input_text(d)}): NaN/Inf in the data reaches the "
-                "loss whatever the precision or learning rate. Check the data pipeline that produced it."
+                f"Fix or drop {samples or 'the bad samples'}: {_bad_input_text(d)}, and NaN/Inf in the data reaches "
+                "the loss whatever the precision or learning rate. Check the data pipeline that produced it."
             )
             if (settings or {}).get("task") == "image_classification":
                 actions.append("Check transform_args (transform_args.normalize.std must be well above 0 for every channel).")
@@ -1218,8 +1219,16 @@ def _next_actions(d: Diagnosis, cap: NaNCapture, out: Optional[Path]) -> list[st
             actions.append(f"The failure is independent of precision; keep precision={d.precision}.")
     if d.data.approximate:
         actions.append("Confirm the culprit samples in a full batch: BatchNorm makes their isolation approximate.")
-    actions.append(f"Replay the step yourself: stabletrain replay {cap.path}")
+    actions.append(f"Replay the step yourself: {_replay_command(cap)}")
     return actions
+
+
+def _replay_command(cap: NaNCapture) -> str:
+    """The command the capture's error message showed (it names your model), else a plain one."""
+    stored = cap.ranks[0].raw.get("replay_command")
+    if isinstance(stored, str) and stored.startswith("stabletrain replay ") and (len(cap.ranks) == 1 or cap.world_size > 1):
+        return stored
+    return f"stabletrain replay {cap.path}"
 
 
 def _samples_text(sets: list[list[int]], index_sets: Optional[list[list[int]]]) -> str:
@@ -1264,7 +1273,9 @@ def _render(d: Diagnosis) -> str:
         for s in f.inputs:
             counts = ", ".join(f"{n} {k}" for k, n in (("NaN", s.nan), ("+Inf", s.posinf), ("-Inf", s.neginf)) if n)
             flag = f" — already non-finite: {counts}" if s.nonfinite else ""
-            lines.append(f"- input {s.index}: {s.dtype} {list(s.shape)}, abs min {_fmt(s.abs_min)}, abs max {_fmt(s.abs_max)}{flag}")
+            mag = (f"abs min {_fmt(s.abs_min)}, abs max {_fmt(s.abs_max)}" if math.isfinite(s.abs_max)
+                   else "no finite value")
+            lines.append(f"- input {s.index}: {s.dtype} {list(s.shape)}, {mag}{flag}")
         if f.source:
             lines.append(f"- source: `{f.source}`")
         if f.phase == "backward" and f.forward_op:

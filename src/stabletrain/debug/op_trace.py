@@ -49,6 +49,7 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 _THIS_FILE = os.path.abspath(__file__)
 # stabletrain's debugging tools (replay, diagnose) call the user's code; their frames are never the answer.
 _DEBUG_DIR = os.path.dirname(_THIS_FILE) + os.sep
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(_THIS_FILE))) + os.sep  # .../src/ of stabletrain/
 
 
 @dataclass
@@ -121,7 +122,7 @@ class OpFinding:
     def where(self) -> str:
         """``module (Type)``, or where the op ran when outside every module's forward."""
         if self.outside_forward:
-            return f"{self.module_type}, outside forward (training_step or the training loop)"
+            return f"{self.module_type}, outside forward (in training_step, the step function or the loop)"
         return f"{self.module or '<root>'} ({self.module_type})"
 
     def describe(self) -> str:
@@ -166,7 +167,10 @@ def _user_source(stack: list[traceback.FrameSummary]) -> Optional[str]:
 
 
 def _short_path(path: str) -> str:
-    """``path`` relative to the working directory when below it (shorter in reports), else absolute."""
+    """``path`` relative to the working directory when below it (shorter in reports), a
+    built-in model's file as ``stabletrain/...``, else absolute."""
+    if path.startswith(_PACKAGE_PARENT):
+        return path[len(_PACKAGE_PARENT):]
     try:
         rel = os.path.relpath(path)
     except ValueError:
