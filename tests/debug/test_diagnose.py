@@ -101,6 +101,32 @@ def test_fp16_overflow_of_a_large_activation_is_precision_induced(tmp_path):
     assert "precision=bf16-mixed" in d.next_actions[0] and "precision=32-true" in d.next_actions[0]
 
 
+def test_fp16_loss_scaling_that_keeps_skipping_steps(tmp_path):
+    """Scaled float16 gradients overflow step after step: precision-induced, in the backward
+    pass, with the loss scale and the max_skipped_steps setting in the advice."""
+    from lightning_fabric import Fabric
+    from lightning_fabric.plugins import MixedPrecision
+
+    from stabletrain.config import load_settings
+    from stabletrain.trainer import Trainer
+
+    fabric = Fabric(accelerator="cpu", devices=1,
+                    plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**16))])
+    settings = load_settings({"out": tmp_path / "fp16", "model": PoisonNet(), "data": PoisonData(),
+                              "debug_args": {"nancapture": {"enabled": True, "max_skipped_steps": 2}}, **RUN})
+    with pytest.raises(NaNDetectedError) as info:
+        Trainer(settings, fabric=fabric).fit()
+    assert info.value.reason == "skipped_steps"
+    d = stabletrain.diagnose(info.value.capture_path, model=PoisonNet())
+    assert d.cause == PRECISION_INDUCED and d.reproduces_in == {"16-mixed": True, "32-true": False, "64-true": False}
+    assert all(math.isfinite(x) for x in d.replays[0].losses) and d.data.check == "forward+backward"
+    f = d.finding
+    assert f.phase == "backward" and f.dtype == "float16" and (f.output.posinf or f.output.neginf)
+    assert max(s.abs_max for s in f.inputs) > 65504, "a scaled gradient beyond float16's range"
+    assert f"loss scale {d.loss_scale:.3g}" in d.next_actions[0] and "precision=bf16-mixed" in d.next_actions[0]
+    assert "debug_args.nancapture.max_skipped_steps=4 (was 2)" in d.next_actions[1]
+
+
 def test_poisoned_sample_in_a_batch_of_32_with_accumulation_4(tmp_path):
     step, micro, row = 1, 2, 5
     victim = samples_of_step(step, batch_size=32, accum=4)[micro * 8 + row]

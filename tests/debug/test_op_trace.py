@@ -174,3 +174,16 @@ def test_tracer_armed_later_ignores_earlier_ops():
         tracer.arm()
         model(torch.randn(2, 8)).sum().backward()
     assert tracer.finding is None and tracer.op_count > 1 and bad.isnan().all()
+
+
+def test_uninitialised_memory_is_not_a_finding():
+    """empty_like (dropout's mask buffer) returns whatever the memory held, NaN bit patterns
+    included, until the next op writes it: its output is not checked."""
+    from stabletrain.debug.op_trace import OpTracer
+
+    tracer = OpTracer(Net("none"))
+    garbage = torch.full((4,), float("nan"))
+    tracer.inspect(torch.ops.aten.empty_like.default, (garbage,), {}, garbage)
+    assert tracer.finding is None
+    tracer.inspect(torch.ops.aten.mul.Tensor, (garbage, garbage), {}, garbage)
+    assert tracer.finding is not None and tracer.finding.op == "aten.mul.Tensor"

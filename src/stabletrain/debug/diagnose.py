@@ -691,11 +691,11 @@ def _isolate(cap: NaNCapture, full: ForwardBackwardResult, precision: str, devic
     else:
         names = _samples_text(sets, report.index_sets)
         together = any(len(s) > 1 for s in sets)
-        report.note = (
-            f"{names} of {where} ({n} samples) {'trigger' if len(sets) > 1 or together else 'triggers'} the failure"
-            + (" together (not one alone)" if together else "")
-            + "; the other samples of the microbatch do not"
-        )
+        if len(sets) == 1:
+            verb = "trigger the failure together (not one alone)" if together else "triggers the failure"
+        else:
+            verb = "each trigger the failure on their own" if not together else "trigger the failure (in groups)"
+        report.note = f"{names} of {where} ({n} samples) {verb}; the other samples of the microbatch do not"
         others = [k for k in failing if k != culprit]
         if others:
             report.note += f"; microbatches {_keys_text(others)} also fail alone (not searched further)"
@@ -1183,8 +1183,18 @@ def _next_actions(d: Diagnosis, cap: NaNCapture, out: Optional[Path]) -> list[st
                 f"Train with precision=bf16-mixed or precision=32-true (float32 master weights); to stay in float16, use "
                 f"precision=16-mixed, which adds dynamic loss scaling (now {d.precision})."
             )
-        if f is not None and f.source:
+        if f is not None and f.source and f.phase == "forward":
             actions.append(f"Or keep {d.precision} and keep the value in range where it grows: {f.source}.")
+        if d.reason == REASON_SKIPPED:
+            skipped = cap.ranks[0].raw.get("consecutive_skipped_steps")
+            limit = ((settings or {}).get("debug_args") or {}).get("nancapture", {}).get("max_skipped_steps")
+            if isinstance(skipped, int) and skipped:
+                actions.append(
+                    f"If training had only just started, the GradScaler may still have been lowering its initial scale "
+                    f"(it skips a step each time it halves it): allow more skipped steps in a row with "
+                    f"debug_args.nancapture.max_skipped_steps={2 * skipped}"
+                    + (f" (was {limit})." if limit else f" (now {skipped}).")
+                )
     else:
         f = d.finding
         kind = _op_kind(f) if f is not None else "other"
@@ -1278,8 +1288,11 @@ def _render(d: Diagnosis) -> str:
             lines.append(f"- input {s.index}: {s.dtype} {list(s.shape)}, {mag}{flag}")
         if f.source:
             lines.append(f"- source: `{f.source}`")
+        if f.outside_forward:
+            lines.append("- ran outside every module's forward: in training_step, the step function or the training loop")
         if f.phase == "backward" and f.forward_op:
-            lines.append(f"- differentiates `{f.forward_op}`, created in the forward pass of {f.where}")
+            lines.append(f"- differentiates `{f.forward_op}`, created in the forward pass"
+                         + ("" if f.outside_forward else f" of {f.where}"))
         if d.origin:
             origin = {
                 "data": f"the data ({_bad_input_text(d)})",

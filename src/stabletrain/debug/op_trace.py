@@ -45,6 +45,10 @@ _FILL_OPS = {
 #: Owner of autograd nodes created outside every module's forward.
 _OUTSIDE = ("", "")
 
+#: Ops that return uninitialised memory, which may hold any bit pattern (NaN included) until
+#: the next op writes it (dropout's mask is built in an ``empty_like``).
+_UNINITIALISED_OPS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted", "resize_"}
+
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _THIS_FILE = os.path.abspath(__file__)
 # stabletrain's debugging tools (replay, diagnose) call the user's code; their frames are never the answer.
@@ -122,7 +126,7 @@ class OpFinding:
     def where(self) -> str:
         """``module (Type)``, or where the op ran when outside every module's forward."""
         if self.outside_forward:
-            return f"{self.module_type}, outside forward (in training_step, the step function or the loop)"
+            return f"{self.module_type} outside forward"
         return f"{self.module or '<root>'} ({self.module_type})"
 
     def describe(self) -> str:
@@ -285,6 +289,8 @@ class OpTracer:
 
     # -- op inspection ---------------------------------------------------------------
     def inspect(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        if func.__name__.split(".")[0] in _UNINITIALISED_OPS:
+            return
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         bad = None
         for t in outs:
