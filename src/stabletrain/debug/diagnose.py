@@ -622,8 +622,8 @@ def _isolate(cap: NaNCapture, full: ForwardBackwardResult, precision: str, devic
         report.status = "combination"
         report.microbatches = combo
         report.note = (
-            f"no microbatch fails on its own; together, microbatches {_keys_text(combo)} do: their summed gradient "
-            "goes out of range, not any one sample"
+            f"no microbatch fails on its own; together, microbatches {_keys_text(combo)} do: their accumulated "
+            "gradient goes out of range, not any one sample's"
         )
         return report
 
@@ -980,6 +980,8 @@ def _explain_cause(d: Diagnosis, cap: NaNCapture) -> str:
             f"leave the range or precision of {dtype}, while the arithmetic is sound in wider types." + det
         )
     text = f"It comes back every time in {', '.join(failing_in)}"
+    if "32-true" in failing_in:
+        dtype = "float32"  # the widest type that fails is the one whose range the values exceed
     if finite_in:
         big = next((r for r in d.replays if r.precision in finite_in), None)
         mag = ""
@@ -1443,7 +1445,11 @@ def diagnose_main(argv: list[str]) -> int:
         if not isinstance(model, nn.Module):
             raise NaNCaptureError(f"--model {ns.model}: built a {type(model).__name__}, not a torch.nn.Module")
     step_fn = load_object(ns.step_fn) if ns.step_fn else None
-    result = diagnose(ns.path, model=model, step_fn=step_fn, device=ns.device, write=not ns.no_write)
+    try:
+        result = diagnose(ns.path, model=model, step_fn=step_fn, device=ns.device, write=not ns.no_write)
+    except NaNCaptureError as exc:
+        # The loader's hints name the replay command; the same options work here.
+        raise NaNCaptureError(str(exc).replace("stabletrain replay ", "stabletrain diagnose "), exc.path) from None
     if ns.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
