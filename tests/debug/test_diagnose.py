@@ -151,6 +151,22 @@ def test_poisoned_sample_in_a_batch_of_32_with_accumulation_4(tmp_path):
     assert any("dropout" in c for c in d.data.caveats), "PoisonNet has dropout"
 
 
+def test_failure_only_in_the_accumulated_gradient_is_a_combination(tmp_path):
+    """Two microbatches each add 2e38 to a gradient: finite alone, +Inf once accumulated."""
+    a, b = samples_of_step(2, accum=2)[1], samples_of_step(2, accum=2)[6]
+    with pytest.raises(NaNDetectedError) as info:
+        train(out=tmp_path / "run", model=PoisonNet(), data=PoisonData(grad_poison={a: 2e38, b: 2e38}),
+              gradient_accumulation_steps=2, debug_args=NANCAPTURE, **RUN)
+    d = stabletrain.diagnose(info.value.capture_path, model=PoisonNet())
+    assert d.cause == DETERMINISTIC_NUMERICAL and d.reproduces_in == {"32-true": True, "64-true": False}
+    assert d.data.status == "combination" and d.data.failing_microbatches == []
+    assert d.data.microbatches == [(0, 0), (0, 1)] and d.data.check == "forward+backward"
+    f = d.finding
+    assert f.phase == "backward" and f.op == "aten.add_.Tensor" and f.forward_op == "torch::autograd::AccumulateGrad"
+    assert f.output.posinf and all(1e38 < s.abs_max < 3.4e38 for s in f.inputs), "two finite gradients whose sum overflows"
+    assert "accumulated gradient" in d.data.note
+
+
 def test_weights_made_huge_by_earlier_steps(tmp_path):
     boom = {"optimizer": "sgd", "lr": 1000.0, "warmup_steps": 0, "lr_schedule": "constant"}
     with pytest.raises(NaNDetectedError) as info:

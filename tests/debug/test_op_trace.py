@@ -187,3 +187,17 @@ def test_uninitialised_memory_is_not_a_finding():
     assert tracer.finding is None
     tracer.inspect(torch.ops.aten.mul.Tensor, (garbage, garbage), {}, garbage)
     assert tracer.finding is not None and tracer.finding.op == "aten.mul.Tensor"
+
+
+def test_inplace_overflow_reports_the_input_as_it_was():
+    class InPlace(nn.Module):
+        def forward(self, x):
+            h = x * 1e38
+            h.add_(h)  # 2e38 + 2e38 overflows in place
+            return h.sum()
+
+    model = InPlace()
+    f, _ = trace_first_nonfinite(model, lambda: model(torch.full((3,), 2.0)), backward=False)
+    assert f.module == "" and not f.outside_forward
+    assert f.op == "aten.add_.Tensor" and f.output.posinf == 3
+    assert not f.inputs_nonfinite and f.inputs[0].abs_max == pytest.approx(2e38, rel=1e-6)

@@ -208,12 +208,48 @@ class _Tracer(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         owner = self.owner
+        watching = owner.finding is None and owner.armed
+        # An in-place op overwrites its input: keep a copy, so the report shows the input as
+        # it was (finite) rather than the op's own non-finite result.
+        before = _copy_written(func, args, kwargs) if watching and func._schema.is_mutable else None
+        out = func(*args, **kwargs)
         owner.op_count += 1
-        if owner.finding is None and owner.armed:
-            owner.inspect(func, args, kwargs, out)
+        if watching:
+            b_args, b_kwargs = before if before is not None else (args, kwargs)
+            owner.inspect(func, b_args, b_kwargs, out)
         return out
+
+
+def _copy_written(func: Any, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """``args`` and ``kwargs`` with the tensors ``func`` writes to, and every argument sharing
+    their memory (``h.add_(h)``), replaced by copies."""
+    args, kwargs = list(args), dict(kwargs)
+    written = set()
+    for i, arg in enumerate(func._schema.arguments):
+        info = arg.alias_info
+        if info is None or not info.is_write:
+            continue
+        value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+        if isinstance(value, torch.Tensor):
+            written.add(_storage_ptr(value))
+    written.discard(None)
+    if not written:
+        return tuple(args), kwargs
+
+    def copy(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and _storage_ptr(value) in written:
+            return value.detach().clone()
+        return value
+
+    return tuple(copy(a) for a in args), {k: copy(v) for k, v in kwargs.items()}
+
+
+def _storage_ptr(t: torch.Tensor) -> Optional[int]:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # sparse and other storage-less tensors
+        return None
 
 
 class OpTracer:
