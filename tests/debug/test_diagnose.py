@@ -233,33 +233,27 @@ def test_nondeterministic_fault_is_not_reproducible(tmp_path, replays_hit):
 
 
 def test_batchnorm_makes_single_sample_isolation_approximate(tmp_path):
-    from torch.utils.data import Dataset
+    """The built-in CNN (BatchNorm) with an Inf pixel in one image of step 1."""
 
-    from stabletrain.tasks.image_classification import SmallCNN
+    class PoisonImage:
+        def on_microbatch(self, trainer, *, step, micro_step, batch, indices):
+            if step == 1:
+                batch[0][6, 1, 4, 7] = float("inf")  # the batch the model (and the capture) gets
+                self.victim = int(indices[6])
 
-    class Images(Dataset):
-        def __init__(self, poisoned):
-            g = torch.Generator().manual_seed(2)
-            self.x, self.y = torch.randn(32, 3, 16, 16, generator=g), torch.randint(4, (32,), generator=g)
-            self.x[poisoned, 1, 4, 7] = float("inf")
-
-        def __len__(self):
-            return 32
-
-        def __getitem__(self, i):
-            return self.x[i], self.y[i]
-
-    def cnn():
-        torch.manual_seed(0)
-        return SmallCNN(num_classes=4, width=4)
-
-    victim = samples_of_step(1, n=32)[6]
+    poison = PoisonImage()
     with pytest.raises(NaNDetectedError) as info:
-        train(out=tmp_path / "cnn", model=cnn(), data=Images(victim), debug_args=NANCAPTURE, **RUN)
-    d = stabletrain.diagnose(info.value.capture_path, model=cnn())
+        train(out=tmp_path / "cnn", model="cnn", model_args={"cnn_width": 4, "warmup_steps": 0},
+              transform_args={"image_size": 16}, callbacks=[poison], debug_args=NANCAPTURE,
+              **{k: v for k, v in RUN.items() if k != "model_args"})
+    d = stabletrain.diagnose(info.value.capture_path.parent)  # rebuilt from the stored settings
+    assert d.cause == DETERMINISTIC_NUMERICAL and d.step == 1
     assert d.data.approximate and "BatchNorm" in d.data.caveats[0] and "approximate" in d.data.caveats[0]
-    assert d.data.dataset_indices == [victim] and d.data.rows == [6]
-    assert d.finding.module == "features.0.conv" and d.finding.inputs_nonfinite and d.origin == "data"
+    assert d.data.status == "isolated" and d.data.dataset_indices == [poison.victim] and d.data.rows == [6]
+    assert d.finding.module == "features.0.conv" and d.finding.phase == "forward"
+    assert d.finding.inputs_nonfinite and d.origin == "data"
+    assert f"dataset index {poison.victim}" in d.next_actions[0]
+    assert "transform_args.normalize" in d.next_actions[1], "image data: check the input normalisation"
     assert "BatchNorm makes their isolation approximate" in d.next_actions[-2]
 
 

@@ -285,10 +285,9 @@ class OpTracer:
     # -- module tracking -----------------------------------------------------------
     def _pre(self, name: str, type_name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
-            # What fed this module was computed by whoever runs now (the parent's forward),
-            # so claim it for them before the child can take it.
-            # Called from outside every forward (training_step, the loop): its inputs were made
-            # there, and are marked so, which also stops this module's post-hook from taking them.
+            # What fed this module was computed by whoever runs now: the parent's forward, or
+            # nobody's when it is called from training_step or the loop. Claim it so before this
+            # module's post-hook can take it.
             if self.check_backward:
                 self._claim_nodes(args, self._stack[-1] if self._stack else _OUTSIDE)
             self._stack.append((name, type_name))

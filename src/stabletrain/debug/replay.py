@@ -35,7 +35,7 @@ import pickle
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Iterable, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
@@ -51,6 +51,9 @@ from stabletrain.debug.nan_capture import (
     persistent_buffers,
 )
 from stabletrain.utils.rng import get_rng_state, set_rng_state
+
+if TYPE_CHECKING:
+    from stabletrain.debug.diagnose import Diagnosis
 
 __all__ = [
     "load_nan_capture",
@@ -1012,7 +1015,7 @@ class NaNCapture:
             sample_indices=indices,
         )
 
-    def diagnose(self, **kwargs: Any) -> Any:
+    def diagnose(self, **kwargs: Any) -> "Diagnosis":
         """:func:`stabletrain.debug.diagnose.diagnose` on this capture: which op, module and
         sample, and why. Writes ``diagnosis.md`` and ``diagnosis.json`` next to the capture
         unless ``write=False``.
