@@ -6,6 +6,7 @@ Public API (imported lazily, so ``import stabletrain`` is cheap and has no side 
     stabletrain.compute_grad_norm(named_params) # the same norm in any PyTorch loop
     stabletrain.load_nan_capture(path).replay() # rerun a captured failing step (debug_args.nancapture)
     stabletrain.UnderflowOverflowMonitor(model) # the first module whose values go non-finite
+    stabletrain.diagnose(path)                  # which op, module and sample, and why
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ _EXPORTS = {
     "load_nan_capture": "stabletrain.debug.replay",
     "NaNCapture": "stabletrain.debug.replay",
     "ReplayResult": "stabletrain.debug.replay",
+    "diagnose": "stabletrain.debug.diagnose",
+    "Diagnosis": "stabletrain.debug.diagnose",
 }
 
 __all__ = ["__version__", *_EXPORTS]

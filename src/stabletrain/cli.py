@@ -24,6 +24,7 @@ examples:
   stabletrain train out=out/img model=torchvision/resnet18 data=path/to/images transform_args.image_size=64
   stabletrain train out=out/boom model_args.optimizer=sgd model_args.lr=1000 debug_args.nancapture.enabled=true
   stabletrain replay out/boom/debug/nan_capture/rank0
+  stabletrain diagnose out/boom/debug/nan_capture/rank0
 """
 
 
@@ -67,10 +68,17 @@ def _cmd_replay(args: list[str]) -> int:
     return replay_main(args)
 
 
+def _cmd_diagnose(args: list[str]) -> int:
+    from stabletrain.debug.diagnose import diagnose_main
+
+    return diagnose_main(args)
+
+
 #: name -> (one-line help, function taking the remaining arguments and returning an exit code)
 COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "train": ("train a model (stabletrain train --help lists every setting)", _cmd_train),
     "replay": ("rerun a captured NaN step offline: stabletrain replay PATH [--json]", _cmd_replay),
+    "diagnose": ("which op, module and sample made a captured step NaN, and why: stabletrain diagnose PATH [--json]", _cmd_diagnose),
 }
 
 

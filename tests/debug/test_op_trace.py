@@ -132,3 +132,72 @@ def test_backward_fault_inside_a_submodule_and_inplace_relu_model():
     assert f.phase == "backward" and f.module == "fc.0" and f.module_type == "SafeSqrt"
     assert f.forward_op == "SqrtBackward0"
     assert "torch.sqrt(torch.relu(x - 10))" in f.source
+
+
+class TwoCalls(nn.Module):
+    """training_step calls two submodules directly with a functional op between them."""
+
+    def __init__(self, fault):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fault = fault
+        self.enc = nn.Linear(4, 4)
+        self.dec = nn.Linear(4, 1)
+
+    def training_step(self, x):
+        h = self.enc(x)
+        if self.fault == "backward":
+            h = torch.sqrt(h * 0)  # outside every forward: finite, infinite gradient
+        else:
+            h = torch.log(h * 0)
+        return self.dec(h).pow(2).mean()
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_op_outside_every_forward_is_not_blamed_on_a_neighbour(phase):
+    model = TwoCalls(phase)
+    f, _ = trace_first_nonfinite(model, lambda: model.training_step(torch.randn(3, 4)))
+    assert f.phase == phase and f.outside_forward
+    assert f.module == "" and f.module_type == "TwoCalls", "not dec, whose gradient ran just before"
+    assert "outside forward" in f.where
+    assert ("torch.sqrt(h * 0)" if phase == "backward" else "torch.log(h * 0)") in f.source
+    if phase == "backward":
+        assert f.forward_op == "SqrtBackward0"
+
+
+def test_tracer_armed_later_ignores_earlier_ops():
+    from stabletrain.debug.op_trace import OpTracer
+
+    model = Net("none")
+    with OpTracer(model, armed=False) as tracer:
+        bad = torch.full((2,), float("nan")) * 2  # e.g. restoring a non-finite state before the step
+        tracer.arm()
+        model(torch.randn(2, 8)).sum().backward()
+    assert tracer.finding is None and tracer.op_count > 1 and bad.isnan().all()
+
+
+def test_uninitialised_memory_is_not_a_finding():
+    """empty_like (dropout's mask buffer) returns whatever the memory held, NaN bit patterns
+    included, until the next op writes it: its output is not checked."""
+    from stabletrain.debug.op_trace import OpTracer
+
+    tracer = OpTracer(Net("none"))
+    garbage = torch.full((4,), float("nan"))
+    tracer.inspect(torch.ops.aten.empty_like.default, (garbage,), {}, garbage)
+    assert tracer.finding is None
+    tracer.inspect(torch.ops.aten.mul.Tensor, (garbage, garbage), {}, garbage)
+    assert tracer.finding is not None and tracer.finding.op == "aten.mul.Tensor"
+
+
+def test_inplace_overflow_reports_the_input_as_it_was():
+    class InPlace(nn.Module):
+        def forward(self, x):
+            h = x * 1e38
+            h.add_(h)  # 2e38 + 2e38 overflows in place
+            return h.sum()
+
+    model = InPlace()
+    f, _ = trace_first_nonfinite(model, lambda: model(torch.full((3,), 2.0)), backward=False)
+    assert f.module == "" and not f.outside_forward
+    assert f.op == "aten.add_.Tensor" and f.output.posinf == 3
+    assert not f.inputs_nonfinite and f.inputs[0].abs_max == pytest.approx(2e38, rel=1e-6)

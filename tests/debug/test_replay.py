@@ -124,6 +124,9 @@ def test_forward_backward_on_chosen_microbatches_samples_and_precision(tmp_path,
     assert second.nonfinite_param_names == ["fc2.weight"]
     assert torch.equal(second.losses[0], captured[1]), "each microbatch gets its own RNG state, run alone too"
 
+    forward_only = forward_backward(cap, microbatches=[(0, 1)], backward=False)
+    assert torch.equal(forward_only.losses[0], captured[1]) and forward_only.grad_finite == {}
+    assert all(p.grad is None for p in forward_only.model.parameters()), "no backward pass"
     assert forward_backward(cap, microbatches=[1], rows={1: [2]}).nonfinite_param_names == ["fc2.weight"]
     assert forward_backward(cap, microbatches=[1], rows={1: [0, 1, 3]}).finite
 

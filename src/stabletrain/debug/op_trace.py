@@ -3,9 +3,13 @@
 This is the offline, exact counterpart of the underflow/overflow monitor. A
 ``TorchDispatchMode`` sees every aten op of forward and backward; forward hooks on every
 module give the module whose ``forward`` ran the op (so a functional op between two child
-modules is blamed on the parent that ran it); hooks on the autograd graph's nodes give, for
-a backward op, the forward op and module it is the gradient of. Every op's output is checked
-on the host, so it is slow — use it on one captured step, not in training.
+modules is blamed on the parent that ran it). For backward, each autograd node is tagged
+(in its ``metadata``) with the module whose forward created it; during backward the node
+being run is asked directly (``torch._C._current_autograd_node``), so a backward op is
+named after the forward op and module it is the gradient of, and nodes created outside
+every module's forward (the loss in ``training_step``, the loop's ``loss / accum``) are
+reported as such instead of inheriting a neighbour's name. Every op's output is checked on
+the host, so it is slow — use it on one captured step, not in training.
 
 Deliberate infinities are not failures: a fill op (``masked_fill``, ``full``, ``where``, ...)
 whose infinite values come from an infinite scalar argument is skipped, because attention
@@ -38,8 +42,18 @@ _FILL_OPS = {
     "scalar_tensor", "index_fill", "index_fill_", "masked_scatter", "lift_fresh", "lift_fresh_copy",
 }
 
+#: Owner of autograd nodes created outside every module's forward.
+_OUTSIDE = ("", "")
+
+#: Ops that return uninitialised memory, which may hold any bit pattern (NaN included) until
+#: the next op writes it (dropout's mask is built in an ``empty_like``).
+_UNINITIALISED_OPS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted", "resize_"}
+
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _THIS_FILE = os.path.abspath(__file__)
+# stabletrain's debugging tools (replay, diagnose) call the user's code; their frames are never the answer.
+_DEBUG_DIR = os.path.dirname(_THIS_FILE) + os.sep
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(_THIS_FILE))) + os.sep  # .../src/ of stabletrain/
 
 
 @dataclass
@@ -70,6 +84,9 @@ class OpFinding:
         module: Module path in the user's names ("" is the root module); for a backward op,
             the module whose forward created the node being differentiated.
         module_type: Class name of that module.
+        outside_forward: True when the op (or, in backward, the node it differentiates) ran
+            outside every module's ``forward``: in ``training_step``, a step function or the
+            training loop; ``module`` is then "" (the root).
         dtype: dtype of the bad output.
         output: Statistics of the bad output.
         inputs: Statistics of each tensor input, in argument order.
@@ -92,6 +109,7 @@ class OpFinding:
     source: Optional[str] = None
     forward_op: Optional[str] = None
     op_index: int = 0
+    outside_forward: bool = False
 
     @property
     def op_name(self) -> str:
@@ -104,10 +122,16 @@ class OpFinding:
         data["op_name"] = self.op_name
         return data
 
+    @property
+    def where(self) -> str:
+        """``module (Type)``, or where the op ran when outside every module's forward."""
+        if self.outside_forward:
+            return f"{self.module_type} outside forward"
+        return f"{self.module or '<root>'} ({self.module_type})"
+
     def describe(self) -> str:
-        where = self.module or "<root>"
         kinds = [k for k, n in (("NaN", self.output.nan), ("+Inf", self.output.posinf), ("-Inf", self.output.neginf)) if n]
-        head = f"{self.op} in {where} ({self.module_type}), {self.phase}, {self.dtype}: output has {'/'.join(kinds)}"
+        head = f"{self.op} in {self.where}, {self.phase}, {self.dtype}: output has {'/'.join(kinds)}"
         if self.forward_op:
             head += f"; gradient of {self.forward_op}"
         lines = [head]
@@ -137,13 +161,25 @@ def _user_source(stack: list[traceback.FrameSummary]) -> Optional[str]:
     """The innermost frame outside torch and this module: the model code that called the op."""
     for frame in reversed(stack):
         path = os.path.abspath(frame.filename)
-        if path == _THIS_FILE or path.startswith(_TORCH_DIR) or "/lightning_fabric/" in path:
+        if path.startswith(_DEBUG_DIR) or path.startswith(_TORCH_DIR) or "/lightning_fabric/" in path:
             continue
         if frame.filename.startswith("<"):
             continue
         line = (frame.line or "").strip()
-        return f"{frame.filename}:{frame.lineno}: {line}"
+        return f"{_short_path(path)}:{frame.lineno}: {line}"
     return None
+
+
+def _short_path(path: str) -> str:
+    """``path`` relative to the working directory when below it (shorter in reports), a
+    built-in model's file as ``stabletrain/...``, else absolute."""
+    if path.startswith(_PACKAGE_PARENT):
+        return path[len(_PACKAGE_PARENT):]
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:
+        return path
+    return path if rel.startswith("..") else rel
 
 
 def _anomaly_source(node: Any) -> Optional[str]:
@@ -172,12 +208,48 @@ class _Tracer(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         owner = self.owner
+        watching = owner.finding is None and owner.armed
+        # An in-place op overwrites its input: keep a copy, so the report shows the input as
+        # it was (finite) rather than the op's own non-finite result.
+        before = _copy_written(func, args, kwargs) if watching and func._schema.is_mutable else None
+        out = func(*args, **kwargs)
         owner.op_count += 1
-        if owner.finding is None:
-            owner.inspect(func, args, kwargs, out)
+        if watching:
+            b_args, b_kwargs = before if before is not None else (args, kwargs)
+            owner.inspect(func, b_args, b_kwargs, out)
         return out
+
+
+def _copy_written(func: Any, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """``args`` and ``kwargs`` with the tensors ``func`` writes to, and every argument sharing
+    their memory (``h.add_(h)``), replaced by copies."""
+    args, kwargs = list(args), dict(kwargs)
+    written = set()
+    for i, arg in enumerate(func._schema.arguments):
+        info = arg.alias_info
+        if info is None or not info.is_write:
+            continue
+        value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+        if isinstance(value, torch.Tensor):
+            written.add(_storage_ptr(value))
+    written.discard(None)
+    if not written:
+        return tuple(args), kwargs
+
+    def copy(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and _storage_ptr(value) in written:
+            return value.detach().clone()
+        return value
+
+    return tuple(copy(a) for a in args), {k: copy(v) for k, v in kwargs.items()}
+
+
+def _storage_ptr(t: torch.Tensor) -> Optional[int]:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # sparse and other storage-less tensors
+        return None
 
 
 class OpTracer:
@@ -186,16 +258,26 @@ class OpTracer:
     Args:
         model: The module whose submodule names are reported.
         check_backward: Also trace the backward pass (needs anomaly mode for source lines).
+        armed: Inspect ops from the start; with False, ops are only counted until
+            :meth:`arm` is called (e.g. a replay arms it once the captured state is loaded,
+            so that restoring non-finite weights is not reported as the failing op).
+
+    Example::
+
+        with OpTracer(model) as tracer:
+            model.training_step(batch).backward()
+        print(tracer.finding.describe() if tracer.finding else "all finite")
     """
 
-    def __init__(self, model: nn.Module, check_backward: bool = True):
+    def __init__(self, model: nn.Module, check_backward: bool = True, armed: bool = True):
         self.model = model
         self.check_backward = check_backward
+        self.armed = armed
         self.finding: Optional[OpFinding] = None
         self.op_count = 0
         self._stack: list[tuple[str, str]] = []
-        self._assigned: set[int] = set()
-        self._bw_current: Optional[tuple[str, str, Any]] = None
+        # Autograd nodes are tagged in their own metadata (not by id(): ids of freed nodes are reused).
+        self._key = f"stabletrain.op_trace.owner.{id(self)}"
         self._handles: list[Any] = []
         self._anomaly: Any = None
         self._mode: Optional[_Tracer] = None
@@ -203,10 +285,11 @@ class OpTracer:
     # -- module tracking -----------------------------------------------------------
     def _pre(self, name: str, type_name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
-            # What fed this module was computed by whoever runs now (the parent's forward),
-            # so claim it for them before the child can take it.
+            # What fed this module was computed by whoever runs now: the parent's forward, or
+            # nobody's when it is called from training_step or the loop. Claim it so before this
+            # module's post-hook can take it.
             if self.check_backward:
-                self._claim_nodes(args, self._stack[-1] if self._stack else (name, type_name))
+                self._claim_nodes(args, self._stack[-1] if self._stack else _OUTSIDE)
             self._stack.append((name, type_name))
 
         return hook
@@ -220,26 +303,29 @@ class OpTracer:
 
         return hook
 
+    def arm(self) -> None:
+        """Start inspecting ops (see ``armed``)."""
+        self.armed = True
+
     def _claim_nodes(self, output: Any, owner: tuple[str, str]) -> None:
         """Give the not-yet-owned autograd nodes behind ``output`` to ``owner`` (innermost first)."""
         leaves, _ = tree_flatten(output)
         todo = [t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        key = self._key
         while todo:
             node = todo.pop()
-            if node is None or id(node) in self._assigned:
+            if node is None:
                 continue
-            self._assigned.add(id(node))
-            self._handles.append(node.register_prehook(self._bw_hook(node, owner)))
+            meta = node.metadata
+            if key in meta:
+                continue
+            meta[key] = owner
             todo.extend(n for n, _ in node.next_functions if n is not None)
-
-    def _bw_hook(self, node: Any, owner: tuple[str, str]) -> Callable[..., None]:
-        def hook(grad_outputs: Any) -> None:
-            self._bw_current = (owner[0], owner[1], node)
-
-        return hook
 
     # -- op inspection ---------------------------------------------------------------
     def inspect(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        if func.__name__.split(".")[0] in _UNINITIALISED_OPS:
+            return
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         bad = None
         for t in outs:
@@ -259,12 +345,17 @@ class OpTracer:
         inputs = [tensor_stat(a, i) for i, a in enumerate(a for a in flat_args if isinstance(a, torch.Tensor))
                   if a.is_floating_point() or a.is_complex()]
         in_backward = torch._C._current_graph_task_id() != -1
+        root_type = type(self.model).__name__
         if in_backward:
-            module, type_name, node = self._bw_current or ("", type(self.model).__name__, None)
+            node = torch._C._current_autograd_node()
+            owner = node.metadata.get(self._key) if node is not None else None
+            outside = owner is None or owner == _OUTSIDE
+            module, type_name = ("", root_type) if outside else owner
             source = _anomaly_source(node)
             forward_op = node.name() if node is not None else None
         else:
-            module, type_name = self._stack[-1] if self._stack else ("", type(self.model).__name__)
+            outside = not self._stack
+            module, type_name = self._stack[-1] if self._stack else ("", root_type)
             source = _user_source(traceback.extract_stack())
             forward_op = None
         self.finding = OpFinding(
@@ -279,6 +370,7 @@ class OpTracer:
             source=source,
             forward_op=forward_op,
             op_index=self.op_count - 1,
+            outside_forward=outside,
         )
 
     # -- context manager -------------------------------------------------------------
@@ -306,7 +398,8 @@ class OpTracer:
         self._handles.clear()
 
     def claim_remaining(self, output: Any, name: str = "", type_name: str = "") -> None:
-        """Give nodes created outside every module (e.g. a loss in training_step) an owner."""
+        """Give nodes created outside every module (e.g. a loss in training_step) an explicit
+        owner; nodes left unclaimed are reported with ``outside_forward=True``."""
         if self.check_backward:
             self._claim_nodes(output, (name, type_name or type(self.model).__name__))
 
@@ -334,7 +427,6 @@ def trace_first_nonfinite(
     with OpTracer(model, check_backward=backward) as tracer:
         loss = forward()
         if backward and isinstance(loss, torch.Tensor) and loss.requires_grad:
-            tracer.claim_remaining(loss)
             loss.backward()
     return tracer.finding, loss
 

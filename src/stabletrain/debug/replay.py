@@ -35,7 +35,7 @@ import pickle
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Iterable, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
@@ -51,6 +51,9 @@ from stabletrain.debug.nan_capture import (
     persistent_buffers,
 )
 from stabletrain.utils.rng import get_rng_state, set_rng_state
+
+if TYPE_CHECKING:
+    from stabletrain.debug.diagnose import Diagnosis
 
 __all__ = [
     "load_nan_capture",
@@ -404,6 +407,7 @@ def forward_backward(
     context: Optional[Union[ContextManager[Any], Callable[[], ContextManager[Any]]]] = None,
     model: Optional[nn.Module] = None,
     step_fn: Optional[Callable[[nn.Module, Any], Tensor]] = None,
+    backward: bool = True,
 ) -> ForwardBackwardResult:
     """Rerun forward and backward of chosen microbatches of a captured step, from the
     captured state; the building block of :meth:`NaNCapture.replay` and of diagnosis.
@@ -436,6 +440,9 @@ def forward_backward(
             entered once around all forward and backward passes.
         model: Overrides the capture's model (see :meth:`NaNCapture.get_model`).
         step_fn: Overrides the capture's ``step_fn(model, batch) -> loss``.
+        backward: False runs the forward passes only, under ``torch.no_grad()`` (about a
+            third of the cost): enough to tell whether a loss is non-finite. No gradients
+            are computed, so ``grad_finite`` is empty and ``finite`` reflects the losses.
 
     Returns:
         A :class:`ForwardBackwardResult` with the losses, the finiteness of every
@@ -478,7 +485,8 @@ def forward_backward(
         model.train()
         summed: dict[str, Tensor] = {}
         ctx = context() if (context is not None and not hasattr(context, "__enter__")) else context
-        with torch.enable_grad(), (ctx if ctx is not None else contextlib.nullcontext()):
+        grad_mode = torch.enable_grad() if backward else torch.no_grad()
+        with grad_mode, (ctx if ctx is not None else contextlib.nullcontext()):
             for rank, micros in by_rank.items():
                 part = capture.rank_capture(rank)
                 _load_state(model, part, float_dtype, dev)
@@ -501,7 +509,8 @@ def forward_backward(
                         )
                     losses.append(loss.detach().to("cpu", copy=True))
                     run_keys.append((rank, micro))
-                    plugin.backward(loss / accum, model)
+                    if backward:
+                        plugin.backward(loss / accum, model)
                 if combined:
                     # DDP divides each rank's gradient by the world size and sums them.
                     for name, p in model.named_parameters():
@@ -1005,6 +1014,19 @@ class NaNCapture:
             path=str(self.path),
             sample_indices=indices,
         )
+
+    def diagnose(self, **kwargs: Any) -> "Diagnosis":
+        """:func:`stabletrain.debug.diagnose.diagnose` on this capture: which op, module and
+        sample, and why. Writes ``diagnosis.md`` and ``diagnosis.json`` next to the capture
+        unless ``write=False``.
+
+        Example::
+
+            print(stabletrain.load_nan_capture("out/boom/debug/nan_capture/rank0").diagnose())
+        """
+        from stabletrain.debug.diagnose import diagnose
+
+        return diagnose(self, **kwargs)
 
     def __repr__(self) -> str:
         return (

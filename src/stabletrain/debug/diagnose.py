@@ -1,0 +1,1460 @@
+"""diagnose: from a NaN capture to a verdict — which op, which module, which sample, and why.
+
+:func:`diagnose` (also ``cap.diagnose()`` and ``stabletrain diagnose PATH``) takes a capture
+written by nancapture and answers, offline:
+
+1. **Why** (first, because it decides what else is worth doing): the step is replayed in
+   the captured precision twice, then in float32 and in float64. A failure that does not
+   come back in the captured precision is **not reproducible** (nondeterminism, an
+   external cause, a hardware fault); one that comes back in reduced precision but not in
+   float32 is **precision-induced**; one that comes back in every precision is
+   **deterministic numerical**.
+2. **Which data**: the microbatches and then the samples within the culprit microbatch
+   that are enough to trigger the failure, found by replaying subsets (delta debugging:
+   halves first, then smaller pieces). A failure visible in the loss is checked with
+   forward passes only; a failure only in the gradients with forward and backward. The
+   complement is checked too, to tell a bad sample from a model that fails on any data.
+3. **Where exactly**: the culprit subset alone is replayed under op-level tracing
+   (:class:`~stabletrain.debug.op_trace.OpTracer`) to find the first aten op whose output
+   is non-finite: op, module path, phase, dtype, abs min/max of its inputs, the source line,
+   and for backward ops the forward op and module they differentiate.
+4. **Before or during the step**: were the weights already huge or non-finite when the
+   step began (then earlier steps did the damage, and the checkpoints are searched for
+   the last healthy one) or healthy (the step itself failed)?
+5. **Report**: a short account with concrete next actions (``model_args.lr``,
+   ``precision``, ``gradient_clip_val``, ``transform_args``), written next to the capture
+   as ``diagnosis.md`` and ``diagnosis.json``.
+
+Command line::
+
+    stabletrain diagnose out/boom/debug/nan_capture/rank0
+    stabletrain diagnose out/mine/debug/nan_capture/rank0 --model train.py:MyModel --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
+
+import torch
+from torch import Tensor, nn
+
+from stabletrain.debug.nan_capture import (
+    REASON_OTHER_RANK,
+    REASON_SKIPPED,
+    NaNCaptureError,
+    _default_step_fn,
+)
+from stabletrain.debug.op_trace import OpFinding, OpTracer
+from stabletrain.debug.replay import (
+    ForwardBackwardResult,
+    MicrobatchKey,
+    NaNCapture,
+    _bitwise_equal,
+    _microbatch_size,
+    forward_backward,
+    load_nan_capture,
+    load_object,
+    normalize_precision,
+)
+from stabletrain.utils.io import atomic_write_text
+
+__all__ = [
+    "diagnose",
+    "Diagnosis",
+    "ReplayOutcome",
+    "DataReport",
+    "WeightsReport",
+    "ParamStat",
+    "PRECISION_INDUCED",
+    "DETERMINISTIC_NUMERICAL",
+    "NOT_REPRODUCIBLE",
+    "HUGE_WEIGHT",
+]
+
+#: Cause classes.
+PRECISION_INDUCED = "precision_induced"
+DETERMINISTIC_NUMERICAL = "deterministic_numerical"
+NOT_REPRODUCIBLE = "not_reproducible"
+_CAUSE_TITLES = {
+    PRECISION_INDUCED: "precision-induced",
+    DETERMINISTIC_NUMERICAL: "deterministic numerical",
+    NOT_REPRODUCIBLE: "not reproducible",
+}
+
+#: A weight whose magnitude reaches this is "huge": trained networks keep weights near 1
+#: (normalisation gains, embeddings, projections are O(0.01-1)); 1e3 is far outside that
+#: and well inside every float range, so it flags divergence before it becomes an overflow.
+HUGE_WEIGHT = 1e3
+
+_REDUCED = {"16-mixed", "bf16-mixed", "16-true", "bf16-true"}
+_DTYPE_NAMES = {
+    "16-mixed": "float16", "16-true": "float16", "bf16-mixed": "bfloat16", "bf16-true": "bfloat16",
+    "32-true": "float32", "64-true": "float64",
+}
+_FILE_MD = "diagnosis.md"
+_FILE_JSON = "diagnosis.json"
+
+
+# --------------------------------------------------------------------------------------
+# Result types
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class ReplayOutcome:
+    """One full replay of the captured step.
+
+    Attributes:
+        label: What it tested ("captured precision", "captured precision, again", "float32", "float64").
+        precision: The precision it ran in.
+        reproduced: A loss or a gradient was non-finite.
+        losses: Each microbatch's loss.
+        nan_param_names: Parameters with a non-finite gradient.
+        gradient_norm: L2 norm of all gradients.
+        seconds: How long it took.
+    """
+
+    label: str
+    precision: str
+    reproduced: bool
+    losses: list[float]
+    nan_param_names: list[str]
+    gradient_norm: float
+    seconds: float
+    _loss_tensors: list[Tensor] = field(default_factory=list, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "label": self.label,
+            "precision": self.precision,
+            "reproduced": self.reproduced,
+            "losses": [_jf(x) for x in self.losses],
+            "nan_param_names": self.nan_param_names,
+            "gradient_norm": _jf(self.gradient_norm),
+            "seconds": round(self.seconds, 3),
+        }
+
+
+@dataclass
+class ParamStat:
+    """Magnitude of one parameter's values at the start of the step."""
+
+    name: str
+    shape: list[int]
+    abs_max: float
+    rms: float
+    nonfinite: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "shape": self.shape, "abs_max": _jf(self.abs_max), "rms": _jf(self.rms),
+                "nonfinite": self.nonfinite}
+
+
+@dataclass
+class WeightsReport:
+    """Were the weights healthy when the step began?
+
+    Attributes:
+        status: "healthy", "huge" (some weight reaches ``threshold``) or "nonfinite".
+        threshold: The magnitude counted as huge.
+        largest: The parameters with the largest magnitudes, largest first.
+        nonfinite: Parameters holding NaN or Inf.
+        nonfinite_buffers: Buffers (e.g. BatchNorm statistics) holding NaN or Inf.
+        checkpoints: For unhealthy weights: each checkpoint of the run with its step and
+            largest weight magnitude (``{"path", "step", "abs_max", "healthy"}``).
+        healthy_checkpoint: The newest checkpoint whose weights are finite and below the threshold.
+    """
+
+    status: str
+    threshold: float
+    largest: list[ParamStat]
+    nonfinite: list[ParamStat]
+    nonfinite_buffers: list[str]
+    checkpoints: list[dict[str, Any]] = field(default_factory=list)
+    healthy_checkpoint: Optional[str] = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "status": self.status,
+            "threshold": self.threshold,
+            "largest": [p.to_dict() for p in self.largest],
+            "nonfinite": [p.to_dict() for p in self.nonfinite],
+            "nonfinite_buffers": self.nonfinite_buffers,
+            "checkpoints": [{**c, "abs_max": _jf(c["abs_max"])} for c in self.checkpoints],
+            "healthy_checkpoint": self.healthy_checkpoint,
+        }
+
+
+@dataclass
+class DataReport:
+    """Which data is enough to trigger the failure.
+
+    Attributes:
+        status: "isolated" (these samples trigger it and the rest of their microbatch does
+            not), "not_data_specific" (other, disjoint samples fail too: the model fails on
+            any data), "combination" (no microbatch fails alone, only some together),
+            "not_searched" (the failure is not reproducible).
+        note: One sentence saying what was found.
+        check: "forward" (the loss is non-finite: forward passes suffice) or "forward+backward".
+        failing_microbatches: Microbatches that fail on their own, as (rank, micro_step).
+        microbatches: The culprit microbatch(es) the samples belong to.
+        row_sets: Disjoint sets of rows (positions in the culprit microbatch) that each
+            trigger the failure; usually one set of one sample.
+        index_sets: The same as dataset indices, when the capture holds them.
+        microbatch_size: Samples in the culprit microbatch.
+        approximate: True when batch-dependent layers make the isolation of single samples approximate.
+        caveats: Why the isolation may be approximate.
+        nonfinite_inputs: Non-finite values already in the data: ``{"rank", "micro_step",
+            "row", "index", "field", "count"}`` per sample and tensor.
+        replays: Subset replays done.
+    """
+
+    status: str
+    note: str = ""
+    check: str = "forward"
+    failing_microbatches: list[MicrobatchKey] = field(default_factory=list)
+    microbatches: list[MicrobatchKey] = field(default_factory=list)
+    row_sets: list[list[int]] = field(default_factory=list)
+    index_sets: Optional[list[list[int]]] = None
+    microbatch_size: int = 0
+    approximate: bool = False
+    caveats: list[str] = field(default_factory=list)
+    nonfinite_inputs: list[dict[str, Any]] = field(default_factory=list)
+    replays: int = 0
+
+    @property
+    def rows(self) -> list[int]:
+        """The first culprit set's rows."""
+        return self.row_sets[0] if self.row_sets else []
+
+    @property
+    def dataset_indices(self) -> Optional[list[int]]:
+        """The first culprit set's dataset indices, when known."""
+        return self.index_sets[0] if self.index_sets else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "status": self.status,
+            "note": self.note,
+            "check": self.check,
+            "failing_microbatches": [_key_dict(k) for k in self.failing_microbatches],
+            "microbatches": [_key_dict(k) for k in self.microbatches],
+            "rows": self.rows,
+            "dataset_indices": self.dataset_indices,
+            "row_sets": self.row_sets,
+            "index_sets": self.index_sets,
+            "microbatch_size": self.microbatch_size,
+            "approximate": self.approximate,
+            "caveats": self.caveats,
+            "nonfinite_inputs": self.nonfinite_inputs,
+            "replays": self.replays,
+        }
+
+
+@dataclass
+class Diagnosis:
+    """What :func:`diagnose` found. ``str(diagnosis)`` is the human-readable account.
+
+    Attributes:
+        path: The capture diagnosed.
+        step, ranks, world_size, precision, loss_scale, reason, model_class: From the capture.
+        device: Where the replays ran.
+        cause: :data:`PRECISION_INDUCED`, :data:`DETERMINISTIC_NUMERICAL` or :data:`NOT_REPRODUCIBLE`.
+        cause_explanation: The same in plain language, with the evidence.
+        deterministic: Whether the two replays in the captured precision agreed bitwise.
+        matches_capture: Whether the first replay's losses equal the captured ones bitwise
+            (None when the capture holds no losses).
+        replays: The full replays: captured precision twice, float32, float64.
+        reproduces_in: Precision -> whether the failure came back in it.
+        finding: The first non-finite op (None when not reproducible or not found).
+        traced_on: The subset that was traced: ``{"microbatches", "rows", "dataset_indices"}``.
+        origin: Where a non-finite *input* of the first op came from ("data", "weights",
+            "buffers", "precision_conversion"), when the op only passed one on.
+        data: :class:`DataReport`.
+        weights: :class:`WeightsReport`.
+        summary: What happened, in one or two sentences.
+        probable_cause: The most likely cause, in plain language.
+        next_actions: Concrete next steps with setting names and values.
+        history: The run's last logged metrics rows (step, loss, gradient_norm), when found.
+        timings: Seconds per phase.
+        files: The diagnosis.md and diagnosis.json written.
+    """
+
+    path: str
+    step: int
+    ranks: list[int]
+    world_size: int
+    precision: str
+    loss_scale: Optional[float]
+    reason: str
+    model_class: str
+    device: str
+    cause: str
+    cause_explanation: str
+    deterministic: Optional[bool]
+    matches_capture: Optional[bool]
+    replays: list[ReplayOutcome]
+    reproduces_in: dict[str, bool]
+    finding: Optional[OpFinding]
+    traced_on: Optional[dict[str, Any]]
+    origin: Optional[str]
+    data: DataReport
+    weights: WeightsReport
+    summary: str
+    probable_cause: str
+    next_actions: list[str]
+    history: list[dict[str, Any]] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+    files: list[str] = field(default_factory=list)
+
+    @property
+    def cause_title(self) -> str:
+        return _CAUSE_TITLES[self.cause]
+
+    @property
+    def verdict(self) -> str:
+        """One line: the cause class and the probable cause."""
+        return f"{self.cause_title}: {self.probable_cause}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The same fields as the report, JSON-ready (non-finite numbers as "nan", "inf", "-inf")."""
+        finding = None
+        if self.finding is not None:
+            finding = _jsonable(self.finding.to_dict())
+            finding["where"] = self.finding.where
+        return {
+            "path": self.path,
+            "step": self.step,
+            "ranks": self.ranks,
+            "world_size": self.world_size,
+            "precision": self.precision,
+            "loss_scale": self.loss_scale,
+            "reason": self.reason,
+            "model_class": self.model_class,
+            "device": self.device,
+            "verdict": self.verdict,
+            "summary": self.summary,
+            "cause": self.cause,
+            "cause_title": self.cause_title,
+            "cause_explanation": self.cause_explanation,
+            "probable_cause": self.probable_cause,
+            "deterministic": self.deterministic,
+            "matches_capture": self.matches_capture,
+            "reproduces_in": self.reproduces_in,
+            "replays": [r.to_dict() for r in self.replays],
+            "where": finding,
+            "traced_on": None if self.traced_on is None else {
+                **self.traced_on, "microbatches": [_key_dict(k) for k in self.traced_on["microbatches"]]},
+            "origin": self.origin,
+            "data": self.data.to_dict(),
+            "weights": self.weights.to_dict(),
+            "next_actions": self.next_actions,
+            "history": _jsonable(self.history),
+            "timings": {k: round(v, 3) for k, v in self.timings.items()},
+            "files": self.files,
+        }
+
+    def __str__(self) -> str:
+        return self.report()
+
+    def report(self) -> str:
+        """The human-readable account (Markdown), as written to ``diagnosis.md``."""
+        return _render(self)
+
+
+# --------------------------------------------------------------------------------------
+# The diagnosis
+# --------------------------------------------------------------------------------------
+
+
+def diagnose(
+    capture: Union[str, Path, NaNCapture],
+    *,
+    model: Optional[nn.Module] = None,
+    step_fn: Optional[Callable[[nn.Module, Any], Tensor]] = None,
+    device: Optional[Union[str, torch.device]] = None,
+    write: bool = True,
+    huge_weight: float = HUGE_WEIGHT,
+    max_subset_replays: int = 64,
+) -> Diagnosis:
+    """Diagnose a NaN capture offline: which op, which module, which sample, and why.
+
+    Args:
+        capture: A loaded :class:`~stabletrain.debug.replay.NaNCapture`, or a path that
+            :func:`~stabletrain.load_nan_capture` accepts (rank folder, ``nan_capture.pt``,
+            folder of all ranks, run folder).
+        model: Your own model, for a capture of one (as for ``load_nan_capture``).
+        step_fn: ``step_fn(model, batch) -> loss``, if the model has no ``training_step``.
+        device: Where to replay; default: the captured device type when available, else CPU.
+        write: Write ``diagnosis.md`` and ``diagnosis.json`` next to the capture.
+        huge_weight: The weight magnitude counted as huge (see :data:`HUGE_WEIGHT`).
+        max_subset_replays: Upper bound on subset replays while searching for the culprit data.
+
+    Returns:
+        A :class:`Diagnosis`; ``print(d)`` shows the account, ``d.to_dict()`` the same for machines.
+
+    Raises:
+        NaNCaptureError: The capture cannot be read or its model cannot be rebuilt.
+
+    Example::
+
+        d = stabletrain.diagnose("out/boom/debug/nan_capture/rank0")
+        print(d)                                  # also in out/boom/debug/nan_capture/rank0/diagnosis.md
+        print(d.cause, d.finding.op, d.finding.module, d.data.dataset_indices)
+    """
+    timings: dict[str, float] = {}
+    clock = _Clock(timings)
+    with clock("load"):
+        if isinstance(capture, NaNCapture):
+            cap = capture
+            if model is not None:
+                cap.model = model
+            if step_fn is not None:
+                cap.step_fn = step_fn
+        else:
+            cap = load_nan_capture(capture, model=model, step_fn=step_fn)
+        replay_model = cap.get_model()
+        precision = normalize_precision(cap.precision)
+        dev = torch.device(device) if device is not None else cap.default_device()
+
+    with clock("weights"):
+        weights = _weights_report(cap, huge_weight)
+        bad_inputs = _nonfinite_inputs(cap)
+
+    with clock("replays"):
+        first = _full_replay(cap, "captured precision", precision, dev)
+        again = _full_replay(cap, "captured precision, again", precision, dev)
+        replays = [first.outcome, again.outcome]
+        if precision != "32-true":
+            replays.append(_full_replay(cap, "float32", "32-true", dev).outcome)
+        if precision != "64-true":
+            replays.append(_full_replay(cap, "float64", "64-true", dev).outcome)
+    reproduces_in: dict[str, bool] = {}
+    for r in replays:
+        reproduces_in[r.precision] = reproduces_in.get(r.precision, True) and r.reproduced
+    deterministic = _same_outcome(first, again)
+    captured_losses = [loss for r in cap.ranks for loss in r.losses]
+    matches_capture = None
+    if captured_losses and len(captured_losses) == len(first.result.losses):
+        matches_capture = all(_bitwise_equal(a, b) for a, b in zip(first.result.losses, captured_losses))
+    reproducible = first.outcome.reproduced and again.outcome.reproduced
+    fp32_fails = reproduces_in.get("32-true", False)
+    if not reproducible:
+        cause = NOT_REPRODUCIBLE
+    elif precision in _REDUCED and not fp32_fails:
+        cause = PRECISION_INDUCED
+    else:
+        cause = DETERMINISTIC_NUMERICAL
+
+    finding: Optional[OpFinding] = None
+    traced_on: Optional[dict[str, Any]] = None
+    if reproducible:
+        with clock("bisect"):
+            data = _isolate(cap, first.result, precision, dev, max_subset_replays)
+        data.nonfinite_inputs = bad_inputs
+        data.caveats = _isolation_caveats(replay_model, data) if data.status == "isolated" else data.caveats
+        data.approximate = any("batch-dependent" in c for c in data.caveats)
+        with clock("trace"):
+            keys = data.microbatches
+            rows = {keys[0]: data.rows} if data.row_sets and len(keys) == 1 else None
+            finding = _trace(cap, replay_model, keys, rows, precision, dev)
+            traced_on = {
+                "microbatches": keys,
+                "rows": data.rows if rows else None,
+                "dataset_indices": data.dataset_indices if rows else None,
+            }
+    else:
+        data = DataReport(status="not_searched", nonfinite_inputs=bad_inputs,
+                          note="not searched: a failure that does not come back cannot be narrowed down by replaying subsets")
+
+    with clock("checkpoints"):
+        out = _run_folder(cap)
+        if weights.status != "healthy" and out is not None:
+            _scan_checkpoints(out / "checkpoints", weights, set(cap.ranks[0].params))
+        history = _history(out) if out is not None else []
+
+    origin = _origin(finding, data, weights, precision)
+    diag = Diagnosis(
+        path=str(cap.path),
+        step=cap.step,
+        ranks=[r.rank for r in cap.ranks],
+        world_size=cap.world_size,
+        precision=precision,
+        loss_scale=cap.loss_scale,
+        # Of several ranks, the one that failed says why; the others stopped with it (other_rank).
+        reason=next((r.reason for r in cap.ranks if r.reason != REASON_OTHER_RANK), cap.ranks[0].reason),
+        model_class=cap.ranks[0].model_class,
+        device=str(dev),
+        cause=cause,
+        cause_explanation="",
+        deterministic=deterministic if reproducible else None,
+        matches_capture=matches_capture,
+        replays=replays,
+        reproduces_in=reproduces_in,
+        finding=finding,
+        traced_on=traced_on,
+        origin=origin,
+        data=data,
+        weights=weights,
+        summary="",
+        probable_cause="",
+        next_actions=[],
+        history=history,
+        timings=timings,
+    )
+    diag.cause_explanation = _explain_cause(diag, cap)
+    diag.summary = _summary(diag, cap)
+    diag.probable_cause = _probable_cause(diag, cap)
+    diag.next_actions = _next_actions(diag, cap, out)
+    if write:
+        folder = _output_folder(cap)
+        md, js = folder / _FILE_MD, folder / _FILE_JSON
+        diag.files = [str(md), str(js)]
+        atomic_write_text(diag.report() + "\n", md)
+        atomic_write_text(json.dumps(diag.to_dict(), indent=2) + "\n", js)
+    return diag
+
+
+class _Clock:
+    def __init__(self, timings: dict[str, float]):
+        self.timings = timings
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timings[phase] = self.timings.get(phase, 0.0) + time.perf_counter() - start
+
+
+# --------------------------------------------------------------------------------------
+# Replays and classification
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Full:
+    outcome: ReplayOutcome
+    result: ForwardBackwardResult
+
+
+def _full_replay(cap: NaNCapture, label: str, precision: str, device: torch.device) -> _Full:
+    start = time.perf_counter()
+    res = forward_backward(cap, precision=precision, device=device)
+    outcome = ReplayOutcome(
+        label=label,
+        precision=res.precision,
+        reproduced=not res.finite,
+        losses=res.loss_values,
+        nan_param_names=res.nonfinite_param_names,
+        gradient_norm=res.gradient_norm,
+        seconds=time.perf_counter() - start,
+        _loss_tensors=list(res.losses),
+    )
+    return _Full(outcome, res)
+
+
+def _same_outcome(a: _Full, b: _Full) -> bool:
+    """Bitwise the same losses and the same non-finite gradients."""
+    la, lb = a.outcome._loss_tensors, b.outcome._loss_tensors
+    if len(la) != len(lb) or not all(_bitwise_equal(x, y) for x, y in zip(la, lb)):
+        return False
+    if a.outcome.nan_param_names != b.outcome.nan_param_names:
+        return False
+    ga, gb = a.outcome.gradient_norm, b.outcome.gradient_norm
+    return (math.isnan(ga) and math.isnan(gb)) or ga == gb
+
+
+# --------------------------------------------------------------------------------------
+# Which data: delta debugging over microbatches and samples
+# --------------------------------------------------------------------------------------
+
+
+class _Budget(Exception):
+    """The subset-replay budget is spent."""
+
+
+def _isolate(cap: NaNCapture, full: ForwardBackwardResult, precision: str, device: torch.device, budget: int) -> DataReport:
+    keys = list(full.microbatches)
+    loss_bad = [k for k, v in zip(keys, full.loss_values) if not math.isfinite(v)]
+    report = DataReport(status="isolated", check="forward" if loss_bad else "forward+backward")
+    errors: list[str] = []
+
+    def fails(mbs: Sequence[MicrobatchKey], rows: Optional[dict[MicrobatchKey, list[int]]] = None, forward_only: bool = False) -> bool:
+        if report.replays >= budget:
+            raise _Budget
+        report.replays += 1
+        try:
+            res = forward_backward(cap, microbatches=list(mbs), rows=rows, precision=precision, device=device,
+                                   backward=not forward_only)
+        except NaNCaptureError:
+            raise
+        except Exception as exc:  # e.g. BatchNorm refusing a batch of one sample
+            errors.append(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            return False
+        return not res.finite
+
+    # Microbatches: a loss is computed per microbatch, so the full replay already says which
+    # ones produce a non-finite loss. Gradient-only failures need a replay per microbatch.
+    if loss_bad:
+        failing = loss_bad
+    elif len(keys) == 1:
+        failing = keys
+    else:
+        try:
+            failing = [k for k in keys if fails([k])]
+        except _Budget:
+            failing = []
+    report.failing_microbatches = failing
+    if not failing:
+        try:
+            combo = _ddmin(keys, lambda s: fails(s))
+        except _Budget:
+            combo = keys
+        report.status = "combination"
+        report.microbatches = combo
+        report.note = (
+            f"no microbatch fails on its own; together, microbatches {_keys_text(combo)} do: their accumulated "
+            "gradient goes out of range, not any one sample's"
+        )
+        return report
+
+    culprit = failing[0]
+    rank, micro = culprit
+    part = cap.rank_capture(rank)
+    n = _microbatch_size(part, micro)
+    report.microbatches = [culprit]
+    report.microbatch_size = n
+    forward_only = culprit in loss_bad
+    check = lambda rows: fails([culprit], {culprit: list(rows)}, forward_only)  # noqa: E731
+    sets: list[list[int]] = []
+    remaining = list(range(n))
+    rest_fails = False
+    probes: list[int] = []
+    try:
+        if n == 1:
+            sets = [[0]]
+            remaining = []
+        else:
+            # Up to 3 disjoint culprit sets: a second bad sample is found, and a model that
+            # fails on any data shows itself by its complement still failing after three.
+            for round_ in range(3):
+                found = _ddmin(remaining, check)
+                sets.append(found)
+                remaining = [r for r in remaining if r not in found]
+                if not remaining:
+                    break
+                rest_fails = check(remaining)
+                if not rest_fails:
+                    break
+                if round_ == 0 and len(found) == 1 and len(remaining) >= 3:
+                    # The rest fails too. Before searching it, probe three single samples spread
+                    # over it: when they all fail alone, any sample does (cheaper than two searches).
+                    picks = [remaining[0], remaining[len(remaining) // 2], remaining[-1]]
+                    if all(check([r]) for r in picks):
+                        probes = picks
+                        break
+    except _Budget:
+        report.caveats.append(f"stopped after {budget} subset replays (max_subset_replays)")
+    if not sets:
+        sets = [list(range(n))]
+    report.row_sets = sets
+    ix = part.indices[micro]
+    if isinstance(ix, Tensor):
+        report.index_sets = [[int(ix[r]) for r in s] for s in sets]
+    where = f"microbatch {micro}" + (f" of rank {rank}" if len(cap.ranks) > 1 else "")
+    every = not remaining and n > 1 and all(len(s) == 1 for s in sets) and len(sets) == n
+    if rest_fails or every:
+        report.status = "not_data_specific"
+        if every:
+            report.note = f"every sample of {where} fails on its own: the failure does not depend on particular data"
+        elif probes:
+            report.note = (
+                f"row {sets[0][0]} of {where} fails on its own, and so do rows {', '.join(map(str, probes))} picked from "
+                f"the other {len(remaining)} samples: the failure does not depend on particular data"
+            )
+        else:
+            report.note = (
+                f"{len(sets)} disjoint sets of samples of {where} each fail on their own and the remaining "
+                f"{len(remaining)} samples fail too: the failure does not depend on particular data"
+            )
+        if len(failing) > 1:
+            report.note += f" ({len(failing)} of {len(keys)} microbatches fail alone)"
+    else:
+        names = _samples_text(sets, report.index_sets)
+        together = any(len(s) > 1 for s in sets)
+        if len(sets) == 1:
+            verb = "trigger the failure together (not one alone)" if together else "triggers the failure"
+        else:
+            verb = "each trigger the failure on their own" if not together else "trigger the failure (in groups)"
+        report.note = f"{names} of {where} ({n} samples) {verb}; the other samples of the microbatch do not"
+        others = [k for k in failing if k != culprit]
+        if others:
+            report.note += f"; microbatches {_keys_text(others)} also fail alone (not searched further)"
+    if errors:
+        report.caveats.append(
+            f"{len(errors)} subset(s) could not be run and counted as not failing ({errors[0]}); "
+            "layers that need several samples (BatchNorm) refuse very small subsets"
+        )
+    return report
+
+
+def _ddmin(items: list[Any], fails: Callable[[list[Any]], bool]) -> list[Any]:
+    """A 1-minimal subset of ``items`` (which fails) that still fails (Zeller's delta debugging).
+
+    With one culprit this is a bisection: about 2 log2(len(items)) checks.
+    """
+    items = list(items)
+    n = 2
+    while len(items) >= 2:
+        chunks = _split(items, n)
+        reduced = False
+        for chunk in chunks:
+            if fails(chunk):
+                items, n, reduced = chunk, 2, True
+                break
+        if not reduced and n > 2:  # with 2 chunks each complement is the other chunk, already tried
+            for chunk in chunks:
+                rest = [x for x in items if x not in chunk]
+                if fails(rest):
+                    items, n, reduced = rest, max(n - 1, 2), True
+                    break
+        if not reduced:
+            if n >= len(items):
+                break
+            n = min(len(items), 2 * n)
+    return items
+
+
+def _split(items: list[Any], n: int) -> list[list[Any]]:
+    size, extra = divmod(len(items), n)
+    out, start = [], 0
+    for i in range(n):
+        end = start + size + (1 if i < extra else 0)
+        if end > start:
+            out.append(items[start:end])
+        start = end
+    return out
+
+
+def _isolation_caveats(model: nn.Module, data: DataReport) -> list[str]:
+    caveats = list(data.caveats)
+    norms = [name or "<root>" for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if norms and data.microbatch_size > 1:
+        caveats.insert(0,
+            f"the model has batch-dependent layers (BatchNorm in training mode: {_few(norms, 3)}): a subset of samples is "
+            "normalised with its own batch statistics, so samples replayed on their own do not see exactly what they saw "
+            "in the full microbatch; the isolation of single samples is approximate"
+        )
+    drops = [name for name, m in model.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0]
+    if drops and data.microbatch_size > 1:
+        caveats.append(
+            "dropout masks are drawn for the subset's shape from the captured random state, so they differ from the "
+            "full microbatch's"
+        )
+    return caveats
+
+
+def _nonfinite_inputs(cap: NaNCapture) -> list[dict[str, Any]]:
+    """Non-finite values already in the captured batches, per sample and tensor."""
+    found = []
+    for part in cap.ranks:
+        for micro, batch in enumerate(part.microbatches):
+            if batch is None:
+                continue
+            n = _microbatch_size(part, micro)
+            ix = part.indices[micro]
+            for name, t in _named_tensors(batch):
+                if not (t.is_floating_point() or t.is_complex()) or not t.numel():
+                    continue
+                bad = ~torch.isfinite(t)
+                if not bool(bad.any()):
+                    continue
+                if t.ndim and t.shape[0] == n:
+                    counts = bad.reshape(n, -1).sum(1)
+                    for row in torch.nonzero(counts).flatten().tolist():
+                        found.append({
+                            "rank": part.rank, "micro_step": micro, "row": row,
+                            "index": int(ix[row]) if isinstance(ix, Tensor) else None,
+                            "field": name, "count": int(counts[row]),
+                        })
+                else:
+                    found.append({"rank": part.rank, "micro_step": micro, "row": None, "index": None,
+                                  "field": name, "count": int(bad.sum())})
+    return found
+
+
+def _named_tensors(obj: Any, prefix: str = "batch") -> Iterator[tuple[str, Tensor]]:
+    if isinstance(obj, Tensor):
+        yield prefix, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _named_tensors(v, f"{prefix}[{k!r}]")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _named_tensors(v, f"{prefix}[{i}]")
+
+
+# --------------------------------------------------------------------------------------
+# Where: op tracing of the culprit subset
+# --------------------------------------------------------------------------------------
+
+
+def _trace(
+    cap: NaNCapture,
+    model: nn.Module,
+    keys: list[MicrobatchKey],
+    rows: Optional[dict[MicrobatchKey, list[int]]],
+    precision: str,
+    device: torch.device,
+) -> Optional[OpFinding]:
+    base = cap.step_fn or _default_step_fn
+    # The forward pass alone first: most failures start there, and it costs neither the
+    # backward pass nor anomaly mode (which records a traceback per autograd node).
+    for backward in (False, True):
+        tracer = OpTracer(model, check_backward=backward, armed=False)
+
+        def traced_step(m: nn.Module, batch: Any, tracer: OpTracer = tracer) -> Tensor:
+            # Armed once the captured state is loaded and the batch is on the device: restoring
+            # non-finite weights is not the failing op; what the model does with them is.
+            tracer.arm()
+            return base(m, batch)
+
+        forward_backward(cap, microbatches=keys, rows=rows, precision=precision, device=device, context=tracer,
+                         step_fn=traced_step, backward=backward)
+        if tracer.finding is not None:
+            return tracer.finding
+    return None
+
+
+def _origin(finding: Optional[OpFinding], data: DataReport, weights: WeightsReport, precision: str) -> Optional[str]:
+    if finding is None or not finding.inputs_nonfinite:
+        return None
+    rows = set(data.rows)
+    keys = set(data.microbatches)
+    for bad in data.nonfinite_inputs:
+        if (bad["rank"], bad["micro_step"]) in keys and (bad["row"] is None or bad["row"] in rows):
+            return "data"
+    if weights.nonfinite:
+        return "weights"
+    if weights.nonfinite_buffers:
+        return "buffers"
+    if precision in ("16-true", "bf16-true"):
+        return "precision_conversion"
+    return None
+
+
+# --------------------------------------------------------------------------------------
+# Before or during the step: the weights
+# --------------------------------------------------------------------------------------
+
+
+def _weights_report(cap: NaNCapture, threshold: float) -> WeightsReport:
+    stats = []
+    for name, p in cap.ranks[0].params.items():  # DDP keeps the parameters equal on every rank
+        if p.is_floating_point() and p.numel():
+            stats.append(_param_stat(name, p))
+    nonfinite = [s for s in stats if s.nonfinite]
+    largest = sorted(stats, key=lambda s: -s.abs_max if math.isfinite(s.abs_max) else 0.0)[:5]
+    buffers = sorted({
+        name for part in cap.ranks for name, b in part.buffers.items()
+        if b.is_floating_point() and b.numel() and not bool(torch.isfinite(b).all())
+    })
+    top = max((s.abs_max for s in stats if math.isfinite(s.abs_max)), default=0.0)
+    status = "nonfinite" if nonfinite else ("huge" if top >= threshold else "healthy")
+    return WeightsReport(status, float(threshold), largest, nonfinite, buffers)
+
+
+def _param_stat(name: str, p: Tensor) -> ParamStat:
+    x = p.detach()
+    finite = torch.isfinite(x)
+    n_bad = int(finite.numel() - finite.sum())
+    vals = x[finite] if n_bad else x
+    if not vals.numel():
+        return ParamStat(name, list(p.shape), math.nan, math.nan, n_bad)
+    abs_max = float(vals.abs().max())
+    rms = float(torch.linalg.vector_norm(vals, dtype=torch.float64)) / math.sqrt(vals.numel())
+    return ParamStat(name, list(p.shape), abs_max, rms, n_bad)
+
+
+def _run_folder(cap: NaNCapture) -> Optional[Path]:
+    """``out`` for a capture at ``out/debug/nan_capture/rank{N}/nan_capture.pt``."""
+    f = cap.ranks[0].path.resolve()
+    if len(f.parents) > 3 and f.parents[1].name == "nan_capture" and f.parents[2].name == "debug":
+        return f.parents[3]
+    return None
+
+
+def _scan_checkpoints(folder: Path, weights: WeightsReport, names: set[str]) -> None:
+    if not folder.is_dir():
+        return
+    from stabletrain.checkpoint import CheckpointError, load_checkpoint
+
+    seen: dict[int, dict[str, Any]] = {}
+    files = sorted(folder.glob("step_*.ckpt")) + [folder / "last.ckpt"]
+    for path in files:
+        if not path.is_file():
+            continue
+        try:
+            state = load_checkpoint(path)
+        except CheckpointError:
+            continue
+        step = int(state.get("step", -1))
+        if step in seen:
+            continue
+        values = [t for n, t in state.get("model", {}).items() if n in names and isinstance(t, Tensor) and t.is_floating_point()]
+        finite = all(bool(torch.isfinite(t).all()) for t in values)
+        top = max((float(t.detach().abs().max()) for t in values if t.numel()), default=0.0) if finite else math.inf
+        seen[step] = {"path": str(path), "step": step, "abs_max": top, "healthy": finite and top < weights.threshold}
+    weights.checkpoints = [seen[s] for s in sorted(seen)]
+    healthy = [c for c in weights.checkpoints if c["healthy"]]
+    if healthy:
+        best = healthy[-1]
+        # Prefer the periodic file: last.ckpt is overwritten by the next run.
+        same = [c for c in weights.checkpoints if c["step"] == best["step"]]
+        weights.healthy_checkpoint = same[0]["path"]
+
+
+def _history(out: Path, last: int = 5) -> list[dict[str, Any]]:
+    path = out / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    from stabletrain.loggers.jsonl import read_metrics
+
+    try:
+        rows, _ = read_metrics(path)
+    except OSError:
+        return []
+    keep = ("step", "loss", "gradient_norm", "lr")
+    return [{k: r[k] for k in keep if k in r} for r in rows[-last:]]
+
+
+# --------------------------------------------------------------------------------------
+# Words: explanation, probable cause, next actions
+# --------------------------------------------------------------------------------------
+
+
+def _explain_cause(d: Diagnosis, cap: NaNCapture) -> str:
+    first, again = d.replays[0], d.replays[1]
+    dtype = _DTYPE_NAMES.get(d.precision, d.precision)
+    if d.cause == NOT_REPRODUCIBLE:
+        if d.reason == REASON_OTHER_RANK and len(cap.ranks) == 1:
+            return (
+                f"This rank's own step was healthy: another rank's data failed and this rank stopped with it. "
+                f"Diagnose the folder of all ranks ({cap.ranks[0].path.parent.parent}) instead."
+            )
+        n = sum(r.reproduced for r in (first, again))
+        if n == 1:
+            which = "first" if first.reproduced else "second"
+            head = (
+                f"Replayed twice from exactly the captured weights, data and random state in {d.precision}, the step "
+                f"failed only the {which} time: the same computation gives different results from run to run."
+            )
+        else:
+            head = (
+                f"Replayed twice from exactly the captured weights, data and random state in {d.precision}, the step "
+                "was finite both times: what training computed cannot be computed again from what it started with."
+            )
+        return head + (
+            " So the failure is not caused by the weights, the data or the arithmetic of this step. Likely causes: "
+            "nondeterminism (nondeterministic GPU kernels, a race, random numbers drawn from a source the capture does "
+            "not hold), something outside the model's forward and backward (a callback or hook that changed values, "
+            "memory corruption), or a hardware fault (a flipped bit, an overheating GPU)."
+        )
+    finite_in = [p for p, ok in d.reproduces_in.items() if not ok]
+    failing_in = [p for p, ok in d.reproduces_in.items() if ok]
+    det = "" if d.deterministic else (
+        " The two replays in the captured precision disagree bitwise, though both fail: some kernels are nondeterministic."
+    )
+    if d.cause == PRECISION_INDUCED:
+        return (
+            f"It comes back every time in {d.precision} ({dtype}) and is finite in {', '.join(finite_in)}: the values "
+            f"leave the range or precision of {dtype}, while the arithmetic is sound in wider types." + det
+        )
+    text = f"It comes back every time in {', '.join(failing_in)}"
+    if "32-true" in failing_in:
+        dtype = "float32"  # the widest type that fails is the one whose range the values exceed
+    if finite_in:
+        big = next((r for r in d.replays if r.precision in finite_in), None)
+        mag = ""
+        if big is not None and big.losses:
+            mag = f" (loss {_fmt(max(abs(x) for x in big.losses))}, gradient_norm {_fmt(big.gradient_norm)})"
+        text += (
+            f", and only {', '.join(finite_in)} keeps it finite{mag}: the values exceed what {dtype} can hold. "
+            "A wider type postpones the overflow; it does not fix the values"
+        )
+    else:
+        text += ": the same arithmetic on the same data fails whatever the precision"
+    return text + "." + det
+
+
+def _op_kind(f: OpFinding) -> str:
+    name = f.op_name
+    if f.inputs_nonfinite:
+        return "propagated"
+    if f.phase == "backward" and f.forward_op and f.forward_op.startswith(("Sqrt", "Rsqrt", "Pow")):
+        return "sqrt_grad"
+    if name in ("log", "log2", "log10", "log1p", "xlogy", "_log_softmax", "log_softmax"):
+        return "log"
+    if name in ("div", "div_", "reciprocal", "true_divide", "remainder", "fmod"):
+        return "div"
+    if name in ("sqrt", "rsqrt") and f.output.nan:
+        return "sqrt"
+    if f.output.posinf or f.output.neginf:
+        return "overflow"
+    return "other"
+
+
+def _finding_text(f: OpFinding) -> str:
+    kinds = [k for k, n in (("NaN", f.output.nan), ("+Inf", f.output.posinf), ("-Inf", f.output.neginf)) if n]
+    grad = f" (the gradient of {f.forward_op})" if f.forward_op else ""
+    return f"`{f.op}`{grad} in {f.where}, {f.phase} pass, {f.dtype}, gives {'/'.join(kinds)}"
+
+
+def _probable_cause(d: Diagnosis, cap: NaNCapture) -> str:
+    w = d.weights
+    if d.cause == NOT_REPRODUCIBLE:
+        if d.reason == REASON_OTHER_RANK and len(cap.ranks) == 1:
+            return "another rank's data failed; this rank only stopped with it"
+        return "nondeterminism, an external cause or a hardware fault: the captured step does not fail again when replayed"
+    if w.status == "nonfinite":
+        top = w.nonfinite[0]
+        text = (f"the weights were already non-finite when the step began ({top.nonfinite} value(s) of {top.name}"
+                f"{'' if len(w.nonfinite) == 1 else f' and {len(w.nonfinite) - 1} other parameter(s)'}): an earlier step did the damage")
+        if d.data.status == "isolated":
+            text += f"; only the data that reaches them fails ({_samples_text(d.data.row_sets, d.data.index_sets)})"
+        return text
+    if w.status == "huge":
+        top = w.largest[0]
+        return (f"the weights were already huge when the step began (|w| up to {_fmt(top.abs_max)} in {top.name}): "
+                "training was diverging in earlier steps, most likely from a learning rate too high")
+    f = d.finding
+    data_text = ""
+    if d.data.status == "isolated":
+        data_text = f" for {_samples_text(d.data.row_sets, d.data.index_sets)}"
+    if f is None:
+        return "the failure could not be traced to an op" + data_text
+    kind = _op_kind(f)
+    if kind == "propagated":
+        if d.origin == "data":
+            bad = _bad_input_text(d)
+            return f"bad data: {bad}; {f.op_name} in {f.where} is only the first op to use it"
+        return f"a non-finite value reached {f.op_name} in {f.where} from outside the traced ops ({d.origin or 'unknown origin'})"
+    if d.cause == PRECISION_INDUCED:
+        dtype = _DTYPE_NAMES.get(d.precision, d.precision)
+        big = max((s.abs_max for s in f.inputs if math.isfinite(s.abs_max)), default=math.nan)
+        if f.phase == "backward" and d.precision == "16-mixed":
+            return (f"{dtype} overflow in the backward pass ({f.op_name} in {f.where}) at loss scale "
+                    f"{_fmt(d.loss_scale or math.nan)}{data_text}: the gradients do not fit in {dtype}")
+        return (f"{dtype} overflow: {f.op_name} in {f.where} ({f.phase}) turns inputs up to |{_fmt(big)}| into "
+                f"{'Inf' if f.output.posinf or f.output.neginf else 'NaN'}{data_text}; the same step is finite in float32")
+    where = f" at {f.source}" if f.source else ""
+    if kind == "log":
+        return f"log of zero or of a negative number: {f.op_name} in {f.where}{where}{data_text}"
+    if kind == "div":
+        return f"division by zero: {f.op_name} in {f.where}{where}{data_text}"
+    if kind == "sqrt":
+        return f"square root of a negative number: {f.op_name} in {f.where}{where}{data_text}"
+    if kind == "sqrt_grad":
+        return (f"a finite forward pass with an infinite gradient: the derivative of {f.forward_op.replace('Backward0', '').lower()} "
+                f"at 0 in {f.where}{where}{data_text}")
+    if kind == "overflow":
+        big = max((s.abs_max for s in f.inputs if math.isfinite(s.abs_max)), default=math.nan)
+        return f"overflow: {f.op_name} in {f.where} ({f.phase}) turns inputs up to |{_fmt(big)}| into Inf{data_text}"
+    return f"{f.op_name} in {f.where} ({f.phase}) produced a non-finite value{data_text}"
+
+
+def _bad_input_text(d: Diagnosis) -> str:
+    rows = set(d.data.rows)
+    keys = set(d.data.microbatches)
+    parts = []
+    for bad in d.data.nonfinite_inputs:
+        if (bad["rank"], bad["micro_step"]) in keys and (bad["row"] is None or bad["row"] in rows):
+            who = f"sample {bad['index']}" if bad["index"] is not None else f"row {bad['row']}"
+            parts.append(f"{bad['field']} of {who} holds {bad['count']} non-finite value{'s' if bad['count'] > 1 else ''}")
+    return ", ".join(parts[:3]) or "the input"
+
+
+def _summary(d: Diagnosis, cap: NaNCapture) -> str:
+    first = d.replays[0]
+    n_mb = len(first.losses)
+    ranks = f"rank {d.ranks[0]} of {d.world_size}" if len(d.ranks) == 1 else f"ranks {', '.join(map(str, d.ranks))} of {d.world_size}"
+    n_params = len(cap.ranks[0].params)
+    what = {
+        "nonfinite_loss": "a non-finite loss",
+        "nonfinite_gradients": "non-finite gradients",
+        REASON_SKIPPED: f"fp16 loss scaling skipped steps in a row (loss scale {_fmt(d.loss_scale or math.nan)})",
+        REASON_OTHER_RANK: "a failure on another rank",
+    }.get(d.reason, d.reason)
+    text = (f"Training stopped at step {d.step} ({ranks}, {d.precision}, {n_mb} microbatch(es)) on {what}; "
+            f"{len(cap.nan_param_names)} of {n_params} parameters had NaN/Inf gradients.")
+    if d.cause != NOT_REPRODUCIBLE:
+        bad = [i for i, x in enumerate(first.losses) if not math.isfinite(x)]
+        if bad:
+            text += f" The replay gives the same: losses {', '.join(_fmt(first.losses[i]) for i in bad)} in microbatch(es) {', '.join(map(str, bad))}"
+        else:
+            text += " The replay gives the same: every loss is finite, but the backward pass is not"
+        text += f", NaN/Inf gradients in {len(first.nan_param_names)} parameter(s)."
+        if d.matches_capture:
+            text += " Its losses are bitwise those of training."
+    return text
+
+
+def _lr_text(settings: Optional[dict[str, Any]]) -> tuple[str, Optional[float]]:
+    lr = None
+    if settings and isinstance(settings.get("model_args"), dict):
+        lr = settings["model_args"].get("lr")
+    if isinstance(lr, (int, float)) and lr > 0:
+        return f"model_args.lr={_round(lr / 10)} or lower (was {_round(lr)})", float(lr)
+    return "a 10x lower learning rate (model_args.lr)", None
+
+
+def _clip_text(settings: Optional[dict[str, Any]]) -> str:
+    clip = settings.get("gradient_clip_val") if settings else None
+    if isinstance(clip, (int, float)) and clip > 0:
+        return f"gradient_clip_val={_round(clip / 2)} (was {_round(clip)})"
+    return "gradient_clip_val=1.0 (clipping is off)" if settings else "gradient_clip_val=1.0 (clip the gradient norm)"
+
+
+def _round(x: float) -> str:
+    return f"{float(f'{x:.2g}'):g}"
+
+
+def _next_actions(d: Diagnosis, cap: NaNCapture, out: Optional[Path]) -> list[str]:
+    settings = cap.settings
+    lr, _ = _lr_text(settings)
+    clip = _clip_text(settings)
+    resume = "rerun your training command with resume_interrupted=true"
+    actions: list[str] = []
+    w = d.weights
+    if d.cause == NOT_REPRODUCIBLE:
+        if d.reason == REASON_OTHER_RANK and len(cap.ranks) == 1:
+            return [f"Diagnose all ranks together: stabletrain diagnose {cap.ranks[0].path.parent.parent}"]
+        last = f" ({out / 'checkpoints' / 'last.ckpt'} holds no NaN: nancapture stopped before the optimizer step)" if out else ""
+        return [
+            f"Rerun from the last checkpoint: {resume}{last}. A sporadic failure usually does not recur at the same step.",
+            "If it fails again at another step, localise it while it happens: debug_args.underflow_overflow.enabled=true "
+            "shows the first module that goes non-finite.",
+            "On a GPU: make kernels deterministic (torch.use_deterministic_algorithms(True)) and check the hardware "
+            "(nvidia-smi -q for ECC errors, temperatures); replay the capture on the original machine "
+            f"({_replay_command(cap)} --device cuda).",
+        ]
+    if w.status in ("nonfinite", "huge"):
+        if w.healthy_checkpoint:
+            ck = next(c for c in w.checkpoints if c["path"] == w.healthy_checkpoint)
+            last = Path(w.healthy_checkpoint).parent / "last.ckpt"
+            where = ("" if Path(w.healthy_checkpoint).name == "last.ckpt" else
+                     f"copy {w.healthy_checkpoint} over {last}, then ")
+            actions.append(
+                f"Resume from before the damage: the newest checkpoint with healthy weights is step {ck['step']} "
+                f"(|w| up to {_fmt(ck['abs_max'])}); {where}{resume} and {lr}."
+            )
+        elif w.checkpoints:
+            actions.append(
+                f"No checkpoint of this run has healthy weights (all reach |w| >= {_fmt(w.threshold)} or hold NaN): "
+                f"start again with overwrite=true and {lr}."
+            )
+        else:
+            actions.append(f"Resume from a checkpoint written before the weights went bad ({resume}) with {lr}.")
+        actions.append(f"Keep single steps from blowing the weights up: {clip}.")
+    elif d.cause == PRECISION_INDUCED:
+        f = d.finding
+        if d.precision == "16-mixed":
+            if f is not None and f.phase == "backward":
+                actions.append(
+                    f"Train with precision=bf16-mixed (float32's range, no loss scaling needed) or precision=32-true: "
+                    f"the float16 gradients overflow even at loss scale {_fmt(d.loss_scale or math.nan)}."
+                )
+            else:
+                actions.append(
+                    "Train with precision=bf16-mixed (same exponent range as float32; GPUs with bfloat16 support) or "
+                    "precision=32-true: a float16 activation exceeds 65504, which loss scaling cannot help."
+                )
+        elif d.precision == "bf16-mixed":
+            actions.append("Train with precision=32-true: bfloat16 keeps only about 3 significant digits.")
+        else:
+            actions.append(
+                f"Train with precision=bf16-mixed or precision=32-true (float32 master weights); to stay in float16, use "
+                f"precision=16-mixed, which adds dynamic loss scaling (now {d.precision})."
+            )
+        if f is not None and f.source and f.phase == "forward":
+            actions.append(f"Or keep {d.precision} and keep the value in range where it grows: {f.source}.")
+        if d.reason == REASON_SKIPPED:
+            skipped = cap.ranks[0].raw.get("consecutive_skipped_steps")
+            limit = ((settings or {}).get("debug_args") or {}).get("nancapture", {}).get("max_skipped_steps")
+            if isinstance(skipped, int) and skipped:
+                actions.append(
+                    f"If training had only just started, the GradScaler may still have been lowering its initial scale "
+                    f"(it skips a step each time it halves it): allow more skipped steps in a row with "
+                    f"debug_args.nancapture.max_skipped_steps={2 * skipped}"
+                    + (f" (was {limit})." if limit else f" (now {skipped}).")
+                )
+    else:
+        f = d.finding
+        kind = _op_kind(f) if f is not None else "other"
+        samples = _samples_text(d.data.row_sets, d.data.index_sets) if d.data.status == "isolated" else ""
+        src = f" at {f.source}" if f is not None and f.source else ""
+        if kind == "propagated" and d.origin == "data":
+            actions.append(
+                f"Fix or drop {samples or 'the bad samples'}: {_bad_input_text(d)}, and NaN/Inf in the data reaches "
+                "the loss whatever the precision or learning rate. Check the data pipeline that produced it."
+            )
+            if (settings or {}).get("task") == "image_classification":
+                actions.append("Check transform_args (transform_args.normalize.std must be well above 0 for every channel).")
+        elif kind == "log":
+            actions.append(f"Guard the logarithm{src}: torch.log(x.clamp_min(1e-12)) (or log1p / log_softmax) — "
+                           f"{samples or 'the data'} drive its argument to 0 or below.")
+        elif kind == "div":
+            actions.append(f"Guard the division{src}: divide by x.clamp_min(1e-12) or x + 1e-12 (keeping the sign) — "
+                           f"{samples or 'the data'} make the denominator 0.")
+        elif kind == "sqrt":
+            actions.append(f"Guard the square root{src}: torch.sqrt(x.clamp_min(0)) — {samples or 'the data'} make its argument negative.")
+        elif kind == "sqrt_grad":
+            actions.append(f"Make the derivative finite{src}: torch.sqrt(x + 1e-12) instead of torch.sqrt(x) — its gradient "
+                           f"1/(2 sqrt(x)) is infinite at x = 0, where {samples or 'the data'} put it.")
+        elif kind == "overflow":
+            actions.append(f"Activations overflow{src}: lower the learning rate ({lr}) and bound updates ({clip}).")
+        else:
+            actions.append(f"Inspect {f.op_name if f else 'the failing op'}{src}; lower the learning rate ({lr}) if values grow over steps.")
+        if samples and kind not in ("propagated",) and d.data.status == "isolated":
+            actions.append(f"Look at {samples}: what sets {'it' if ' index ' in samples else 'them'} apart (an outlier, an "
+                           "empty or constant input) is what the guard must handle.")
+        if (settings or {}).get("precision") not in (None, "32-true") and d.precision in _REDUCED:
+            actions.append(f"The failure is independent of precision; keep precision={d.precision}.")
+    if d.data.approximate:
+        actions.append("Confirm the culprit samples in a full batch: BatchNorm makes their isolation approximate.")
+    actions.append(f"Replay the step yourself: {_replay_command(cap)}")
+    return actions
+
+
+def _replay_command(cap: NaNCapture) -> str:
+    """The command the capture's error message showed (it names your model), else a plain one."""
+    stored = cap.ranks[0].raw.get("replay_command")
+    if isinstance(stored, str) and stored.startswith("stabletrain replay ") and (len(cap.ranks) == 1 or cap.world_size > 1):
+        return stored
+    return f"stabletrain replay {cap.path}"
+
+
+def _samples_text(sets: list[list[int]], index_sets: Optional[list[list[int]]]) -> str:
+    if index_sets:
+        flat = [i for s in index_sets for i in s]
+        return (f"the sample at dataset index {flat[0]}" if len(flat) == 1 else
+                f"the samples at dataset indices {', '.join(map(str, flat[:8]))}{', ...' if len(flat) > 8 else ''}")
+    flat = [r for s in sets for r in s]
+    return f"row {flat[0]}" if len(flat) == 1 else f"rows {', '.join(map(str, flat[:8]))}"
+
+
+def _keys_text(keys: Sequence[MicrobatchKey]) -> str:
+    ranks = {r for r, _ in keys}
+    if len(ranks) <= 1:
+        return ", ".join(str(m) for _, m in keys)
+    return ", ".join(f"{m} (rank {r})" for r, m in keys)
+
+
+# --------------------------------------------------------------------------------------
+# Rendering
+# --------------------------------------------------------------------------------------
+
+
+def _render(d: Diagnosis) -> str:
+    ranks = f"rank {d.ranks[0]}" if len(d.ranks) == 1 else f"ranks {', '.join(map(str, d.ranks))}"
+    lines = [
+        f"# Diagnosis of step {d.step} ({ranks}): {d.path}",
+        "",
+        f"**Verdict: {d.cause_title}** — {d.probable_cause}.",
+        "",
+        "## What happened",
+        "",
+        d.summary,
+        "",
+        "## Where",
+        "",
+    ]
+    f = d.finding
+    if f is not None:
+        lines.append(f"First non-finite op: {_finding_text(f)}.")
+        lines.append("")
+        for s in f.inputs:
+            counts = ", ".join(f"{n} {k}" for k, n in (("NaN", s.nan), ("+Inf", s.posinf), ("-Inf", s.neginf)) if n)
+            flag = f" — already non-finite: {counts}" if s.nonfinite else ""
+            mag = (f"abs min {_fmt(s.abs_min)}, abs max {_fmt(s.abs_max)}" if math.isfinite(s.abs_max)
+                   else "no finite value")
+            lines.append(f"- input {s.index}: {s.dtype} {list(s.shape)}, {mag}{flag}")
+        if f.source:
+            lines.append(f"- source: `{f.source}`")
+        if f.outside_forward:
+            lines.append("- ran outside every module's forward: in training_step, the step function or the training loop")
+        if f.phase == "backward" and f.forward_op:
+            lines.append(f"- differentiates `{f.forward_op}`, created in the forward pass"
+                         + ("" if f.outside_forward else f" of {f.where}"))
+        if d.origin:
+            origin = {
+                "data": f"the data ({_bad_input_text(d)})",
+                "weights": "the weights, non-finite at the start of the step",
+                "buffers": f"buffers ({', '.join(d.weights.nonfinite_buffers[:3])})",
+                "precision_conversion": f"the conversion of the batch to {_DTYPE_NAMES.get(d.precision, d.precision)}",
+            }.get(d.origin, d.origin)
+            lines.append(f"- its input was already non-finite: it came from {origin}")
+        if d.traced_on:
+            t = d.traced_on
+            what = f"microbatch(es) {_keys_text(t['microbatches'])}"
+            if t.get("rows"):
+                what += f", rows {t['rows']}" + (f" (dataset indices {t['dataset_indices']})" if t.get("dataset_indices") else "")
+            lines.append(f"- traced on {what}, in {d.precision}")
+    elif d.cause == NOT_REPRODUCIBLE:
+        lines.append("Not traced: the failure does not come back when the step is replayed.")
+    else:
+        lines.append("No op produced a non-finite value when the culprit subset was traced.")
+    lines += ["", "## Why", ""]
+    lines.append("| replay | precision | result | losses | gradient_norm |")
+    lines.append("|---|---|---|---|---|")
+    for r in d.replays:
+        res = "fails" if r.reproduced else "finite"
+        lines.append(f"| {r.label} | {r.precision} | {res} | {_short_floats(r.losses)} | {_fmt(r.gradient_norm)} |")
+    lines += ["", f"**{d.cause_title}**: {d.cause_explanation}"]
+    if d.matches_capture is False and d.cause != NOT_REPRODUCIBLE:
+        lines.append("")
+        lines.append("Note: the replayed losses differ in their last bits from those training logged "
+                     "(another device, library version, or nondeterministic kernels).")
+    lines += ["", "## Which data", ""]
+    data = d.data
+    lines.append(data.note[:1].upper() + data.note[1:] + "." if data.note else "-")
+    if data.status in ("isolated", "not_data_specific") and data.microbatches:
+        extra = f" ({data.replays} subset replay(s), {data.check} checks)"
+        lines[-1] += extra
+    bad_in = [b for b in data.nonfinite_inputs]
+    if bad_in:
+        shown = ", ".join(
+            (f"sample {b['index']}" if b["index"] is not None else f"microbatch {b['micro_step']} row {b['row']}")
+            + f" {b['field']} ({b['count']})" for b in bad_in[:5])
+        lines.append(f"- non-finite values already in the captured data: {shown}{' ...' if len(bad_in) > 5 else ''}")
+    for c in data.caveats:
+        lines.append(f"- caveat: {c}")
+    lines += ["", "## Before or during the step", ""]
+    w = d.weights
+    if w.status == "healthy":
+        lines.append(f"The weights were healthy when the step began (all finite, |w| below {_fmt(w.threshold)}): the step itself failed.")
+    elif w.status == "huge":
+        lines.append(f"The weights were already huge when the step began (|w| >= {_fmt(w.threshold)}): the damage happened in earlier steps.")
+    else:
+        names = ", ".join(f"{p.name} ({p.nonfinite})" for p in w.nonfinite[:4])
+        lines.append(f"The weights already held NaN/Inf when the step began: {names}. The damage happened in earlier steps.")
+    lines.append("")
+    lines.append("Largest weights: " + ", ".join(f"{p.name} {_fmt(p.abs_max)}" for p in w.largest) + ".")
+    if w.nonfinite_buffers:
+        lines.append(f"Non-finite buffers: {', '.join(w.nonfinite_buffers[:5])}.")
+    if w.checkpoints:
+        lines.append("Checkpoints: " + ", ".join(
+            f"step {c['step']} |w| {_fmt(c['abs_max'])}{'' if c['healthy'] else ' (bad)'}" for c in w.checkpoints) + ".")
+    if d.history:
+        lines.append("Last logged steps: " + ", ".join(
+            f"{h.get('step')}: loss {_fmt_any(h.get('loss'))} grad_norm {_fmt_any(h.get('gradient_norm'))}" for h in d.history) + ".")
+    lines += ["", "## Next actions", ""]
+    lines += [f"{i}. {a}" for i, a in enumerate(d.next_actions, 1)]
+    lines += ["", "Diagnosed in " + ", ".join(f"{k} {v:.2f}s" for k, v in d.timings.items())
+              + f" = {sum(d.timings.values()):.1f}s on {d.device}."]
+    return "\n".join(lines)
+
+
+def _short_floats(xs: list[float], limit: int = 4) -> str:
+    shown = ", ".join(_fmt(x) for x in xs[:limit])
+    return shown + (f", ... ({len(xs)})" if len(xs) > limit else "")
+
+
+def _fmt(x: Optional[float]) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.3g}" if math.isfinite(x) else str(x)
+
+
+def _fmt_any(x: Any) -> str:
+    if isinstance(x, (int, float)):
+        return _fmt(float(x))
+    return str(x)
+
+
+def _few(names: list[str], limit: int) -> str:
+    return ", ".join(names[:limit]) + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
+
+
+def _jf(x: float) -> Any:
+    return x if math.isfinite(x) else str(x)
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return _jf(obj)
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    return obj
+
+
+def _key_dict(key: MicrobatchKey) -> dict[str, int]:
+    return {"rank": key[0], "micro_step": key[1]}
+
+
+def _output_folder(cap: NaNCapture) -> Path:
+    """Next to the capture: the rank folder, or for several ranks the folder holding them."""
+    first = cap.ranks[0].path.parent
+    return first if len(cap.ranks) == 1 else first.parent
+
+
+# --------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------
+
+
+def diagnose_main(argv: list[str]) -> int:
+    """``stabletrain diagnose PATH [--json] [--device D] [--model SPEC] [--step-fn SPEC] [--no-write]``."""
+    parser = argparse.ArgumentParser(
+        prog="stabletrain diagnose",
+        description="From a NaN capture to a verdict: the first non-finite op (module, phase, dtype, source line), "
+        "the cause (precision-induced, deterministic numerical, not reproducible), the samples that trigger it, "
+        "whether the weights were already bad, and what to change. Writes diagnosis.md and diagnosis.json next "
+        "to the capture.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=(
+            "examples:\n"
+            "  stabletrain diagnose out/boom/debug/nan_capture/rank0\n"
+            "  stabletrain diagnose out/boom/debug/nan_capture/rank0 --json\n"
+            "  stabletrain diagnose out/mine/debug/nan_capture/rank0 --model train.py:MyModel   # your own model\n"
+        ),
+    )
+    parser.add_argument("path", help="rank folder, nan_capture.pt, the folder of all ranks, or the run folder")
+    parser.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
+    parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: the captured device type when available)")
+    parser.add_argument("--model", metavar="FILE.py:NAME",
+                        help="your own model: a class (or function) that builds it without arguments")
+    parser.add_argument("--step-fn", metavar="FILE.py:NAME", help="step_fn(model, batch) -> loss, if the model has no training_step")
+    parser.add_argument("--no-write", action="store_true", help="do not write diagnosis.md and diagnosis.json")
+    ns = parser.parse_args(argv)
+    model = None
+    if ns.model:
+        factory = load_object(ns.model)
+        model = factory() if callable(factory) and not isinstance(factory, nn.Module) else factory
+        if not isinstance(model, nn.Module):
+            raise NaNCaptureError(f"--model {ns.model}: built a {type(model).__name__}, not a torch.nn.Module")
+    step_fn = load_object(ns.step_fn) if ns.step_fn else None
+    try:
+        result = diagnose(ns.path, model=model, step_fn=step_fn, device=ns.device, write=not ns.no_write)
+    except NaNCaptureError as exc:
+        # The loader's hints name the replay command; the same options work here.
+        raise NaNCaptureError(str(exc).replace("stabletrain replay ", "stabletrain diagnose "), exc.path) from None
+    if ns.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(result.report())
+        if result.files:
+            print(f"\nWritten: {', '.join(result.files)}")
+    return 0
+
