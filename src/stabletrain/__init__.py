@@ -4,6 +4,8 @@ Public API (imported lazily, so ``import stabletrain`` is cheap and has no side 
 
     stabletrain.train(out=..., **settings)     # the training loop; gradient_norm always logged
     stabletrain.compute_grad_norm(named_params) # the same norm in any PyTorch loop
+    stabletrain.report(out)                     # trends, plots and a summary of a run
+    stabletrain.TrendDetector()                 # live trend alerts in any loop
 """
 
 from __future__ import annotations
@@ -23,6 +25,12 @@ _EXPORTS = {
     "compute_grad_norm": "stabletrain.debug.grad_norm",
     "clip_grad_norm_with_total": "stabletrain.debug.grad_norm",
     "GradNorm": "stabletrain.debug.grad_norm",
+    "layer_grad_norms": "stabletrain.debug.grad_norm",
+    "TrendDetector": "stabletrain.debug.trends",
+    "TrendAlerts": "stabletrain.debug.trends",
+    "detect_trends": "stabletrain.debug.trends",
+    "report": "stabletrain.reporting",
+    "Report": "stabletrain.reporting",
     "StabletrainError": "stabletrain.errors",
     "ConfigError": "stabletrain.errors",
     "CheckpointError": "stabletrain.checkpoint",
