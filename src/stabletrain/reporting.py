@@ -47,7 +47,7 @@ KIND_COLORS = {
     "exploding": "#d62728",
     "vanishing": "#1f77b4",
     "spike": "#ff7f0e",
-    "plateau": "#8c8c8c",
+    "plateau": "#bcbd22",
     "nonfinite": "#9467bd",
 }
 #: Heatmap rows beyond this are grouped into their parent modules.
@@ -146,9 +146,9 @@ def report(out: str | Path, *, quiet: bool = False, plots: bool = True) -> Repor
 
     status: dict[str, str] = {}
     for signal in ("gradient_norm", "loss"):
-        if not any(k in r for r in data.rows for k in (signal,)):
+        if not any(signal in r for r in data.rows):
             continue
-        kinds = [_STATUS_OF_KIND[e.kind] for e in episodes if e.signal == signal and not e.tolerated]
+        kinds = [_STATUS_OF_KIND[e.kind] for e in _of_signal(episodes, signal) if not e.tolerated]
         status[signal] = min(kinds, key=STATUS_ORDER.index) if kinds else "stable"
     verdict = min(status.values(), key=STATUS_ORDER.index) if status else "stable"
 
@@ -173,6 +173,11 @@ def report(out: str | Path, *, quiet: bool = False, plots: bool = True) -> Repor
 
 
 # ----------------------------------------------------------------------------- summaries
+
+
+def _of_signal(episodes: Sequence[Episode], signal: str) -> list[Episode]:
+    """The episodes of one signal, with a non-finite loss that says the gradients are too."""
+    return [e for e in episodes if e.signal == signal or (e.kind == "nonfinite" and signal in e.note)]
 
 
 def _span_text(data: RunData) -> str:
@@ -202,7 +207,7 @@ def _run_line(data: RunData) -> str:
 
 
 def _signal_line(signal: str, status: str, episodes: Sequence[Episode]) -> str:
-    mine = [e for e in episodes if e.signal == signal]
+    mine = _of_signal(episodes, signal)
     if not mine:
         return f"{signal}: {status}"
     groups: dict[str, list[str]] = {}
@@ -262,7 +267,7 @@ def _markdown(
     md.append(f"Run `{out}`: {_span_text(data)}. {_run_line(data)}.".replace(". .", "."))
     md += ["", f"**Verdict: {verdict}**", "", "| signal | status | episodes |", "|---|---|---|"]
     for signal, st in status.items():
-        mine = [e for e in episodes if e.signal == signal]
+        mine = _of_signal(episodes, signal)
         cell = "; ".join(
             f"{e.kind} {e.steps_text()}" + (" (warmup, tolerated)" if e.tolerated else "") for e in mine
         )
@@ -344,7 +349,7 @@ def _shade(ax: Any, steps: np.ndarray, episodes: Sequence[Episode], signal: Opti
     half = _step_halfwidth(steps)
     labelled: set[str] = set()
     for e in episodes:
-        if signal is not None and e.signal != signal:
+        if signal is not None and e not in _of_signal([e], signal):
             continue
         label = e.kind + (" (warmup, tolerated)" if e.tolerated else "")
         ax.axvspan(
@@ -367,7 +372,7 @@ def _rolling_median(values: np.ndarray, window: int) -> np.ndarray:
     for i in range(len(values)):
         chunk = values[max(0, i - half) : i + half + 1]
         chunk = chunk[np.isfinite(chunk)]
-        if len(chunk):
+        if len(chunk) and np.isfinite(values[i]):
             out[i] = np.median(chunk)
     return out
 
@@ -464,10 +469,12 @@ def _plot_layers(path: Path, data: RunData, keys: Sequence[str], episodes: Seque
             sq = sq + v * v  # NaN/Inf propagate: a non-finite parameter makes its row non-finite
         with np.errstate(divide="ignore", invalid="ignore"):
             grid[i] = np.log10(np.sqrt(sq))
-    cmap = colormaps["viridis"].copy()
-    cmap.set_bad("#e0245e")
-    height = max(3.0, 0.24 * len(rows) + 1.6)
-    fig, ax = plt.subplots(figsize=(10, height), dpi=110)
+    cmap = colormaps["viridis"].with_extremes(bad="#e0245e")
+    height = max(3.4, 0.24 * len(rows) + 2.0)
+    fig, (strip, ax) = plt.subplots(
+        2, 1, figsize=(10, height), dpi=110, sharex=True, layout="constrained",
+        gridspec_kw={"height_ratios": [0.35, max(2.0, 0.24 * len(rows))]},
+    )
     finite = grid[np.isfinite(grid)]
     vmin, vmax = (np.percentile(finite, 1), np.percentile(finite, 99.5)) if finite.size else (0, 1)
     half = _step_halfwidth(steps)
@@ -483,18 +490,21 @@ def _plot_layers(path: Path, data: RunData, keys: Sequence[str], episodes: Seque
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([name for name, _ in rows], fontsize=7 if len(rows) > 24 else 8)
     ax.set_xlabel("step")
-    for e in episodes:
-        if e.tolerated:
-            continue
-        ax.axvline(e.start_step - half, color=KIND_COLORS[e.kind], lw=1.2, ls="--")
-    bar = fig.colorbar(image, ax=ax, pad=0.01)
+    # Episodes of either signal on a strip above, so they do not hide the cells.
+    _shade(strip, steps, episodes, None)
+    strip.set_yticks([])
+    strip.set_ylabel("episodes", rotation=0, ha="right", va="center", fontsize=8)
+    strip.tick_params(axis="x", bottom=False)
+    handles, labels = strip.get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="outside lower center", ncol=len(labels), fontsize=8, frameon=False)
+    bar = fig.colorbar(image, ax=[strip, ax], pad=0.01, fraction=0.04)
     bar.set_label("log10 gradient norm")
     title = "gradient_norm per layer (modules owning parameters)"
     if not np.isfinite(grid).all():
         title += "; red = NaN/Inf"
-    ax.set_title(title, loc="left", fontsize=11, fontweight="bold")
-    ax.set_title(data.out.name, loc="right", fontsize=9, color="#555555")
-    fig.tight_layout()
+    strip.set_title(title, loc="left", fontsize=11, fontweight="bold")
+    strip.set_title(data.out.name, loc="right", fontsize=9, color="#555555")
     fig.savefig(path)
     plt.close(fig)
 
