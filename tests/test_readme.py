@@ -42,8 +42,10 @@ def test_main_command_trains_the_default_task_in_under_two_minutes(tmp_path):
     elapsed = time.perf_counter() - start
     assert result.returncode == 0, result.stderr[-2000:]
     assert elapsed < 120, f"took {elapsed:.0f} s"
-    rows, _ = read_metrics(tmp_path / "out" / "demo" / "metrics.jsonl")
+    rows, events = read_metrics(tmp_path / "out" / "demo" / "metrics.jsonl")
     assert rows[-1]["step"] == 499
     assert rows[-1]["loss"] < 1.5 < 5.0 < rows[0]["loss"], "the default model learns the generated text"
     assert "Done: 500 steps" in result.stdout
+    assert [e for e in events if e["event"] == "trend_alert"] == [], "a stable run raises no trend alert"
+    assert "WARNING" not in result.stdout
     assert (tmp_path / "out" / "demo" / "checkpoints" / "last.ckpt").exists()

@@ -287,3 +287,13 @@ def test_trend_alerts_add_no_host_sync(tmp_path):
         counts[enabled] = counter.counts
     assert sorted(counts[True]) == list(range(12))
     assert counts[True] == counts[False]
+
+
+def test_nan_gradients_then_nan_loss_are_one_alert():
+    grad = [1.0] * 10 + [math.nan] * 4
+    loss = [2.0 - 0.01 * i for i in range(11)] + [math.nan] * 3  # the loss follows one step later
+    alerts = feed(TrendDetector(), gradient_norm=grad, loss=loss)
+    assert [i for i, a in enumerate(alerts) if a] == [10]
+    episode = alerts[10][0]
+    assert (episode.kind, episode.signal) == ("nonfinite", "gradient_norm")
+    assert "and so is loss from step 11" in episode.describe()

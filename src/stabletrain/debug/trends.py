@@ -51,6 +51,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
+from statistics import median
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
@@ -247,9 +248,9 @@ def next_actions(episode: Episode, context: Optional[AlertContext] = None) -> li
 
 def _median_mad_sigma(xs: Sequence[float]) -> tuple[float, float]:
     """Median and robust standard deviation (1.4826 x median absolute deviation)."""
-    a = np.asarray(xs, dtype=np.float64)
-    med = float(np.median(a))
-    return med, 1.4826 * float(np.median(np.abs(a - med)))
+    # statistics.median: these lists are a few dozen numbers, where numpy's call overhead dominates.
+    med = median(xs)
+    return med, 1.4826 * median([abs(x - med) for x in xs])
 
 
 def theil_sen_slope(ys: Sequence[float]) -> float:
@@ -330,7 +331,7 @@ class _LogSignal:
         return opened
 
     def _update_exploding(self, step: int, value: float, recent: list[float], opened: list[Episode]) -> None:
-        level = float(np.median(recent))
+        level = median(recent)
         if self.explode is not None:
             if level - self.explode_ref >= self.explode_log / 2:
                 self.explode.end_step = step
@@ -368,7 +369,7 @@ class _LogSignal:
     ) -> None:
         if self.vanish_log is None:
             return
-        level = float(np.median(recent))
+        level = median(recent)
         if self.vanish is not None:
             if self.vanish_ref - level >= self.vanish_log / 2:
                 self.vanish.end_step = step
@@ -411,10 +412,6 @@ class _LogSignal:
         self.spike_ref, self.spike_threshold = med, threshold
         opened.append(self.spike)
 
-    def open_episodes(self) -> list[Episode]:
-        return [e for e in (self.explode, self.vanish, self.spike) if e is not None]
-
-
 class _Plateau:
     """A loss that is not going down and has barely improved since the start.
 
@@ -447,22 +444,22 @@ class _Plateau:
         if not (allow and self._stuck(slack=1.0)):
             return None
         start = self.points[0][0]
-        self.episode = Episode("plateau", "loss", start, step, step, value, float(np.median(self.first)))
+        self.episode = Episode("plateau", "loss", start, step, step, value, median(self.first))
         return self.episode
 
     def _stuck(self, slack: float, trend: bool = True) -> bool:
         if len(self.points) < self.W or self.points[0][0] < self.warmup_steps:
             return False
-        first = float(np.median(self.first))
+        first = median(self.first)
         values = np.asarray([v for _, v in self.points], dtype=np.float64)
-        current = float(np.median(values))
+        current = float(median(values.tolist()))
         scale = max(abs(first), abs(current), 1e-12)
         slope = theil_sen_slope(values)
         change = slope * (len(values) - 1) / scale
         improved = (first - current) / scale
         # Noise-aware: a noisy loss must move more than its own scatter to count as moving.
         residuals = values - slope * np.arange(len(values))
-        sigma = 1.4826 * float(np.median(np.abs(residuals - np.median(residuals)))) / scale
+        sigma = _median_mad_sigma(residuals.tolist())[1] / scale
         improved_noise = 3 * 1.25 * sigma * math.sqrt(1 / len(values) + 1 / len(self.first))
         change_noise = 3 * sigma * math.sqrt(12 / len(values))
         tolerance = self.min_improvement * slack
@@ -546,6 +543,12 @@ class TrendDetector:
         if len(nonfinite) == 2:  # a NaN loss gives NaN gradients: one episode says both
             nonfinite["loss"].note = "and so is gradient_norm"
             opened.remove(nonfinite["gradient_norm"])
+        elif nonfinite:  # the other signal went first: the open episode says both
+            (signal, episode), = nonfinite.items()
+            other = self._nonfinite["loss" if signal == "gradient_norm" else "gradient_norm"]
+            if other is not None:
+                other.note = f"and so is {signal} from step {episode.start_step}"
+                opened.remove(episode)
         self.episodes.extend(opened)
         return [e for e in opened if not e.tolerated]
 
@@ -572,8 +575,8 @@ class TrendDetector:
         """The loss fell CONVERGED_LOSS_RATIO-fold or more from its start: small gradients are expected."""
         if not self._loss_first or not self._loss_recent or not self._loss_positive:
             return False
-        first = float(np.median(self._loss_first))
-        return float(np.median(list(self._loss_recent))) <= first / CONVERGED_LOSS_RATIO
+        first = median(self._loss_first)
+        return median(self._loss_recent) <= first / CONVERGED_LOSS_RATIO
 
     def open_episodes(self) -> list[Episode]:
         return [e for e in self.episodes if e.open]
