@@ -136,7 +136,12 @@ def report(out: str | Path, *, quiet: bool = False, plots: bool = True) -> Repor
     out = Path(out)
     data = RunData(out)
     settings = data.settings
-    args = TrendAlertArgs(**settings["trend_alerts"]) if isinstance(settings.get("trend_alerts"), dict) else None
+    args = None
+    if isinstance(settings.get("trend_alerts"), dict):
+        try:  # the run's own thresholds; a settings.json of another version falls back to defaults
+            args = TrendAlertArgs(**settings["trend_alerts"])
+        except ValueError:
+            args = None
     warmup = int((settings.get("model_args") or {}).get("warmup_steps") or 0)
     detector = TrendDetector(args, warmup_steps=warmup)
     for row in data.rows:
