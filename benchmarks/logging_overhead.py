@@ -5,7 +5,9 @@ Two measurements, both on this machine, side by side:
 1. Per call: each logger's ``log_metrics`` with the metrics of one logged step (the 10 usual
    keys; and with per-layer norms of the benchmark model, about 90 keys), the trend
    detector's ``update``, and ``layer_grad_norms`` with its read-back on the benchmark model.
-2. End to end: ``stabletrain.train`` on the benchmark model (logging every 10 steps) with
+2. End to end: ``stabletrain.train`` on the built-in default model (as in
+   trainer_overhead.py; a small model, where a fixed cost per logged step weighs most),
+   logging every 10 steps, with
    metrics.jsonl only and trend alerts off ("bare"), against the defaults (TensorBoard and
    trend alerts on), per-layer norms on, and all four loggers on. Interleaved rounds, median
    ratio of seconds per step.
@@ -33,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 import stabletrain  # noqa: E402
-from common import BENCH_SETTINGS, bench_model_and_batches, machine  # noqa: E402
+from common import bench_model_and_batches, machine  # noqa: E402
 from stabletrain.debug.grad_norm import compute_grad_norm, layer_grad_norms  # noqa: E402
 from stabletrain.debug.trends import TrendDetector  # noqa: E402
 
@@ -104,7 +106,7 @@ def run(out: Path, steps: int, **settings: Any) -> float:
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         stabletrain.train(
             out=out, steps=steps, callbacks=[Timer()], checkpoint_every_num_steps=10**9, log_every_num_steps=10,
-            **BENCH_SETTINGS, **settings,
+            model_args={"warmup_steps": 10}, **settings,
         )
     return (marks["end"] - marks["start"]) / steps
 
@@ -138,7 +140,7 @@ def main() -> None:
                 t = run(tmp / f"r{r}_{i}", ns.steps, **variants[name])
                 if r:
                     times[name].append(t)
-        print(f"\nend to end: benchmark model (4 layers, dim 256, batch 16), {ns.steps} steps, "
+        print(f"\nend to end: built-in default model (2 layers, dim 128, batch 32), {ns.steps} steps, "
               f"logging every 10, {ns.rounds} interleaved rounds")
         print(f"{'':42}{'ms/step':>10}{'vs bare':>10}")
         base = times[names[0]]
