@@ -40,8 +40,10 @@ def test_main_command_trains_the_default_task(tmp_path):
     argv = [str(exe), *command[1:]] if exe.exists() else [sys.executable, "-m", "stabletrain", *command[1:]]
     result = subprocess.run(argv, cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-2000:]
-    rows, _ = read_metrics(tmp_path / "out" / "demo" / "metrics.jsonl")
+    rows, events = read_metrics(tmp_path / "out" / "demo" / "metrics.jsonl")
     assert rows[-1]["step"] == 499
     assert rows[-1]["loss"] < 1.5 < 5.0 < rows[0]["loss"], "the default model learns the generated text"
     assert "Done: 500 steps" in result.stdout
+    assert [e for e in events if e["event"] == "trend_alert"] == [], "a stable run raises no trend alert"
+    assert "WARNING" not in result.stdout
     assert (tmp_path / "out" / "demo" / "checkpoints" / "last.ckpt").exists()

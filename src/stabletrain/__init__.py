@@ -7,6 +7,8 @@ Public API (imported lazily, so ``import stabletrain`` is cheap and has no side 
     stabletrain.load_nan_capture(path).replay() # rerun a captured failing step (debug_args.nancapture)
     stabletrain.UnderflowOverflowMonitor(model) # the first module whose values go non-finite
     stabletrain.diagnose(path)                  # which op, module and sample, and why
+    stabletrain.report(out)                     # trends, plots and a summary of a run
+    stabletrain.TrendDetector()                 # live trend alerts in any loop
 """
 
 from __future__ import annotations
@@ -28,6 +30,12 @@ _EXPORTS = {
     "GradNorm": "stabletrain.debug.grad_norm",
     "UnderflowOverflowMonitor": "stabletrain.debug.underflow_overflow",
     "UnderflowOverflowError": "stabletrain.debug.underflow_overflow",
+    "layer_grad_norms": "stabletrain.debug.grad_norm",
+    "TrendDetector": "stabletrain.debug.trends",
+    "TrendAlerts": "stabletrain.debug.trends",
+    "detect_trends": "stabletrain.debug.trends",
+    "report": "stabletrain.reporting",
+    "Report": "stabletrain.reporting",
     "StabletrainError": "stabletrain.errors",
     "ConfigError": "stabletrain.errors",
     "CheckpointError": "stabletrain.checkpoint",

@@ -20,6 +20,7 @@ from stabletrain.errors import ConfigError, StabletrainError
 EXAMPLES = """\
 examples:
   stabletrain train out=out/demo
+  stabletrain report out/demo
   stabletrain train out=out/lm model_args.lr=3e-4 steps=2000 precision=bf16-mixed
   stabletrain train out=out/img model=torchvision/resnet18 data=path/to/images transform_args.image_size=64
   stabletrain train out=out/boom model_args.optimizer=sgd model_args.lr=1000 debug_args.nancapture.enabled=true
@@ -72,6 +73,22 @@ def _cmd_diagnose(args: list[str]) -> int:
     from stabletrain.debug.diagnose import diagnose_main
 
     return diagnose_main(args)
+def _cmd_report(args: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="stabletrain report",
+        description=(
+            "Read OUT/metrics.jsonl, find exploding/vanishing/spiking/plateau/non-finite episodes "
+            "and write OUT/report/: summary.md, gradient_norm.png, loss.png and, when per-layer "
+            "norms were logged, gradient_norm_layers.png."
+        ),
+    )
+    parser.add_argument("out", help="a training run's output folder, e.g. out/my_run")
+    parser.add_argument("--no-plots", action="store_true", help="write the summary only")
+    ns = parser.parse_args(args)
+    from stabletrain.reporting import report
+
+    report(ns.out, plots=not ns.no_plots)
+    return 0
 
 
 #: name -> (one-line help, function taking the remaining arguments and returning an exit code)
@@ -79,6 +96,7 @@ COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "train": ("train a model (stabletrain train --help lists every setting)", _cmd_train),
     "replay": ("rerun a captured NaN step offline: stabletrain replay PATH [--json]", _cmd_replay),
     "diagnose": ("which op, module and sample made a captured step NaN, and why: stabletrain diagnose PATH [--json]", _cmd_diagnose),
+    "report": ("trends and plots of a run: stabletrain report out/my_run", _cmd_report),
 }
 
 

@@ -163,37 +163,91 @@ class DebugArgs(_Settings):
 
 
 class JsonlLoggerArgs(_Settings):
-    enabled: bool = Field(True, description="Write out/metrics.jsonl.")
+    enabled: bool = Field(True, description="Write out/metrics.jsonl (the report and trend alerts read it).")
 
 
 class TensorBoardLoggerArgs(_Settings):
-    enabled: bool = Field(False, description="Write TensorBoard event files under out/.")
+    enabled: Union[bool, Literal["auto"]] = Field(
+        "auto",
+        description=(
+            "Write TensorBoard event files to out/tensorboard/ (view: tensorboard --logdir out/<run>); "
+            "auto = on when the tensorboard package is installed."
+        ),
+    )
 
 
 class MLflowLoggerArgs(_Settings):
-    enabled: bool = Field(False, description="Log to MLflow.")
-    experiment_name: str = Field("stabletrain", description="MLflow experiment.")
+    enabled: bool = Field(False, description="Log to MLflow (pip install \"stabletrain[mlflow]\").")
+    experiment_name: str = Field("stabletrain", description="MLflow experiment; created when missing.")
     run_name: Optional[str] = Field(None, description="MLflow run name; default: the out folder's name.")
     tracking_uri: Optional[str] = Field(
-        None, description="MLflow tracking URI; default: sqlite:///<out>/mlflow.db."
+        None,
+        description=(
+            "MLflow tracking URI; default: sqlite:///<out>/mlflow.db, a local database "
+            "(view: mlflow ui --backend-store-uri sqlite:///<out>/mlflow.db)."
+        ),
     )
     tags: dict[str, str] = Field(default_factory=dict, description="Tags set on the run.")
 
 
 class WandbLoggerArgs(_Settings):
-    enabled: bool = Field(False, description="Log to Weights & Biases.")
+    enabled: bool = Field(False, description="Log to Weights & Biases (pip install \"stabletrain[wandb]\").")
     project: str = Field("stabletrain", description="W&B project.")
     name: Optional[str] = Field(None, description="W&B run name; default: the out folder's name.")
-    mode: Literal["online", "offline", "disabled"] = Field("offline", description="W&B mode.")
+    mode: Literal["online", "offline", "disabled"] = Field(
+        "offline",
+        description="online syncs live; offline writes out/wandb/ without network (upload later with wandb sync).",
+    )
 
 
 class LoggersArgs(_Settings):
-    """Metric loggers (``loggers.*``). metrics.jsonl is always on unless disabled."""
+    """Metric loggers (``loggers.*``). Every logger receives the same metrics at the same steps."""
 
     jsonl: JsonlLoggerArgs = Field(default_factory=JsonlLoggerArgs)
     tensorboard: TensorBoardLoggerArgs = Field(default_factory=TensorBoardLoggerArgs)
     mlflow: MLflowLoggerArgs = Field(default_factory=MLflowLoggerArgs)
     wandb: WandbLoggerArgs = Field(default_factory=WandbLoggerArgs)
+
+
+# --------------------------------------------------------------------------------------
+# Trend alerts
+# --------------------------------------------------------------------------------------
+
+
+class TrendAlertArgs(_Settings):
+    """Live alerts on the trend of gradient_norm and loss (``trend_alerts.*``).
+
+    They read the values already logged (no extra host synchronisation), so they are on by
+    default. Windows count logged points (one every ``log_every_num_steps`` steps).
+    """
+
+    enabled: bool = Field(True, description="Warn once per exploding/vanishing/spike/plateau/NaN episode.")
+    window: int = Field(20, ge=3, description="Logged points in the reference band (median and MAD of log values).")
+    persist: int = Field(
+        3, ge=2, description="Consecutive logged points a rise or fall must last to be exploding or vanishing."
+    )
+    explode_factor: float = Field(
+        10.0, gt=1, description="gradient_norm exploding: persistently this many times above its lowest level."
+    )
+    vanish_factor: float = Field(
+        100.0, gt=1, description="gradient_norm vanishing: persistently this many times below its highest level."
+    )
+    spike_factor: float = Field(
+        5.0, gt=1, description="gradient_norm spike: one point this many times above the band (ignored in warmup)."
+    )
+    loss_explode_factor: float = Field(
+        4.0, gt=1, description="loss exploding: persistently this many times above its lowest level."
+    )
+    loss_spike_factor: float = Field(2.0, gt=1, description="loss spike: one point this many times above the band.")
+    plateau_min_improvement: float = Field(
+        0.05,
+        ge=0,
+        lt=1,
+        description="loss plateau: after window points, improved less than this fraction since the start, and flat.",
+    )
+    z: float = Field(
+        6.0, gt=0, description="A jump must also exceed z robust standard deviations (1.4826 x MAD) of the band."
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -234,6 +288,13 @@ class TrainSettings(_Settings):
     )
     gradient_clip_val: float = Field(0.0, ge=0, description="Clip the total gradient norm to this value; 0 = off.")
     log_every_num_steps: int = Field(10, ge=1, description="Log metrics and the progress line every N steps.")
+    gradient_norm_per_layer: bool = Field(
+        False,
+        description=(
+            "Also log gradient_norm/<name> for every parameter and module, from the same per-parameter "
+            "norms as gradient_norm, at the logging cadence."
+        ),
+    )
     checkpoint_every_num_steps: int = Field(100, ge=1, description="Save checkpoints every N steps.")
     max_checkpoints_to_keep: int = Field(
         3, ge=0, description="Periodic step_*.ckpt files kept besides last.ckpt; 0 keeps only last.ckpt."
@@ -251,6 +312,7 @@ class TrainSettings(_Settings):
     torch_compile_args: TorchCompileArgs = Field(default_factory=TorchCompileArgs)
     debug_args: DebugArgs = Field(default_factory=DebugArgs)
     loggers: LoggersArgs = Field(default_factory=LoggersArgs)
+    trend_alerts: TrendAlertArgs = Field(default_factory=TrendAlertArgs)
     callbacks: list[Any] = Field(
         default_factory=list, description="Python only: objects with on_* event methods (see stabletrain.events)."
     )

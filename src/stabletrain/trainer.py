@@ -29,7 +29,7 @@ from stabletrain.checkpoint import (
 )
 from stabletrain.config import TrainSettings, load_settings
 from stabletrain.data.loader import build_loader
-from stabletrain.debug.grad_norm import GradNorm, clip_grad_norm_with_total, compute_grad_norm
+from stabletrain.debug.grad_norm import GradNorm, clip_grad_norm_with_total, compute_grad_norm, layer_grad_norms
 from stabletrain.errors import ConfigError, StabletrainError
 from stabletrain.events import CallbackList
 from stabletrain.loggers import Logger, build_loggers, check_loggers
@@ -460,7 +460,12 @@ class Trainer:
         values = [loss, gn.total.to(loss.device)]
         if self.scaler is not None:
             values.append(_scale_tensor(self.scaler, loss.device))
-        host = torch.stack([v.float().reshape(()) for v in values]).tolist()  # the step's one sync
+        flat = torch.stack([v.float().reshape(()) for v in values])
+        layer_names: list[str] = []
+        if self.settings.gradient_norm_per_layer:
+            layer_names, layer_norms = layer_grad_norms(gn)
+            flat = torch.cat([flat, layer_norms.to(loss.device)])
+        host = flat.tolist()  # the step's one sync
         now = time.perf_counter()
         steps_since = max(1, step + 1 - self._steps_at_last_log)
         dt = now - self._t_last
@@ -478,6 +483,9 @@ class Trainer:
         }
         if self.scaler is not None:
             metrics["loss_scale"] = host[2]
+        if layer_names:
+            offset = len(values)
+            metrics.update({f"gradient_norm/{n}": host[offset + i] for i, n in enumerate(layer_names)})
         if self.fabric.device.type == "cuda":
             metrics["max_memory_gb"] = torch.cuda.max_memory_allocated(self.fabric.device) / 2**30
         self._t_last, self._steps_at_last_log = now, step + 1
@@ -582,6 +590,10 @@ def _build_debug_callbacks(trainer: Trainer) -> list[Any]:
         from stabletrain.debug.underflow_overflow import UnderflowOverflowCallback
 
         callbacks.append(UnderflowOverflowCallback(debug.underflow_overflow))
+    if trainer.settings.trend_alerts.enabled:
+        from stabletrain.debug.trends import TrendAlerts
+
+        callbacks.append(TrendAlerts())
     return callbacks
 
 

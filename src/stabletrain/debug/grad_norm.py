@@ -20,15 +20,24 @@ Use it in any PyTorch loop::
 
 Logged keys:
 
-=================  ==========================================================
-``gradient_norm``  L2 norm over all parameter gradients (pre-clipping)
-=================  ==========================================================
+==========================  =================================================================
+``gradient_norm``           L2 norm over all parameter gradients (pre-clipping)
+``gradient_norm/<param>``   with ``gradient_norm_per_layer=true``: one parameter's norm,
+                            e.g. ``gradient_norm/blocks.0.attn.qkv.weight``
+``gradient_norm/<module>``  with ``gradient_norm_per_layer=true``: a module's norm over all
+                            its parameters (sqrt of the sum of their squared norms),
+                            e.g. ``gradient_norm/blocks.0.attn`` and ``gradient_norm/blocks``
+==========================  =================================================================
+
+Per-layer norms reuse the per-parameter norms behind ``gradient_norm`` (no second pass
+over the gradients): :func:`layer_grad_norms` turns them into one device tensor.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Iterable
 
 import torch
@@ -98,6 +107,57 @@ def compute_grad_norm(named_parameters: Iterable[tuple[str, Tensor]]) -> GradNor
         first = per_param[0].device
         total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in per_param]), 2)
     return GradNorm(total=total, per_param=per_param, names=names, params=params)
+
+
+def layer_grad_norms(gn: GradNorm) -> tuple[list[str], Tensor]:
+    """Per-parameter and per-module gradient norms as one float32 device tensor, no host sync.
+
+    Built from ``gn.per_param`` (the norms behind ``gn.total``), so nothing reads the
+    gradients again. A module's norm is the square root of the sum of its parameters'
+    squared norms, over every module that holds a parameter at any depth (``blocks.0.attn``,
+    ``blocks.0``, ``blocks``); the root module is ``gn.total`` itself and is left out.
+
+    Args:
+        gn: The result of :func:`compute_grad_norm`.
+
+    Returns:
+        ``(names, norms)``: the parameter names first (in ``gn.names`` order), then module
+        names (in first-seen order), and a 1-D tensor of the same length on ``gn.total``'s device.
+
+    Example::
+
+        gn = compute_grad_norm(model.named_parameters())
+        names, norms = layer_grad_norms(gn)
+        if step % 100 == 0:
+            print(dict(zip(names, norms.tolist())))    # one host sync for all of them
+    """
+    if not gn.per_param:
+        return [], torch.zeros(0, dtype=torch.float32, device=gn.total.device)
+    device = gn.total.device
+    per_param = torch.stack([n.to(device) for n in gn.per_param])
+    modules, module_idx, param_idx = _module_membership(tuple(gn.names))
+    if not modules:
+        return list(gn.names), per_param
+    squares = per_param.square()
+    module_sq = torch.zeros(len(modules), dtype=squares.dtype, device=device)
+    module_sq.index_add_(0, module_idx.to(device), squares[param_idx.to(device)])
+    return [*gn.names, *modules], torch.cat([per_param, module_sq.sqrt()])
+
+
+@lru_cache(maxsize=8)
+def _module_membership(names: tuple[str, ...]) -> tuple[list[str], Tensor, Tensor]:
+    """Modules above each parameter, as (module names, module index, parameter index) pairs."""
+    modules: dict[str, int] = {}
+    module_idx: list[int] = []
+    param_idx: list[int] = []
+    for p, name in enumerate(names):
+        parts = name.split(".")
+        for depth in range(1, len(parts)):
+            module = ".".join(parts[:depth])
+            m = modules.setdefault(module, len(modules))
+            module_idx.append(m)
+            param_idx.append(p)
+    return list(modules), torch.tensor(module_idx, dtype=torch.long), torch.tensor(param_idx, dtype=torch.long)
 
 
 def clip_grad_norm_with_total(params: list[Tensor], max_norm: float, total_norm: Tensor) -> None:
