@@ -34,7 +34,7 @@ from stabletrain.errors import ConfigError, StabletrainError
 from stabletrain.events import CallbackList
 from stabletrain.loggers import Logger, build_loggers, check_loggers
 from stabletrain.loggers.console import Console, format_duration, progress_line
-from stabletrain.tasks import Task, build_task, check_task, resolve_task_name
+from stabletrain.tasks import build_task, check_task, resolve_task_name
 from stabletrain.utils.io import atomic_write_text
 from stabletrain.utils.rng import get_rng_state, seed_everything, set_rng_state
 

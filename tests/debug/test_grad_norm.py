@@ -14,7 +14,7 @@ import stabletrain.trainer as trainer_module
 from stabletrain.config import load_settings
 from stabletrain.debug.grad_norm import GradNorm, clip_grad_norm_with_total, compute_grad_norm
 from stabletrain.loggers.jsonl import read_metrics
-from stabletrain.utils.sync import CountSyncs
+from stabletrain.utils.sync import SyncsPerStep
 from stabletrain.trainer import Trainer, train
 
 from conftest import tiny_lm
@@ -180,30 +180,6 @@ def test_fp16_loss_scaling_norm_is_unscaled(tmp_path):
         assert row["gradient_norm"] == pytest.approx(ref, rel=2e-2)
 
 
-class SyncsPerStep:
-    """A TorchDispatchMode active from each step's start to the next one's (logging included)."""
-
-    def __init__(self):
-        self.counts: dict[int, int] = {}
-        self._mode = None
-        self._step = None
-
-    def _close(self):
-        if self._mode is not None:
-            self._mode.__exit__(None, None, None)
-            self.counts[self._step] = self._mode.count
-            self._mode = None
-
-    def on_step_start(self, trainer, *, step):
-        self._close()
-        self._step, self._mode = step, CountSyncs()
-        self._mode.__enter__()
-
-    def on_checkpoint_save(self, trainer, *, step, state):
-        self._close()  # the end-of-run checkpoint is not part of a step
-
-    def on_exception(self, trainer, *, exception):
-        self._close()
 
 
 def _run_counting(tmp_path, name, extra=(), **kw):

@@ -20,7 +20,7 @@ from stabletrain.debug.nan_capture import FORMAT, VERSION
 from stabletrain.loggers.jsonl import read_metrics
 from stabletrain.trainer import Trainer, train
 from stabletrain.utils.rng import get_rng_state
-from stabletrain.utils.sync import CountSyncs
+from stabletrain.utils.sync import SyncsPerStep
 
 from conftest import cli_env, tiny_lm
 from nan_models import PoisonData, PoisonNet, samples_of_step
@@ -249,23 +249,6 @@ def test_capture_loads_safely_and_bad_files_fail_clearly(tmp_path):
 # --------------------------------------------------------------------------------- cost
 
 
-class SyncsPerStep:
-    def __init__(self):
-        self.counts, self._mode, self._step = {}, None, None
-
-    def _close(self):
-        if self._mode is not None:
-            self._mode.__exit__(None, None, None)
-            self.counts[self._step] = self._mode.count
-            self._mode = None
-
-    def on_step_start(self, trainer, *, step):
-        self._close()
-        self._step, self._mode = step, CountSyncs()
-        self._mode.__enter__()
-
-    def on_checkpoint_save(self, trainer, *, step, state):
-        self._close()
 
 
 @pytest.mark.parametrize("accum", [1, 4])

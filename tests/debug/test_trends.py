@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -13,7 +12,7 @@ from stabletrain.config import TrendAlertArgs
 from stabletrain.debug.trends import AlertContext, Episode, TrendAlerts, TrendDetector, detect_trends, next_actions
 from stabletrain.loggers.jsonl import read_metrics
 from stabletrain.trainer import train
-from stabletrain.utils.sync import CountSyncs
+from stabletrain.utils.sync import SyncsPerStep
 
 from conftest import tiny_lm
 
@@ -257,23 +256,6 @@ def test_trend_alerts_can_be_turned_off(tmp_path):
     assert [e for e in events if e["event"] == "trend_alert"] == []
 
 
-class SyncsPerStep:
-    """CountSyncs from each step's start to its checkpoint (every step is checkpointed here):
-    the step, its logging and every on_log callback."""
-
-    def __init__(self):
-        self.counts: dict[int, int] = {}
-        self._mode = None
-
-    def on_step_start(self, trainer, *, step):
-        self._mode = CountSyncs().__enter__()
-        self._step = step
-
-    def on_checkpoint_save(self, trainer, *, step, state):
-        if self._mode is not None:
-            self._mode.__exit__(None, None, None)
-            self.counts[self._step] = self._mode.count
-            self._mode = None
 
 
 def test_trend_alerts_add_no_host_sync(tmp_path):

@@ -16,7 +16,7 @@ import stabletrain
 from stabletrain.debug.underflow_overflow import UnderflowOverflowAbort, UnderflowOverflowMonitor
 from stabletrain.errors import ConfigError
 from stabletrain.tasks.language_model import MLP, TransformerLM
-from stabletrain.utils.sync import CountSyncs
+from stabletrain.utils.sync import CountSyncs, SyncsPerStep
 
 from conftest import tiny_lm
 
@@ -497,29 +497,6 @@ def test_trainer_backward_fault(tmp_path):
     assert (exc.step, exc.phase, exc.module, exc.tensor) == (1, "backward", "blocks.0.mlp.act.fn.1", "grad of input[0]")
 
 
-class SyncsPerStep:
-    """Host synchronisations from each step's start to the next one's."""
-
-    def __init__(self):
-        self.counts: dict[int, int] = {}
-        self._mode = None
-
-    def _close(self):
-        if self._mode is not None:
-            self._mode.__exit__(None, None, None)
-            self.counts[self._step] = self._mode.count
-            self._mode = None
-
-    def on_step_start(self, trainer, *, step):
-        self._close()
-        self._step, self._mode = step, CountSyncs()
-        self._mode.__enter__()
-
-    def on_checkpoint_save(self, trainer, *, step, state):
-        self._close()
-
-    def on_exception(self, trainer, *, exception):
-        self._close()
 
 
 @pytest.mark.parametrize("n_layers, accumulation", [(1, 1), (3, 1), (1, 3)])

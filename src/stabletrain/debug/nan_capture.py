@@ -60,7 +60,6 @@ import datetime
 import inspect
 import math
 import os
-import random
 import shlex
 import sys
 from pathlib import Path
@@ -73,6 +72,7 @@ from torch import Tensor, nn
 from stabletrain.debug.grad_norm import GradNorm, compute_grad_norm
 from stabletrain.errors import StabletrainError
 from stabletrain.utils.io import atomic_torch_save
+from stabletrain.utils.rng import raw_rng_state, storable_rng_state
 
 #: The ``format`` entry of every capture file, and the newest ``version`` this code writes and reads.
 FORMAT = "stabletrain.nan_capture"
@@ -309,7 +309,7 @@ class NaNCaptureMonitor:
             raise RuntimeError("NaNCaptureMonitor.collect_batch: call begin_step(step) first")
         self._batches.append(_device_copy(batch) if self.copy_batches else batch)
         self._indices.append(indices)
-        self._rng.append(_raw_rng_state())
+        self._rng.append(raw_rng_state())
 
     def collect_loss(self, loss: Tensor) -> None:
         """Record the loss the model returned for the last collected microbatch (before any
@@ -430,7 +430,7 @@ class NaNCaptureMonitor:
             "microbatches": batches,
             "unstorable": unstorable,
             "indices": [_indices_to_storable(ix) for ix in self._indices],
-            "rng": [_rng_to_storable(r) for r in self._rng],
+            "rng": [storable_rng_state(r) for r in self._rng],
             "losses": [_to_cpu(loss) for loss in self._losses],
             "nan_param_names": list(names),
             "settings": self.settings,
@@ -670,33 +670,6 @@ def _indices_to_storable(indices: Any) -> Optional[Tensor]:
         return torch.as_tensor(list(indices), dtype=torch.long)
     except (TypeError, ValueError):
         return None
-
-
-def _raw_rng_state() -> tuple[Tensor, Any, Any, Optional[list[Tensor]]]:
-    """The RNG states as the RNGs return them: cheap, converted only when a capture is written."""
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), np.random.get_state(legacy=True), random.getstate(), cuda
-
-
-def _rng_to_storable(raw: tuple[Tensor, Any, Any, Optional[list[Tensor]]]) -> dict[str, Any]:
-    """The same form as :func:`stabletrain.utils.rng.get_rng_state` (``set_rng_state`` restores it)."""
-    torch_state, np_state, py_state, cuda = raw
-    name, keys, pos, has_gauss, cached_gaussian = np_state
-    version, internal, gauss = py_state
-    state: dict[str, Any] = {
-        "torch": torch_state.clone(),
-        "numpy": {
-            "name": str(name),
-            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64).copy()),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached_gaussian": float(cached_gaussian),
-        },
-        "python": {"version": int(version), "internal": list(internal), "gauss": gauss},
-    }
-    if cuda is not None:
-        state["cuda"] = [c.clone() for c in cuda]
-    return state
 
 
 def _dist_rank_and_world() -> tuple[int, int]:

@@ -8,20 +8,29 @@ lists here and back again.
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
 
-def get_rng_state() -> dict[str, Any]:
-    """The state of every RNG a training step may draw from (torch CPU, CUDA, NumPy, Python)."""
-    version, internal, gauss = random.getstate()
-    np_state = np.random.get_state(legacy=True)
-    assert isinstance(np_state, tuple)
+RawRngState = tuple[torch.Tensor, Any, Any, Optional[list[torch.Tensor]]]
+
+
+def raw_rng_state() -> RawRngState:
+    """The RNG states as the RNGs return them: cheap to take every microbatch; convert with
+    :func:`storable_rng_state` only when they are written."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), np.random.get_state(legacy=True), random.getstate(), cuda
+
+
+def storable_rng_state(raw: RawRngState) -> dict[str, Any]:
+    """:func:`raw_rng_state` as tensors, ints and lists (``torch.load(weights_only=True)`` reads it)."""
+    torch_state, np_state, py_state, cuda = raw
     name, keys, pos, has_gauss, cached_gaussian = np_state
+    version, internal, gauss = py_state
     state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
+        "torch": torch_state.clone(),
         "numpy": {
             "name": str(name),
             "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64).copy()),
@@ -31,9 +40,14 @@ def get_rng_state() -> dict[str, Any]:
         },
         "python": {"version": int(version), "internal": list(internal), "gauss": gauss},
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if cuda is not None:
+        state["cuda"] = [c.clone() for c in cuda]
     return state
+
+
+def get_rng_state() -> dict[str, Any]:
+    """The state of every RNG a training step may draw from (torch CPU, CUDA, NumPy, Python)."""
+    return storable_rng_state(raw_rng_state())
 
 
 def set_rng_state(state: dict[str, Any]) -> None:

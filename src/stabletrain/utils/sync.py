@@ -31,3 +31,41 @@ class CountSyncs(TorchDispatchMode):
         if func is torch.ops.aten._local_scalar_dense.default:
             self.count += 1
         return func(*args, **(kwargs or {}))
+
+
+class SyncsPerStep:
+    """A trainer callback counting host synchronisations per training step.
+
+    Counts from each step's start to the next step's start (the step's logging and every
+    callback included); the end-of-run checkpoint and anything after an exception are not
+    part of a step. ``counts[step]`` is the number for that step::
+
+        counter = SyncsPerStep()
+        stabletrain.train(out="out/x", callbacks=[counter])
+        print(counter.counts)
+    """
+
+    def __init__(self) -> None:
+        self.counts: dict[int, int] = {}
+        self._mode: CountSyncs | None = None
+        self._step = -1
+
+    def _close(self) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self.counts[self._step] = self._mode.count
+            self._mode = None
+
+    def on_step_start(self, trainer: Any, *, step: int) -> None:
+        self._close()
+        self._step, self._mode = step, CountSyncs()
+        self._mode.__enter__()
+
+    def on_checkpoint_save(self, trainer: Any, *, step: int, state: Any) -> None:
+        self._close()
+
+    def on_train_end(self, trainer: Any) -> None:
+        self._close()
+
+    def on_exception(self, trainer: Any, *, exception: BaseException) -> None:
+        self._close()
