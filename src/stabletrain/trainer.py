@@ -115,7 +115,8 @@ class Trainer:
 
     Attributes useful to callbacks: ``fabric``, ``settings``, ``model`` (the user's module,
     unwrapped), ``optimizer``, ``scaler`` (fp16 GradScaler or None), ``precision`` (resolved),
-    ``out``, ``rank``, ``world_size``, ``step``, ``task``, ``console``, ``loggers``.
+    ``out``, ``rank``, ``world_size``, ``step``, ``task``, ``console``, ``loggers``; methods
+    ``any_rank``, ``request_stop``, ``log_event``, ``resolved_settings``, ``checkpoint_state``.
     """
 
     def __init__(self, settings: TrainSettings, fabric: Any = None):
@@ -273,7 +274,7 @@ class Trainer:
             # Restored last so that nothing above (model init, loader setup) draws from the RNGs.
             set_rng_state(state["rng"][self.rank])
             self.callbacks("on_checkpoint_load", self, state=state)
-            self._log_event({"event": "resume", "step": self.step, "checkpoint": str(checkpoint_dir(self.out) / "last.ckpt")})
+            self.log_event({"event": "resume", "step": self.step, "checkpoint": str(checkpoint_dir(self.out) / "last.ckpt")})
         try:
             self._loop()
         except BaseException as exc:
@@ -296,7 +297,7 @@ class Trainer:
 
     def _check_resume(self, state: dict[str, Any]) -> None:
         saved = json.loads(state["settings"])
-        current = self._resolved_settings()
+        current = self.resolved_settings()
         problems = resume_conflicts(saved, current)
         if self.settings.steps <= int(state["step"]):
             problems.append(
@@ -337,7 +338,8 @@ class Trainer:
         for group, kept in zip(self.optimizer.param_groups, keep):
             group.update(kept)
 
-    def _resolved_settings(self) -> dict[str, Any]:
+    def resolved_settings(self) -> dict[str, Any]:
+        """The settings as run (JSON-compatible): resolved task, precision and world size."""
         data = self.settings.to_json_dict()
         data["task"] = resolve_task_name(self.settings)
         data["precision"] = self.precision
@@ -345,7 +347,7 @@ class Trainer:
         return data
 
     def _write_settings(self) -> None:
-        resolved = self._resolved_settings()
+        resolved = self.resolved_settings()
         resolved["model_meta"] = self.task.model_meta
         text = json.dumps(resolved, indent=2)
         atomic_write_text(text + "\n", self.out / "settings.json")
@@ -496,12 +498,11 @@ class Trainer:
             self.console.progress(progress_line(step, self.settings.steps, metrics))
         self.callbacks("on_log", self, step=step, metrics=metrics)
 
-    def _log_event(self, event: dict[str, Any]) -> None:
+    def log_event(self, event: dict[str, Any]) -> None:
+        """Give every logger an event row (rank 0 only), e.g. ``{"event": "resume", "step": 100}``."""
         if self.is_rank_zero:
             for logger in self.loggers:
                 logger.log_event(event)
-
-    log_event = _log_event
 
     # ------------------------------------------------------------------- for callbacks
 
@@ -542,7 +543,7 @@ class Trainer:
             "scaler": self.scaler.state_dict() if self.scaler is not None else {},
             "rng": rng_all,
             "data": {"microbatches_consumed": self.microbatches_consumed},
-            "settings": json.dumps(self._resolved_settings()),
+            "settings": json.dumps(self.resolved_settings()),
             "model_meta": json.dumps(self.task.model_meta),
             "callbacks": {},
             "stabletrain_version": __version__,

@@ -502,7 +502,7 @@ class NaNCaptureCallback:
         self._checkpoint_step = int(state["step"])
 
     def on_train_start(self, trainer: Any) -> None:
-        settings = trainer._resolved_settings()
+        settings = trainer.resolved_settings()
         custom = settings.get("task") == "custom"
         folder = trainer.out / "debug" / "nan_capture"
         self.monitor = NaNCaptureMonitor(
