@@ -334,6 +334,9 @@ def test_diagnose_command_as_a_user_runs_it(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     data = json.loads(run.stdout)
     assert data["step"] == info.value.step and data["weights"]["status"] == "huge"
+    # No checkpoint was written before the failure: resuming is not offered, starting again is.
+    assert data["weights"]["checkpoints"] == []
+    assert "No checkpoint of this run" in data["next_actions"][0] and "overwrite=true" in data["next_actions"][0]
     assert (tmp_path / "boom/debug/nan_capture/rank0/diagnosis.md").is_file()
     bad = subprocess.run([sys.executable, "-m", "stabletrain", "diagnose", "nowhere"], cwd=tmp_path, env=cli_env(),
                          capture_output=True, text=True, timeout=300)

@@ -1162,6 +1162,11 @@ def _next_actions(d: Diagnosis, cap: NaNCapture, out: Optional[Path]) -> list[st
                 f"No checkpoint of this run has healthy weights (all reach |w| >= {_fmt(w.threshold)} or hold NaN): "
                 f"start again with overwrite=true and {lr}."
             )
+        elif out is not None and out.is_dir():
+            actions.append(
+                f"No checkpoint of this run was found under {out / 'checkpoints'} (written before step {cap.step}): "
+                f"start again with overwrite=true and {lr}."
+            )
         else:
             actions.append(f"Resume from a checkpoint written before the weights went bad ({resume}) with {lr}.")
         actions.append(f"Keep single steps from blowing the weights up: {clip}.")
