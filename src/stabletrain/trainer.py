@@ -513,7 +513,8 @@ class Trainer:
         """
         if self.world_size == 1:
             return bool(flag)
-        t = torch.as_tensor(flag, dtype=torch.float32, device=self.fabric.device).reshape(())
+        # A copy: the all-reduce works in place and must not change the caller's tensor.
+        t = torch.as_tensor(flag, dtype=torch.float32, device=self.fabric.device).clone().reshape(())
         return bool(self.fabric.all_reduce(t, reduce_op="max"))
 
     def request_stop(self, reason: str) -> None:

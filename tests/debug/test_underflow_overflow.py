@@ -592,26 +592,41 @@ def test_trainer_fp16_loss_scaling_overflow_is_not_a_failure_but_a_persistent_on
     from stabletrain.loggers.jsonl import read_metrics
     from stabletrain.trainer import Trainer
 
-    def fit(out, model=None, dataset=None, steps=6, init_scale=2.0**20):
+    def fit(out, model=None, dataset=None, steps=6, init_scale=2.0**20, accum=1):
         scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
         fabric = Fabric(accelerator="cpu", devices=1, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
         settings = tiny_lm(steps=steps, debug_args=UO_ON) if model is None else dict(
             model=model, data=dataset, batch_size=8, steps=steps, log_every_num_steps=1, debug_args=UO_ON)
+        settings["gradient_accumulation_steps"] = accum
         return Trainer(load_settings({"out": tmp_path / out, **settings}), fabric=fabric).fit()
 
-    # Too high a scale: the first steps' scaled gradients overflow, the scaler skips them.
-    result = fit("scaled")
-    assert result.steps_done == 6
-    _, events = read_metrics(tmp_path / "scaled" / "metrics.jsonl")
-    skips = [e for e in events if e["event"] == "underflow_overflow_scaler_skip"]
-    assert 1 <= len(skips) < SCALER_PATIENCE
+    # Too high a scale: the first steps' scaled gradients overflow, the scaler skips them. With
+    # accumulation, the overflow of an earlier microbatch's gradients is not taken for a fault
+    # either, and a skipped step counts once.
+    for accum in (1, 2):
+        result = fit(f"scaled{accum}", accum=accum)
+        assert result.steps_done == 6
+        _, events = read_metrics(tmp_path / f"scaled{accum}" / "metrics.jsonl")
+        skips = [e for e in events if e["event"] == "underflow_overflow_scaler_skip"]
+        assert 1 <= len(skips) < SCALER_PATIENCE
+        assert [e["in_a_row"] for e in skips] == list(range(1, len(skips) + 1))
+        assert [e["step"] for e in skips] == list(range(len(skips)))
 
-    # A gradient that is inf at any scale: named after SCALER_PATIENCE skipped steps in a row.
-    task = lm_task()
-    task.model.blocks[0].mlp.act = nn.Sequential(nn.ReLU(), Sqrt())
-    with pytest.raises(UnderflowOverflowError) as info:
-        fit("fault", task.model, task.dataset, steps=SCALER_PATIENCE + 2, init_scale=2.0**8)
-    assert (info.value.step, info.value.phase, info.value.module) == (SCALER_PATIENCE - 1, "backward", "blocks.0.mlp.act.1")
+    # A gradient that is inf at any scale: named on the SCALER_PATIENCE-th skipped step in a row,
+    # with accumulation too, where it first shows in the first microbatch's backward.
+    for accum in (1, 2):
+        task = lm_task()
+        task.model.blocks[0].mlp.act = nn.Sequential(nn.ReLU(), Sqrt())
+        with pytest.raises(UnderflowOverflowError) as info:
+            fit(f"fault{accum}", task.model, task.dataset, steps=SCALER_PATIENCE + 2, init_scale=2.0**8, accum=accum)
+        err = info.value
+        assert (err.step, err.phase, err.module) == (SCALER_PATIENCE - 1, "backward", "blocks.0.mlp.act.1")
+        report = (tmp_path / f"fault{accum}" / "debug" / "underflow_overflow_rank0.log").read_text()
+        culprit = report.split("=== step")[-1]
+        assert culprit.count("<-- first non-finite") == 1
+        header = [ln for ln in culprit.split("<-- first non-finite")[0].splitlines() if ln.startswith("[")][-1]
+        # The first microbatch's backward ("step N", where the second one would be "step N.1").
+        assert header.startswith(f"[backward] step {SCALER_PATIENCE - 1}  blocks.0.mlp.act.1 "), header
 
 
 def test_trainer_cli_turns_it_on_and_reports_bad_values(cli, tmp_path):

@@ -63,9 +63,23 @@ __all__ = [
     "tensor_stats",
 ]
 
-#: Consecutive fp16 loss-scaling steps with a non-finite gradient tolerated before aborting
-#: (the GradScaler skips such steps and lowers the scale; a real fault keeps coming back).
+#: Under fp16 loss scaling, the SCALER_PATIENCE-th step in a row with a non-finite gradient is
+#: an error (the GradScaler skips such steps and lowers the scale; a real fault keeps coming back).
 SCALER_PATIENCE = 10
+
+
+def _any_nonfinite(amaxes: list[Tensor]) -> Tensor:
+    """A device bool scalar: True when any of these abs-max scalars is NaN or Inf."""
+    if not amaxes:
+        return torch.zeros((), dtype=torch.bool)
+    by_device: dict[torch.device, list[Tensor]] = {}
+    for t in amaxes:
+        by_device.setdefault(t.device, []).append(t)
+    flags = [~torch.stack(ts).isfinite().all() for ts in by_device.values()]
+    flag = flags[0]
+    for other in flags[1:]:
+        flag = flag | other.to(flag.device)
+    return flag
 
 
 def report_path(out_dir: str | Path, rank: int) -> Path:
@@ -366,7 +380,8 @@ class UnderflowOverflowMonitor:
         self._handles: list[Any] = []
         self._stack: list[_Call] = []
         self._events: list[_Event] = []
-        self._pending: list[Tensor] = []  # abs max of everything since the last decision
+        self._pending: list[Tensor] = []  # abs max of everything forward since the last decision
+        self._pending_bw: list[Tensor] = []  # ... and of every gradient
         self._history: deque[_Event] = deque(maxlen=4 * max_frames_to_save + 8)
         self._seen: dict[int, tuple] = {}  # id(tensor) -> (weakref, version, stats) within a forward
         self._grad_sites: dict[int, _GradSite] = {}
@@ -419,6 +434,7 @@ class UnderflowOverflowMonitor:
             self._handles.clear()
             self._events.clear()
             self._pending.clear()
+            self._pending_bw.clear()
             self._seen.clear()
             self._grad_sites.clear()
             self._local = threading.local()
@@ -560,7 +576,7 @@ class UnderflowOverflowMonitor:
     # -------------------------------------------------------------------------- backward
 
     def _backward_event(self, event: _Event, amax: Tensor) -> None:
-        self._pending.append(amax)
+        self._pending_bw.append(amax)
         self._events.append(event)
         if self.auto_check and not self.tracing and not self._bw_queued:
             # One decision at the end of this backward pass, however many hooks fire.
@@ -595,16 +611,15 @@ class UnderflowOverflowMonitor:
     def nonfinite_flag(self) -> Tensor:
         """A device bool scalar: True when anything recorded since the last decision is
         non-finite. No host synchronisation; reading it is one."""
-        if not self._pending:
-            return torch.zeros((), dtype=torch.bool)
-        by_device: dict[torch.device, list[Tensor]] = {}
-        for t in self._pending:
-            by_device.setdefault(t.device, []).append(t)
-        flags = [~torch.stack(ts).isfinite().all() for ts in by_device.values()]
-        flag = flags[0]
-        for other in flags[1:]:
-            flag = flag | other.to(flag.device)
-        return flag
+        return _any_nonfinite(self._pending + self._pending_bw)
+
+    def nonfinite_code(self) -> Tensor:
+        """A device float32 scalar: 2 when a forward value recorded since the last decision is
+        non-finite, 1 when only gradients are, 0 when everything is finite. The largest code
+        over ranks (an all-reduce max) says what the worst rank saw. No host synchronisation."""
+        forward = _any_nonfinite(self._pending).float()
+        backward = _any_nonfinite(self._pending_bw).float()
+        return torch.maximum(2 * forward, backward.to(forward.device))
 
     def check(self) -> None:
         """Decide now (one host sync): raise if anything since the last decision is non-finite."""
@@ -617,6 +632,7 @@ class UnderflowOverflowMonitor:
         self._history.extend(self._events[-self._history.maxlen :])  # type: ignore[misc]
         self._events = []
         self._pending = []
+        self._pending_bw = []
 
     def fail(self, detected_by: Optional[Sequence[int]] = None, phase: Optional[str] = None) -> None:
         """Write the report and raise :class:`UnderflowOverflowError`.
@@ -640,7 +656,7 @@ class UnderflowOverflowMonitor:
                 if first is not None:
                     break
         # Leave a clean state behind in case the caller catches the error and goes on.
-        self._events, self._pending = [], []
+        self._events, self._pending, self._pending_bw = [], [], []
         self._history.clear()
         if first is None:
             text = self._other_rank_section(events, values, detected, phase)
@@ -929,7 +945,13 @@ class UnderflowOverflowCallback:
     waiting in a collective.
 
     Under fp16 loss scaling a non-finite gradient is expected now and then (the GradScaler
-    skips the step); it is an error after ``SCALER_PATIENCE`` such steps in a row.
+    skips the step); the ``SCALER_PATIENCE``-th such step in a row is an error.
+
+    Two decisions per step, each one host sync (one all-reduce under DDP): after the last
+    forward (everything recorded so far, including the gradients of earlier microbatches under
+    gradient accumulation) and after the last backward. Each rank contributes a code (2: a
+    forward value is non-finite, 1: only a gradient is, 0: all finite) and the ranks agree on the
+    largest, so they all stop, or all tolerate a scaler overflow, together.
     """
 
     def __init__(self, args: Any):
@@ -990,27 +1012,41 @@ class UnderflowOverflowCallback:
     def _decide(self, trainer: Any, phase: str) -> None:
         monitor = self.monitor
         assert monitor is not None
-        flag = monitor.nonfinite_flag()
-        if not trainer.any_rank(flag):  # the one host sync of this decision
+        code = monitor.nonfinite_code()
+        worst = self._worst(trainer, code)  # the one host sync of this decision
+        if worst == 0:
             monitor.accept()
             if phase == "backward":
                 self._skipped = 0
             return
-        if phase == "backward" and trainer.scaler is not None:
+        if worst == 1 and trainer.scaler is not None:
+            # Only scaled gradients are non-finite: the GradScaler will skip this step.
+            if phase == "forward":
+                # Gradients of earlier microbatches (gradient accumulation): keep their records
+                # for the end of the step, which counts the skipped step once.
+                return
             self._skipped += 1
             if self._skipped < SCALER_PATIENCE:
                 monitor.accept()
                 trainer.log_event({"event": "underflow_overflow_scaler_skip", "step": trainer.step, "in_a_row": self._skipped})
                 return
-        detected = self._ranks_that_found(trainer, flag)
+        detected = self._ranks_that_found(trainer, code > 0)
         try:
-            monitor.fail(detected_by=detected, phase=phase)
+            monitor.fail(detected_by=detected, phase="forward" if worst == 2 else "backward")
         except UnderflowOverflowError as exc:
             trainer.log_event({
                 "event": "underflow_overflow", "step": exc.step, "phase": exc.phase or phase, "module": exc.module,
                 "tensor": exc.tensor, "value": exc.value, "detected_by": exc.detected_by, "report": str(exc.report_path),
             })
             raise
+
+    @staticmethod
+    def _worst(trainer: Any, code: Tensor) -> int:
+        if trainer.world_size == 1:
+            return int(code)
+        # A copy: the all-reduce works in place, and this rank's own code is still needed.
+        t = code.to(device=trainer.fabric.device, dtype=torch.float32, copy=True).reshape(())
+        return int(trainer.fabric.all_reduce(t, reduce_op="max"))
 
     @staticmethod
     def _ranks_that_found(trainer: Any, flag: Tensor) -> list[int]:
