@@ -187,6 +187,13 @@ def test_functional_op_between_modules_is_blamed_on_the_parent(tmp_path):
     # The frame before it shows where the value was first seen: fc2's input.
     assert re.search(r"blocks\.1\.mlp\.fc2 \(Linear\) inputs\n(.*\n){2}.*nan +nan  input\[0\].*first non-finite", report)
 
+    # With max_frames_to_save=1 the report still shows where the value was seen, then the culprit.
+    short = tmp_path / "short"
+    run(model, short, max_frames_to_save=1)
+    report = (short / "underflow_overflow_rank0.log").read_text()
+    assert report.count("first non-finite (nan)") == 1 and report.count("<-- culprit") == 1
+    assert "frames:  the last 2 in execution order" in report
+
 
 def test_nonfinite_data_is_blamed_on_the_input_of_the_model(tmp_path):
     class Regressor(nn.Module):
@@ -692,3 +699,29 @@ def test_tensor_stats_are_exact_abs_min_and_max(dtype):
         u[4] = bad
         amin, amax = tensor_stats(u, scratch)
         assert str(amax.item()) == kind and torch.isfinite(tensor_stats(t, scratch)[1])
+
+
+def test_settings_defaults_and_forward_only_through_the_trainer(tmp_path, capsys):
+    from stabletrain.config import load_settings
+
+    uo = load_settings({"out": tmp_path / "x"}).debug_args.underflow_overflow
+    assert (uo.enabled, uo.max_frames_to_save, uo.trace_batch_nums, uo.abort_after_batch_num, uo.include_backward) == (
+        False, 21, [], None, True)
+
+    # include_backward=false: gradients are not watched, so a backward-only fault (sqrt at 0)
+    # passes the monitor; a forward fault is still named.
+    class SqrtAtZero(nn.Module):
+        def forward(self, x):
+            return torch.sqrt(torch.relu(x) * 0.0) + x
+
+    task = lm_task()
+    task.model.blocks[0].mlp.act = nn.Sequential(nn.GELU(), SqrtAtZero())
+    forward_only = {"underflow_overflow": {"enabled": True, "include_backward": False}}
+    result = stabletrain.train(out=tmp_path / "fw", model=task.model, data=task.dataset, batch_size=8, steps=1,
+                               log_every_num_steps=1, debug_args=forward_only)
+    assert result.steps_done == 1
+    assert re.search(r"underflow_overflow: watching \d+ modules \(forward only\)", capsys.readouterr().out)
+    from stabletrain.loggers.jsonl import read_metrics
+
+    rows, _ = read_metrics(tmp_path / "fw" / "metrics.jsonl")
+    assert not math.isfinite(rows[0]["gradient_norm"]), "the backward fault is real, only not watched"

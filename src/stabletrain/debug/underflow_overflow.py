@@ -735,8 +735,10 @@ class UnderflowOverflowMonitor:
         extra = None
         if observed != culprit_path:
             extra = (culprit_path, culprit_cls, ev.phase, ev.step, ev.micro, explanation)
-        keep = self.max_frames_to_save - (1 if extra else 0)
-        frames = frames[-keep:] if keep > 0 else []
+        # The frame holding the first non-finite line is always kept, even with
+        # max_frames_to_save=1 and a culprit frame after it.
+        keep = max(1, self.max_frames_to_save - (1 if extra else 0))
+        frames = frames[-keep:]
         lines = [
             f"=== step {ev.step}, {ev.phase}: non-finite value ({value}) ===",
             f"culprit: {_display(culprit_path, culprit_cls)}",
@@ -944,14 +946,12 @@ class UnderflowOverflowCallback:
     report and raises :class:`UnderflowOverflowError` at the same point, so none is left
     waiting in a collective.
 
-    Under fp16 loss scaling a non-finite gradient is expected now and then (the GradScaler
-    skips the step); the ``SCALER_PATIENCE``-th such step in a row is an error.
-
-    Two decisions per step, each one host sync (one all-reduce under DDP): after the last
-    forward (everything recorded so far, including the gradients of earlier microbatches under
-    gradient accumulation) and after the last backward. Each rank contributes a code (2: a
-    forward value is non-finite, 1: only a gradient is, 0: all finite) and the ranks agree on the
-    largest, so they all stop, or all tolerate a scaler overflow, together.
+    At each decision every rank contributes a code (2: a forward value is non-finite, 1: only
+    a gradient is, 0: all finite) and the ranks agree on the largest. Under fp16 loss scaling
+    a code of 1 is expected now and then (the GradScaler skips the step; with gradient
+    accumulation the first decision can already see an earlier microbatch's gradients, and the
+    step is judged once, at the second); the ``SCALER_PATIENCE``-th such step in a row is an
+    error.
     """
 
     def __init__(self, args: Any):
