@@ -8,6 +8,8 @@ touches the network or the user's home.
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import json
 import math
 import subprocess
@@ -234,3 +236,42 @@ def test_broken_install_is_a_config_error_too(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # installed, but fails to import
     with pytest.raises(ConfigError, match=r'pip install "stabletrain\[tensorboard\]"'):
         TensorBoardLogger(tmp_path / "tb")
+
+
+class _BrokenOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds torch.utils.tensorboard and fails to execute it, as a broken install does (e.g.
+    protobuf too new for tensorboard: TypeError "Descriptors cannot be created directly")."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname == "torch.utils.tensorboard":
+            return importlib.util.spec_from_loader(fullname, self)
+        return None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        raise TypeError("Descriptors cannot be created directly.")
+
+
+@pytest.mark.parametrize("enabled", [True, "auto"])
+@pytest.mark.parametrize("failure", ["ModuleNotFoundError", "TypeError"])
+def test_broken_tensorboard_import_is_caught_before_anything_is_written(tmp_path, monkeypatch, enabled, failure):
+    """The tensorboard package is there (find_spec finds it) but torch.utils.tensorboard,
+    which the logger imports, fails: reported with the other settings problems, before
+    out/ exists (not by build_loggers once out/ is written)."""
+    if failure == "ModuleNotFoundError":
+        monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # what `import` sees: not there
+    else:
+        monkeypatch.delitem(sys.modules, "torch.utils.tensorboard", raising=False)
+        monkeypatch.setattr(sys, "meta_path", [_BrokenOnImport(), *sys.meta_path])
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError) as err:
+        train(out=out, loggers={"tensorboard": {"enabled": enabled}}, **tiny_lm(batch_size=7, gradient_accumulation_steps=2))
+    problems = err.value.problems
+    assert len(problems) == 2 and problems[0].startswith("batch_size: 7"), "listed with the others"
+    tb = problems[1]
+    assert tb.startswith(f"loggers.tensorboard.enabled: {'true' if enabled is True else 'auto'}")
+    assert f"torch.utils.tensorboard fails to import ({failure}:" in tb
+    assert 'pip install "stabletrain[tensorboard]"' in tb and "loggers.tensorboard.enabled=false" in tb
+    assert not out.exists(), "reported before anything is written"
