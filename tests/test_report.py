@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import re
 import sys
 
 import numpy as np
@@ -10,7 +12,8 @@ import pytest
 from PIL import Image
 
 import stabletrain
-from stabletrain.reporting import KIND_COLORS, RunData, report
+from stabletrain.loggers.jsonl import JsonlLogger
+from stabletrain.reporting import KIND_COLORS, RunData, report, signal_figure
 from stabletrain.trainer import train
 
 from conftest import run_cli, tiny_lm
@@ -77,7 +80,7 @@ def test_report_of_an_exploding_run(boom, capsys):
     # The same episodes the live alerts recorded during training.
     _, events = RunData(boom).rows, RunData(boom).events
     live = {(e["kind"], e["signal"], e["step"]) for e in events if e["event"] == "trend_alert"}
-    assert live == {(e.kind, e.signal, e.detected_step) for e in r.episodes if not e.tolerated}
+    assert live == {(e.kind, e.signal, e.detected_step) for e in r.episodes if e.alerted}
 
 
 def test_exploding_plots_have_shaded_episodes_and_nan_markers(boom):
@@ -128,3 +131,104 @@ def test_a_resumed_run_counts_each_step_once(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     data = RunData(tmp_path)
     assert list(data.steps) == [0, 1, 2, 3, 4] and data.series("gradient_norm")[2] == 5.0
+
+
+# ------------------------------------------------------------- synthetic runs, every verdict
+
+
+def _noise(seed: int, n: int, decades: float) -> np.ndarray:
+    return 10 ** np.random.default_rng(seed).normal(0.0, decades, n)
+
+
+def _write_run(out, gradient_norm, loss, lr=1e-3, warmup_steps=0):
+    """A run folder as the trainer leaves it: metrics.jsonl written by the real logger, and
+    the settings.json fields the report reads."""
+    out.mkdir(parents=True)
+    logger = JsonlLogger(out / "metrics.jsonl")
+    for step, (g, l) in enumerate(zip(gradient_norm, loss)):
+        logger.log_metrics({"loss": float(l), "gradient_norm": float(g), "lr": lr}, step=step)
+    logger.close()
+    settings = {"task": "custom", "precision": "32-true", "model_args": {"lr": lr, "warmup_steps": warmup_steps}}
+    (out / "settings.json").write_text(json.dumps(settings))
+
+
+def _ranges(text: str, signal: str, label: str) -> list[tuple[int, int]]:
+    line = next(l for l in text.splitlines() if l.strip().startswith(f"{signal}:"))
+    found = re.search(rf"{label} at ([^;]+)", line)
+    assert found, line
+    return [tuple(int(s) for s in m.groups()) for m in re.finditer(r"steps (\d+)-(\d+)", found.group(1))]
+
+
+def _legend_labels(fig) -> list[str]:
+    return [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+
+
+def test_report_of_vanishing_gradients_and_a_loss_plateau(tmp_path):
+    steps = np.arange(400)
+    grad = np.exp(-steps / 30) * _noise(1, 400, 0.05)  # 1 -> 1e-6
+    loss = 2.3 * _noise(2, 400, 0.01)  # flat from the start
+    out = tmp_path / "fading"
+    _write_run(out, grad, loss)
+
+    r = report(out, quiet=True)
+    assert r.status == {"gradient_norm": "vanishing", "loss": "plateau"} and r.verdict == "vanishing"
+    (start, end), = _ranges(r.text, "gradient_norm", "vanishing")
+    hundredfold = int(np.argmax(grad <= 0.01))
+    assert hundredfold - 10 <= start <= hundredfold + 10 and end == 399, (start, hundredfold)
+    assert _ranges(r.text, "loss", "plateau") == [(0, 399)]
+    assert "verdict: vanishing" in r.text
+    assert "  - raise the learning rate: model_args.lr=0.003 (now 0.001)" in r.text
+    assert "check that the input normalization matches your data: transform_args.normalize.mean/std" in r.text
+    md = (out / "report" / "summary.md").read_text()
+    assert "**Verdict: vanishing**" in md and f"### gradient_norm: vanishing, steps {start}-399" in md
+    assert "### loss: plateau, steps 0-399" in md and "| `loss` | plateau | plateau steps 0-399 |" in md
+
+    data = RunData(out)
+    fig = signal_figure(data, "gradient_norm", r.status["gradient_norm"], r.episodes)
+    ax = fig.axes[0]
+    assert ax.get_yscale() == "log" and ax.get_ylabel() == "gradient_norm (log scale)"
+    low, high = ax.get_ylim()
+    assert low <= grad.min() and high >= grad.max() and np.log10(high / low) >= 5, "six decades, all shown"
+    assert "vanishing" in _legend_labels(fig) and "plateau" not in _legend_labels(fig)
+    fig = signal_figure(data, "loss", r.status["loss"], r.episodes)
+    assert fig.axes[0].get_yscale() == "log" and "plateau" in _legend_labels(fig)
+    assert fig.axes[0].get_title(loc="left") == "loss: plateau"
+    # The PNGs are these figures.
+    _assert_real_plot(out / "report" / "gradient_norm.png")
+    assert _count_near(_pixels(out / "report" / "gradient_norm.png"), _shade_rgb("vanishing")) > 5_000
+    assert _count_near(_pixels(out / "report" / "loss.png"), _shade_rgb("plateau")) > 5_000
+
+
+def test_report_of_a_late_spike_and_a_loss_that_is_not_positive(tmp_path):
+    steps = np.arange(300)
+    grad = 1.0 * _noise(4, 300, 0.1)
+    grad[200] = 60.0
+    loss = -1.0 - 2.0 * (1 - np.exp(-steps / 60)) + 0.01 * np.random.default_rng(5).normal(size=300)  # an NLL < 0
+    out = tmp_path / "spike"
+    _write_run(out, grad, loss, warmup_steps=100)
+
+    r = report(out, quiet=True)
+    assert r.status["gradient_norm"] == "spiking" and r.verdict == "spiking"
+    assert "  gradient_norm: spiking - spiking at step 200" in r.text.splitlines()
+    fig = signal_figure(RunData(out), "gradient_norm", "spiking", r.episodes)
+    assert fig.axes[0].get_yscale() == "log" and "spike" in _legend_labels(fig)
+    fig = signal_figure(RunData(out), "loss", r.status["loss"], r.episodes)
+    assert fig.axes[0].get_yscale() == "linear", "no log scale for values <= 0"
+    assert fig.axes[0].get_ylabel() == "loss"
+
+
+def test_each_signal_reports_its_own_nonfinite_range(tmp_path):
+    """gradient_norm NaN from step 30 while the loss is still finite (3.8e11), the loss NaN
+    from step 31: the loss's range starts at 31."""
+    grad = [1.0] * 20 + [10.0 * 3**i for i in range(10)] + [math.nan] * 10
+    loss = [2.0] * 20 + [2.0 * 5**i for i in range(11)] + [math.nan] * 9
+    assert math.isfinite(loss[30]) and math.isnan(grad[30]) and math.isnan(loss[31])
+    out = tmp_path / "boom"
+    _write_run(out, grad, loss)
+    r = report(out, quiet=True)
+    assert r.status == {"gradient_norm": "non-finite", "loss": "non-finite"}
+    assert _ranges(r.text, "gradient_norm", "non-finite") == [(30, 39)]
+    assert _ranges(r.text, "loss", "non-finite") == [(31, 39)]
+    md = (out / "report" / "summary.md").read_text()
+    assert "### loss: nonfinite, steps 31-39" in md
+    assert "loss is not finite (steps 31-39): nan, after gradient_norm, not finite since step 30." in md

@@ -181,8 +181,9 @@ def report(out: str | Path, *, quiet: bool = False, plots: bool = True) -> Repor
 
 
 def _of_signal(episodes: Sequence[Episode], signal: str) -> list[Episode]:
-    """The episodes of one signal, with a non-finite loss that says the gradients are too."""
-    return [e for e in episodes if e.signal == signal or (e.kind == "nonfinite" and signal in e.note)]
+    """The episodes of one signal: each has its own step range (a non-finite gradient_norm
+    and the loss that followed it are two episodes, each starting where its signal did)."""
+    return [e for e in episodes if e.signal == signal]
 
 
 def _span_text(data: RunData) -> str:
@@ -317,14 +318,11 @@ def _plot_all(data: RunData, episodes: Sequence[Episode], status: dict[str, str]
 
     matplotlib.use("Agg", force=True)
     images = []
-    lr = data.series("lr")
     for signal in ("gradient_norm", "loss"):
         if signal not in status:
             continue
         path = folder / f"{signal}.png"
-        _plot_signal(
-            path, data.steps, data.series(signal), signal, status[signal], episodes, warmup, lr, data.out.name
-        )
+        signal_figure(data, signal, status[signal], episodes, warmup).savefig(path)
         images.append(path)
     layers = data.layer_keys()
     if layers:
@@ -382,21 +380,31 @@ def _rolling_median(values: np.ndarray, window: int) -> np.ndarray:
     return out
 
 
-def _plot_signal(
-    path: Path,
-    steps: np.ndarray,
-    values: np.ndarray,
-    signal: str,
-    status: str,
-    episodes: Sequence[Episode],
-    warmup: int,
-    lr: np.ndarray,
-    title_right: str = "",
-) -> None:
-    import matplotlib.pyplot as plt
+def signal_figure(data: RunData, signal: str, status: str, episodes: Sequence[Episode], warmup: int = 0) -> Any:
+    """The figure of ``<signal>.png``: log y-scale when every finite value is positive.
+
+    Args:
+        data: The run's series.
+        signal: ``gradient_norm`` or ``loss``.
+        status: Its status, for the title.
+        episodes: Episodes to shade (those of other signals are skipped).
+        warmup: lr warmup steps, shaded grey.
+
+    Returns:
+        A ``matplotlib.figure.Figure`` (not registered with pyplot): ``fig.axes[0]`` is the
+        signal's axis, ``fig.axes[1]`` the lr axis when lr was logged.
+
+    Example::
+
+        fig = signal_figure(RunData(Path("out/run")), "gradient_norm", "stable", [])
+        print(fig.axes[0].get_yscale())   # log
+    """
+    from matplotlib.figure import Figure
     from matplotlib.transforms import blended_transform_factory
 
-    fig, ax = plt.subplots(figsize=(10, 4.2), dpi=110)
+    steps, values, lr, title_right = data.steps, data.series(signal), data.series("lr"), data.out.name
+    fig = Figure(figsize=(10, 4.2), dpi=110)
+    ax = fig.subplots()
     finite = np.isfinite(values)
     positive = finite & (values > 0)
     log = positive.any() and (positive == finite).all()
@@ -435,8 +443,7 @@ def _plot_signal(
     ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=min(len(labels), 5),
               fontsize=8, frameon=False)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    return fig
 
 
 def _layer_rows(keys: Sequence[str]) -> list[tuple[str, list[str]]]:
@@ -520,4 +527,4 @@ def _as_float(v: Any) -> float:
     return math.nan
 
 
-__all__ = ["report", "Report", "RunData", "STATUS_ORDER"]
+__all__ = ["report", "Report", "RunData", "STATUS_ORDER", "signal_figure"]

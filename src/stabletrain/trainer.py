@@ -164,7 +164,7 @@ class Trainer:
                 f"gradient_accumulation_steps = {world_size} x {s.gradient_accumulation_steps} = {per_step}; "
                 f"use a multiple of {per_step}, e.g. {max(per_step, s.batch_size // per_step * per_step)}"
             )
-        problems.extend(check_loggers(s))
+        problems.extend(check_loggers(s, try_import=is_rank_zero))
         problems.extend(_check_debug(s))
         if is_rank_zero:
             problems.extend(self._check_out_dir())

@@ -7,6 +7,9 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
+from torch import nn
+from torch.utils.data import Dataset
 
 from stabletrain.config import TrendAlertArgs
 from stabletrain.debug.trends import AlertContext, Episode, TrendAlerts, TrendDetector, detect_trends, next_actions
@@ -271,11 +274,82 @@ def test_trend_alerts_add_no_host_sync(tmp_path):
     assert counts[True] == counts[False]
 
 
-def test_nan_gradients_then_nan_loss_are_one_alert():
+class _NanGradientAt(nn.Module):
+    """A regression whose gradients (not its loss) turn NaN at one step: 0 * sqrt(w - w) is a
+    finite 0, its gradient 0 * inf = NaN. SGD writes the NaN into the weights, so the loss
+    is NaN from the next step on: gradient_norm goes first, the loss one step later."""
+
+    def __init__(self, bad_step: int):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(4, 1)
+        self.bad_step, self.calls = bad_step, 0
+
+    def training_step(self, batch):
+        loss = nn.functional.mse_loss(self.body(batch["x"]), batch["y"])
+        if self.calls == self.bad_step:
+            w = self.body.weight
+            loss = loss + 0.0 * torch.sqrt(w - w).sum()
+        self.calls += 1
+        return loss
+
+
+class _LinearData(Dataset):
+    def __init__(self, n=64):
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 4, generator=g)
+        self.y = self.x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "y": self.y[i]}
+
+
+def test_nan_gradients_then_nan_loss_the_loss_gets_a_follow_up_alert(tmp_path, capsys):
+    """Training, with the fault planted at step 6: the gradient_norm alert at step 6 gives the
+    next actions; at step 7 one more line (and one metrics.jsonl row) says the loss is gone
+    too, from step 7, without repeating the actions."""
+    out = tmp_path / "run"
+    train(out=out, model=_NanGradientAt(6), data=_LinearData(), steps=10, batch_size=16, log_every_num_steps=1,
+          model_args={"optimizer": "sgd", "lr": 0.01, "warmup_steps": 0})
+    rows, events = read_metrics(out / "metrics.jsonl")
+    by_step = {r["step"]: r for r in rows}
+    assert math.isfinite(by_step[6]["loss"]) and math.isnan(by_step[6]["gradient_norm"]), "the planted fault"
+    assert math.isnan(by_step[7]["loss"])
+    alerts = [e for e in events if e["event"] == "trend_alert"]
+    assert [(e["signal"], e["kind"], e["step"], e["start_step"]) for e in alerts] == [
+        ("gradient_norm", "nonfinite", 6, 6), ("loss", "nonfinite", 7, 7)
+    ]
+    follow_up = alerts[1]
+    assert follow_up["follows"] == "gradient_norm" and "follows" not in alerts[0]
+    assert follow_up["message"] == "loss is not finite (step 7): nan, after gradient_norm, not finite since step 6"
+
+    console = capsys.readouterr().out
+    assert "WARNING gradient_norm is not finite (step 6): nan.\n  next: re-run from the latest checkpoint" in console
+    follow_line = "WARNING loss is not finite (step 7): nan, after gradient_norm, not finite since step 6.\n"
+    assert follow_line in console
+    after = console[console.index(follow_line) + len(follow_line):]
+    assert "next:" not in after.split("WARNING")[0], "the follow-up repeats no actions"
+    assert console.count("WARNING") == 2 and console.count("next: re-run from the latest checkpoint") == 1
+    assert follow_line.strip() in (out / "train.log").read_text()
+
+
+def test_each_nonfinite_signal_keeps_its_own_range():
     grad = [1.0] * 10 + [math.nan] * 4
     loss = [2.0 - 0.01 * i for i in range(11)] + [math.nan] * 3  # the loss follows one step later
-    alerts = feed(TrendDetector(), gradient_norm=grad, loss=loss)
-    assert [i for i, a in enumerate(alerts) if a] == [10]
-    episode = alerts[10][0]
-    assert (episode.kind, episode.signal) == ("nonfinite", "gradient_norm")
-    assert "and so is loss from step 11" in episode.describe()
+    detector = TrendDetector()
+    alerts = feed(detector, gradient_norm=grad, loss=loss)
+    assert [i for i, a in enumerate(alerts) if a] == [10, 11]
+    assert [(e.signal, e.follows) for e in alerts[10] + alerts[11]] == [("gradient_norm", ""), ("loss", "gradient_norm")]
+    detector.finish()
+    assert [(e.signal, e.start_step, e.end_step) for e in detector.episodes] == [("gradient_norm", 10, 13), ("loss", 11, 13)]
+    # The other way round (fp16: gradient_norm needs 3 points in a row): the NaN gradients a
+    # NaN loss makes are recorded with their own range, not alerted.
+    detector = TrendDetector()
+    alerts = feed(detector, gradient_norm=grad[:10] + [math.inf] * 4, loss=[2.0] * 10 + [math.nan] * 4,
+                  extra={"loss_scale": 1024.0})
+    assert [(i, e.signal) for i, a in enumerate(alerts) for e in a] == [(10, "loss")]
+    gn = next(e for e in detector.episodes if e.signal == "gradient_norm")
+    assert (gn.kind, gn.start_step, gn.merged) == ("nonfinite", 10, True)

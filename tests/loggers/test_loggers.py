@@ -8,6 +8,9 @@ touches the network or the user's home.
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.metadata
+import importlib.util
 import json
 import math
 import subprocess
@@ -16,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from packaging.requirements import Requirement
+from packaging.version import Version
 
 from stabletrain.errors import ConfigError
 from stabletrain.loggers.jsonl import read_metrics
@@ -160,12 +165,39 @@ def test_mlflow_read_back_with_mlflow_client(run_all_loggers, monkeypatch, tmp_p
 
 def _wandb_records(run_dir: Path, env: dict[str, str]) -> list[dict]:
     """W&B's own reader of the offline transaction log: `wandb leet inspect --json`."""
+    if Version(importlib.metadata.version("wandb")) < WANDB_FOR_TESTS:
+        pytest.fail(f"reading offline W&B runs needs wandb>={WANDB_FOR_TESTS} (`leet inspect --json`): pip install -e '.[dev]'")
     result = subprocess.run(
         [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(run_dir)],
         env=env, capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+
+
+#: `wandb leet inspect --json` came with wandb 0.31 (0.30's `leet inspect` prints text only).
+WANDB_FOR_TESTS = Version("0.31")
+#: wandb.init(reinit="create_new") came with wandb 0.19.10 (its release notes, "Added").
+WANDB_FOR_LOGGER = Version("0.19.10")
+
+
+def _floor(requirements: list[str], name: str) -> Version:
+    floors = [
+        Version(spec.version)
+        for r in map(Requirement, requirements) if r.name == name
+        for spec in r.specifier if spec.operator == ">="
+    ]
+    assert floors, (name, requirements)
+    return max(floors)
+
+
+def test_pyproject_wandb_floors_have_what_the_logger_and_these_tests_use():
+    tomllib = pytest.importorskip("tomllib")
+    root = Path(__file__).resolve().parents[2]
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert 'reinit="create_new"' in (root / "src/stabletrain/loggers/wandb.py").read_text()
+    assert _floor(extras["wandb"], "wandb") >= WANDB_FOR_LOGGER
+    assert _floor(extras["dev"], "wandb") >= WANDB_FOR_TESTS
 
 
 def test_wandb_read_back_from_the_offline_run_directory(run_all_loggers):
@@ -234,3 +266,42 @@ def test_broken_install_is_a_config_error_too(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # installed, but fails to import
     with pytest.raises(ConfigError, match=r'pip install "stabletrain\[tensorboard\]"'):
         TensorBoardLogger(tmp_path / "tb")
+
+
+class _BrokenOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds torch.utils.tensorboard and fails to execute it, as a broken install does (e.g.
+    protobuf too new for tensorboard: TypeError "Descriptors cannot be created directly")."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname == "torch.utils.tensorboard":
+            return importlib.util.spec_from_loader(fullname, self)
+        return None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        raise TypeError("Descriptors cannot be created directly.")
+
+
+@pytest.mark.parametrize("enabled", [True, "auto"])
+@pytest.mark.parametrize("failure", ["ModuleNotFoundError", "TypeError"])
+def test_broken_tensorboard_import_is_caught_before_anything_is_written(tmp_path, monkeypatch, enabled, failure):
+    """The tensorboard package is there (find_spec finds it) but torch.utils.tensorboard,
+    which the logger imports, fails: reported with the other settings problems, before
+    out/ exists (not by build_loggers once out/ is written)."""
+    if failure == "ModuleNotFoundError":
+        monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # what `import` sees: not there
+    else:
+        monkeypatch.delitem(sys.modules, "torch.utils.tensorboard", raising=False)
+        monkeypatch.setattr(sys, "meta_path", [_BrokenOnImport(), *sys.meta_path])
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError) as err:
+        train(out=out, loggers={"tensorboard": {"enabled": enabled}}, **tiny_lm(batch_size=7, gradient_accumulation_steps=2))
+    problems = err.value.problems
+    assert len(problems) == 2 and problems[0].startswith("batch_size: 7"), "listed with the others"
+    tb = problems[1]
+    assert tb.startswith(f"loggers.tensorboard.enabled: {'true' if enabled is True else 'auto'}")
+    assert f"torch.utils.tensorboard fails to import ({failure}:" in tb
+    assert 'pip install "stabletrain[tensorboard]"' in tb and "loggers.tensorboard.enabled=false" in tb
+    assert not out.exists(), "reported before anything is written"

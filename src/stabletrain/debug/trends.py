@@ -24,11 +24,17 @@ Episode kind              When (defaults of ``trend_alerts``; W = ``window``, P 
                           than ``plateau_min_improvement`` (5%) since the start.
 ``nonfinite``             The loss is NaN/Inf; or gradient_norm is, for P points in a row under
                           fp16 loss scaling (where single skipped steps are expected), else at once.
+                          Each signal has its own episode and step range. Both at the same step:
+                          one alert says both. gradient_norm first, the loss later: a follow-up
+                          alert (one line) says when the loss went. The loss first: the NaN
+                          gradients that follow are recorded, not alerted (a NaN loss makes them).
 ========================  ====================================================================
 
 Every jump must also exceed ``z`` robust standard deviations (1.4826 x MAD) of its reference
 band, so a noisy signal needs a larger jump. An episode is alerted when it opens, and stays
-open (no new alert) until the signal comes back, halfway in log terms.
+open (no new alert) until the signal comes back, halfway in log terms. The alert (and its
+``metrics.jsonl`` row) gives the step range as of detection; the episode's final range is in
+:attr:`TrendDetector.episodes` after :meth:`TrendDetector.finish`, and in ``stabletrain report``.
 
 In any loop, on plain numbers::
 
@@ -87,6 +93,10 @@ class Episode:
         tolerated: A spike during warmup: recorded, not alerted.
         open: Whether the episode is still going on.
         note: Extra words for the description.
+        merged: Recorded, not alerted: another signal's alert already says it (gradient_norm
+            going non-finite with, or after, the loss).
+        follows: For a non-finite episode alerted as a follow-up: the signal that was already
+            non-finite (its alert gave the next actions, so the follow-up repeats none).
     """
 
     kind: str
@@ -99,6 +109,8 @@ class Episode:
     tolerated: bool = False
     open: bool = True
     note: str = ""
+    merged: bool = False
+    follows: str = ""
 
     @property
     def factor(self) -> float:
@@ -106,6 +118,11 @@ class Episode:
         if not (math.isfinite(self.value) and math.isfinite(self.reference)) or self.reference <= 0:
             return float("nan")
         return self.value / self.reference
+
+    @property
+    def alerted(self) -> bool:
+        """Whether the live alerts print it (tolerated and merged episodes are only recorded)."""
+        return not (self.tolerated or self.merged)
 
     def steps_text(self) -> str:
         if self.start_step == self.end_step:
@@ -133,8 +150,8 @@ class Episode:
         return format_alerts([self], context)
 
     def to_event(self, context: Optional["AlertContext"] = None) -> dict[str, Any]:
-        """The ``metrics.jsonl`` row recording this episode."""
-        return {
+        """The ``metrics.jsonl`` row recording this episode (its range as of detection)."""
+        event = {
             "event": "trend_alert",
             "step": self.detected_step,
             "kind": self.kind,
@@ -148,6 +165,9 @@ class Episode:
             "message": self.describe(),
             "actions": next_actions(self, context),
         }
+        if self.follows:
+            event["follows"] = self.follows
+        return event
 
 
 @dataclass
@@ -539,18 +559,33 @@ class TrendDetector:
             plateau = self.plateau.update(step, loss, allow=not exploding)
             if plateau is not None:
                 opened.append(plateau)
-        nonfinite = {e.signal: e for e in opened if e.kind == "nonfinite"}
-        if len(nonfinite) == 2:  # a NaN loss gives NaN gradients: one episode says both
-            nonfinite["loss"].note = "and so is gradient_norm"
-            opened.remove(nonfinite["gradient_norm"])
-        elif nonfinite:  # the other signal went first: the open episode says both
-            (signal, episode), = nonfinite.items()
-            other = self._nonfinite["loss" if signal == "gradient_norm" else "gradient_norm"]
-            if other is not None:
-                other.note = f"and so is {signal} from step {episode.start_step}"
-                opened.remove(episode)
+        self._link_nonfinite(opened)
         self.episodes.extend(opened)
-        return [e for e in opened if not e.tolerated]
+        return [e for e in opened if e.alerted]
+
+    def _link_nonfinite(self, opened: list[Episode]) -> None:
+        """One alert where one is enough; each signal keeps its own episode and range."""
+        nonfinite = {e.signal: e for e in opened if e.kind == "nonfinite"}
+        if len(nonfinite) == 2:  # a NaN loss gives NaN gradients: the loss's alert says both
+            nonfinite["loss"].note = "and so is gradient_norm"
+            nonfinite["gradient_norm"].merged = True
+            return
+        if not nonfinite:
+            return
+        (signal, episode), = nonfinite.items()
+        other_signal = "loss" if signal == "gradient_norm" else "gradient_norm"
+        other = self._nonfinite[other_signal]
+        if other is None:
+            return
+        episode.note = f"after {other_signal}, not finite since step {other.start_step}"
+        if signal == "gradient_norm":
+            # The loss went first (e.g. under fp16, where gradient_norm needs P points in a
+            # row): NaN gradients are what a NaN loss makes, nothing new to alert.
+            episode.merged = True
+        else:
+            # Non-finite gradients reached the weights, or the loss overflowed: the user must
+            # learn that the loss is gone too, and from when, without the actions again.
+            episode.follows = other_signal
 
     def _finite(self, signal: str, step: int, value: float, persist: int, opened: list[Episode]) -> bool:
         current = self._nonfinite[signal]
@@ -630,10 +665,13 @@ def detect_trends(
 
 def format_alerts(episodes: Sequence[Episode], context: Optional[AlertContext] = None) -> str:
     """Episodes recognised at the same step as one warning: each description, then the
-    next actions of all of them without repeats."""
+    next actions of all of them without repeats. A follow-up (``Episode.follows``) adds its
+    line only: the alert it follows gave the same actions."""
     lines = [f"WARNING {e.describe()}." for e in episodes]
     seen: set[str] = set()
     for e in episodes:
+        if e.follows:
+            continue
         for action in next_actions(e, context):
             if action not in seen:
                 seen.add(action)

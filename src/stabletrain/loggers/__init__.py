@@ -3,8 +3,8 @@
 Every logger receives the same metrics at the same steps (``gradient_norm``, ``loss``,
 ``lr``, ...) and the resolved settings as hyperparameters. TensorBoard, MLflow and W&B
 are optional: each is imported only when configured, and a configured logger whose
-library is missing is reported by :func:`check_loggers` before training starts, with the
-pip command that installs it.
+library is missing, or installed but failing to import, is reported by :func:`check_loggers`
+before training starts, with the pip command that installs it.
 """
 
 from __future__ import annotations
@@ -23,6 +23,12 @@ OPTIONAL_LOGGERS: dict[str, tuple[str, str]] = {
     "tensorboard": ("tensorboard", "tensorboard"),
     "mlflow": ("mlflow", "mlflow"),
     "wandb": ("wandb", "wandb"),
+}
+#: logger name -> the module its logger imports (TensorBoard's writer lives in torch).
+LOGGER_IMPORTS: dict[str, str] = {
+    "tensorboard": "torch.utils.tensorboard",
+    "mlflow": "mlflow",
+    "wandb": "wandb",
 }
 
 
@@ -47,8 +53,16 @@ def _wanted(settings: TrainSettings, name: str) -> bool:
     return bool(enabled)
 
 
-def check_loggers(settings: TrainSettings) -> list[str]:
-    """Problems with the logger settings (e.g. a missing optional library), one line each."""
+def check_loggers(settings: TrainSettings, try_import: bool = True) -> list[str]:
+    """Problems with the logger settings, one line each: a configured library that is not
+    installed, or (``try_import``) one that is installed but fails to import.
+
+    Args:
+        settings: The training settings.
+        try_import: Import the library of every logger that will be on, so that a broken
+            install is reported now rather than after ``out/`` is written. Only the rank that
+            builds the loggers (rank 0) needs it.
+    """
     problems = []
     for name, (module, _) in OPTIONAL_LOGGERS.items():
         enabled = getattr(settings.loggers, name).enabled
@@ -57,7 +71,26 @@ def check_loggers(settings: TrainSettings) -> list[str]:
                 f"loggers.{name}.enabled: true, but the {module} package is not installed; "
                 f"run {install_hint(name)}, or set loggers.{name}.enabled=false"
             )
+        elif try_import and _wanted(settings, name):
+            problem = _import_problem(name, enabled)
+            if problem:
+                problems.append(problem)
     return problems
+
+
+def _import_problem(name: str, enabled: object) -> str:
+    module = LOGGER_IMPORTS[name]
+    try:
+        importlib.import_module(module)
+    except Exception as exc:  # a broken install fails in many ways (ImportError, protobuf TypeError, ...)
+        value = "auto" if enabled == "auto" else "true"
+        found = f", and the {OPTIONAL_LOGGERS[name][0]} package is installed" if enabled == "auto" else ""
+        return (
+            f"loggers.{name}.enabled: {value}{found}, but {module} fails to import "
+            f"({type(exc).__name__}: {exc}); reinstall it: {install_hint(name)}, "
+            f"or set loggers.{name}.enabled=false"
+        )
+    return ""
 
 
 def build_loggers(settings: TrainSettings, out: Path) -> list[Logger]:
