@@ -4,11 +4,15 @@
 written by nancapture and answers, offline:
 
 1. **Why** (first, because it decides what else is worth doing): the step is replayed in
-   the captured precision twice, then in float32 and in float64. A failure that does not
-   come back in the captured precision is **not reproducible** (nondeterminism, an
-   external cause, a hardware fault); one that comes back in reduced precision but not in
-   float32 is **precision-induced**; one that comes back in every precision is
-   **deterministic numerical**.
+   the captured precision twice, then in float32 (unless that is the captured one) and in
+   float64 (likewise). The class is decided by the captured precision and float32 alone:
+   a failure that does not come back in both replays in the captured precision is **not
+   reproducible** (nondeterminism, an external cause, a hardware fault); one that comes
+   back in a reduced captured precision (16-mixed, bf16-mixed, 16-true, bf16-true) but
+   not in float32 is **precision-induced**; one that comes back in float32 too (or was
+   captured in 32-true or 64-true) is **deterministic numerical**. The float64 replay
+   does not change the class; it is evidence reported with it: a deterministic numerical
+   failure that float64 keeps finite is an overflow that a wider type only postpones.
 2. **Which data**: the microbatches and then the samples within the culprit microbatch
    that are enough to trigger the failure, found by replaying subsets (delta debugging:
    halves first, then smaller pieces). A failure visible in the loss is checked with
@@ -266,13 +270,20 @@ class Diagnosis:
         path: The capture diagnosed.
         step, ranks, world_size, precision, loss_scale, reason, model_class: From the capture.
         device: Where the replays ran.
-        cause: :data:`PRECISION_INDUCED`, :data:`DETERMINISTIC_NUMERICAL` or :data:`NOT_REPRODUCIBLE`.
-        cause_explanation: The same in plain language, with the evidence.
+        cause: :data:`NOT_REPRODUCIBLE` when either replay in the captured precision is
+            finite; else :data:`PRECISION_INDUCED` when the captured precision is reduced
+            (16-mixed, bf16-mixed, 16-true, bf16-true) and the float32 replay is finite;
+            else :data:`DETERMINISTIC_NUMERICAL` (float32 fails too, or the run was in
+            32-true or 64-true). The float64 replay does not decide the class.
+        cause_explanation: The same in plain language, with the evidence (including
+            whether float64 keeps the step finite).
         deterministic: Whether the two replays in the captured precision agreed bitwise.
         matches_capture: Whether the first replay's losses equal the captured ones bitwise
             (None when the capture holds no losses).
-        replays: The full replays: captured precision twice, float32, float64.
-        reproduces_in: Precision -> whether the failure came back in it.
+        replays: The full replays: captured precision twice, then float32 and float64
+            (each unless it is the captured precision).
+        reproduces_in: Precision -> whether the failure came back in it (for the captured
+            precision: in both replays).
         finding: The first non-finite op (None when not reproducible or not found).
         traced_on: The subset that was traced: ``{"microbatches", "rows", "dataset_indices"}``.
         origin: Where a non-finite *input* of the first op came from ("data", "weights",
