@@ -23,7 +23,7 @@ from stabletrain.debug.diagnose import (
 from stabletrain.trainer import train
 
 from conftest import cli_env, tiny_lm
-from fault_models import FAULTS, FaultData, FaultNet, FlakyNet
+from fault_models import FAULTS, BCEData, BCENet, FaultData, FaultNet, FlakyNet, NormNet
 from nan_models import PoisonData, PoisonNet, samples_of_step
 
 NANCAPTURE = {"nancapture": {"enabled": True}}
@@ -54,6 +54,14 @@ def test_planted_fault_is_found_with_its_op_module_phase_cause_and_sample(tmp_pa
     assert (f.op, f.phase, f.module, f.module_type) == (op, phase, "gate", "Gate")
     assert f.dtype == "float32" and not f.inputs_nonfinite and not f.outside_forward
     assert "fault_models.py:" in f.source
+    # The input that breaks the op, as the report shows it: log(0), h / 0, sqrt(-1), and in
+    # the backward pass the derivative's denominator 2 sqrt(u) = 0.
+    which, abs_min, abs_max = {"log0": (0, 0.0, 0.0), "div0": (1, 0.0, 0.0), "sqrt_neg": (0, 1.0, 1.0),
+                               "sqrt_at_0": (1, 0.0, 0.0)}[fault]
+    assert (f.inputs[which].abs_min, f.inputs[which].abs_max) == (abs_min, abs_max)
+    if fault in ("div0", "sqrt_at_0"):
+        assert f.inputs[0].abs_min > 0, "the numerator is not what is wrong"
+    assert f"input {which}: float32 {f.inputs[which].shape}, abs min {abs_min:.3g}, abs max {abs_max:.3g}" in d.report()
     if phase == "backward":
         assert f.forward_op == "SqrtBackward0" and "torch.sqrt(s * h * h)" in f.source
         assert d.data.check == "forward+backward"
@@ -127,6 +135,95 @@ def test_fp16_loss_scaling_that_keeps_skipping_steps(tmp_path):
     assert "debug_args.nancapture.max_skipped_steps=4 (was 2)" in d.next_actions[1]
 
 
+def test_bf16_mixed_rounding_is_precision_induced(tmp_path):
+    """A hand-written log(1 - sigmoid(z)) of a confident sample (z = 10): sigmoid(10) rounds to
+    exactly 1 in bfloat16 (log(0) = -inf) but not in float32. bfloat16 has float32's range,
+    so this is lost precision, not overflow, and the advice says so."""
+    victim = samples_of_step(2)[3]
+    with pytest.raises(NaNDetectedError) as info:
+        train(out=tmp_path / "bf16", model=BCENet(), data=BCEData(plant={victim: 20.0}), precision="bf16-mixed",
+              debug_args=NANCAPTURE, **RUN)
+    assert (info.value.step, info.value.reason) == (2, "nonfinite_loss")
+    d = stabletrain.diagnose(info.value.capture_path, model=BCENet())
+
+    assert d.precision == "bf16-mixed"
+    assert d.reproduces_in == {"bf16-mixed": True, "32-true": False, "64-true": False}
+    assert d.cause == PRECISION_INDUCED
+    f = d.finding
+    assert (f.op, f.phase, f.dtype) == ("aten.log.default", "forward", "bfloat16")
+    assert f.outside_forward and "torch.log(1 - p)" in f.source, "the loss is computed in training_step"
+    assert f.output.neginf and not f.inputs_nonfinite
+    assert (f.inputs[0].abs_min, f.inputs[0].abs_max) == (0.0, 0.0), "1 - sigmoid(10) is exactly 0 in bfloat16"
+    assert d.data.status == "isolated" and d.data.rows == [3] and d.data.dataset_indices == [victim]
+    assert d.weights.status == "healthy" and d.origin is None
+    assert d.probable_cause.startswith("bfloat16 rounding: log in BCENet outside forward")
+    assert "overflow" not in d.probable_cause and f"dataset index {victim}" in d.probable_cause
+    assert d.next_actions[0].startswith("Train with precision=32-true: bfloat16 keeps only about 3 significant digits")
+    assert "Or keep bf16-mixed" in d.next_actions[1] and "F.logsigmoid(-z)" in d.next_actions[1]
+    assert f.source in d.next_actions[1]
+
+
+@pytest.mark.parametrize("fault", ["conversion", "square"])
+def test_16_true_failures_are_precision_induced_with_float16_advice(tmp_path, fault):
+    """16-true converts the model and the batch to float16. "conversion": a sample holds
+    1e5, finite in float32 and +Inf once converted (the first op only passes it on: the
+    origin is the conversion). "square": an activation whose square exceeds 65504.
+    SGD, because 16-true AdamW has a trap of its own (next test)."""
+    victim = samples_of_step(2)[4]
+    plant = {"x": 1e5} if fault == "conversion" else FAULTS["square"][0]
+    gate = "none" if fault == "conversion" else "square"
+    with pytest.raises(NaNDetectedError) as info:
+        train(out=tmp_path / fault, model=FaultNet(gate), data=FaultData(plant={victim: plant}), precision="16-true",
+              debug_args=NANCAPTURE, **{**RUN, "model_args": {**RUN["model_args"], "optimizer": "sgd"}})
+    assert info.value.step == 2
+    d = stabletrain.diagnose(info.value.capture_path, model=FaultNet(gate))
+
+    assert d.precision == "16-true" and d.cause == PRECISION_INDUCED
+    assert d.reproduces_in == {"16-true": True, "32-true": False, "64-true": False}
+    assert d.data.status == "isolated" and d.data.rows == [4] and d.data.dataset_indices == [victim]
+    assert d.weights.status == "healthy" and d.data.nonfinite_inputs == []
+    f = d.finding
+    assert f.phase == "forward" and f.dtype == "float16"
+    if fault == "conversion":
+        assert f.module == "fc1" and f.inputs_nonfinite and d.origin == "precision_conversion"
+        assert d.data.out_of_range_inputs == [{"rank": 0, "micro_step": 0, "row": 4, "index": victim,
+                                               "field": "batch['x']", "count": 4, "abs_max": 1e5}]
+        assert (f"the batch holds values beyond float16's range (batch['x'] of sample {victim} reaches 1e+05 in "
+                "magnitude): 16-true converts the batch to float16") in d.probable_cause
+        assert d.next_actions[0].startswith("Train with precision=bf16-mixed or precision=32-true, which keep the batch in float32")
+        assert "largest value is 65504" in d.next_actions[0]
+        assert "precision=16-mixed" not in d.next_actions[0], "autocast would cast the batch to float16 in fc1 all the same"
+        assert d.next_actions[1].startswith("Or keep 16-true and scale the inputs into float16's range")
+        assert "it came from the conversion of the batch to float16" in d.report()
+    else:
+        assert (f.op, f.module) == ("aten.mul.Tensor", "gate") and not f.inputs_nonfinite and d.origin is None
+        assert f.output.posinf and 256 < max(s.abs_max for s in f.inputs) < 65504
+        assert d.data.out_of_range_inputs == [], "2000 fits in float16: the square does not"
+        assert d.probable_cause.startswith("float16 overflow: mul in gate (Gate)")
+        first = d.next_actions[0]
+        assert "precision=bf16-mixed" in first and "precision=32-true" in first and "exceeds 65504" in first
+        assert "precision=16-mixed" in first and "loss scaling acts on gradients" in first
+        assert d.next_actions[1].startswith("Or keep 16-true and keep the value in range where it grows")
+
+
+def test_16_true_adamw_writes_inf_into_the_weights(tmp_path):
+    """16-true runs AdamW in float16 too: a small gradient's squared value underflows to 0 and
+    eps=1e-8 is 0 in float16, so step 0's update divides by 0. Step 0 was finite; step 1
+    starts from Inf weights. The advice names the optimizer, not only the learning rate."""
+    with pytest.raises(NaNDetectedError) as info:
+        train(out=tmp_path / "adamw", model=FaultNet("square"), data=FaultData(), precision="16-true",
+              debug_args=NANCAPTURE, **RUN)
+    assert info.value.step == 1
+    d = stabletrain.diagnose(info.value.capture_path, model=FaultNet("square"))
+    assert [h["step"] for h in d.history] == [0] and math.isfinite(d.history[0]["gradient_norm"])
+    assert d.weights.status == "nonfinite" and d.origin == "weights" and d.cause == DETERMINISTIC_NUMERICAL
+    assert "fc1.weight" in [p.name for p in d.weights.nonfinite]
+    assert "the weights were already non-finite when the step began" in d.probable_cause
+    trap = d.next_actions[1]
+    assert trap.startswith("With precision=16-true the optimizer runs in float16 too: AdamW's second moment")
+    assert "precision=16-mixed" in trap and "precision=bf16-mixed" in trap and "precision=32-true" in trap
+
+
 def test_poisoned_sample_in_a_batch_of_32_with_accumulation_4(tmp_path):
     step, micro, row = 1, 2, 5
     victim = samples_of_step(step, batch_size=32, accum=4)[micro * 8 + row]
@@ -193,6 +290,78 @@ def test_weights_made_huge_by_earlier_steps(tmp_path):
     assert [h["step"] for h in d.history] == list(range(max(0, d.step - 5), d.step))
 
 
+class _Damage:
+    """After step ``step``'s optimizer step, before its checkpoint is written, put ``value`` at
+    ``index`` of a parameter or buffer: what a bad earlier step leaves behind."""
+
+    def __init__(self, name, index, value, step=1):
+        self.name, self.index, self.value, self.step = name, index, value, step
+
+    def on_after_optimizer_step(self, trainer, *, step):
+        if step == self.step:
+            state = {**dict(trainer.model.named_parameters()), **dict(trainer.model.named_buffers())}
+            with torch.no_grad():
+                state[self.name][self.index] = self.value
+
+
+def _damaged_run(tmp_path, model, damage):
+    with pytest.raises(NaNDetectedError) as info:
+        train(out=tmp_path / "run", model=model, data=FaultData(), callbacks=[damage], debug_args=NANCAPTURE,
+              checkpoint_every_num_steps=1, max_checkpoints_to_keep=10, **RUN)
+    assert info.value.step == 2, "the first step that starts from the damaged state"
+    return info.value.capture_path
+
+
+def test_weights_already_nonfinite_when_the_step_began(tmp_path):
+    path = _damaged_run(tmp_path, FaultNet(), _Damage("fc1.weight", (5, 2), float("nan")))
+    d = stabletrain.diagnose(path, model=FaultNet())
+
+    w = d.weights
+    assert w.status == "nonfinite" and [(p.name, p.nonfinite) for p in w.nonfinite] == [("fc1.weight", 1)]
+    assert w.nonfinite_buffers == []
+    assert d.cause == DETERMINISTIC_NUMERICAL and d.reproduces_in == {"32-true": True, "64-true": True}
+    f = d.finding
+    assert (f.module, f.phase) == ("fc1", "forward") and f.inputs_nonfinite and d.origin == "weights"
+    assert d.data.status == "not_data_specific" and d.data.nonfinite_inputs == [], "every sample meets the NaN weight"
+    assert d.probable_cause == ("the weights were already non-finite when the step began (1 value(s) of fc1.weight): "
+                                "an earlier step did the damage")
+    # The checkpoint written before the damage is healthy, the one after it holds the NaN.
+    assert [(c["step"], c["healthy"]) for c in w.checkpoints] == [(1, True), (2, False)]
+    assert w.healthy_checkpoint == str(tmp_path / "run" / "checkpoints" / "step_000001.ckpt")
+    assert d.next_actions[0].startswith("Resume from before the damage: the newest checkpoint with healthy weights is step 1")
+    assert "step_000001.ckpt over" in d.next_actions[0] and "resume_interrupted=true" in d.next_actions[0]
+    assert "model_args.lr=0.001 or lower (was 0.01)" in d.next_actions[0]
+    assert d.next_actions[1] == "Keep single steps from blowing the weights up: gradient_clip_val=1.0 (clipping is off)."
+    report = d.report()
+    assert "The weights already held NaN/Inf when the step began: fc1.weight (1)." in report
+    assert "it came from the weights, non-finite at the start of the step" in report
+    assert "fc1.weight 0.516 (and 1 NaN/Inf)" in report
+
+
+def test_buffer_already_nonfinite_when_the_step_began(tmp_path):
+    """Running statistics held in buffers are state too: an Inf in one is damage from an
+    earlier forward pass, found through the first op that reads it, and not the optimizer's."""
+    path = _damaged_run(tmp_path, NormNet(), _Damage("norm.mean", 1, float("inf")))
+    d = stabletrain.diagnose(path, model=NormNet())
+
+    w = d.weights
+    assert w.status == "nonfinite" and w.nonfinite == [] and w.nonfinite_buffers == ["norm.mean"]
+    assert d.cause == DETERMINISTIC_NUMERICAL
+    f = d.finding
+    assert (f.module, f.module_type, f.phase) == ("norm", "RunningNorm", "forward")
+    assert f.inputs_nonfinite and d.origin == "buffers" and "self.mean.lerp_" in f.source
+    assert d.probable_cause.startswith("the buffer norm.mean already held NaN/Inf when the step began and lerp_ in norm")
+    # Step 2's checkpoint has healthy weights but the Inf buffer: not a place to resume from.
+    assert [(c["step"], c["healthy"]) for c in w.checkpoints] == [(1, True), (2, False)]
+    assert w.checkpoints[1]["abs_max"] < w.threshold
+    assert "healthy weights and buffers is step 1" in d.next_actions[0] and "step_000001.ckpt" in d.next_actions[0]
+    assert "model_args.lr" not in d.next_actions[0], "the optimizer does not write buffers"
+    assert d.next_actions[1].startswith("Find what put NaN/Inf into norm.mean: the forward pass updates them")
+    report = d.report()
+    assert "The weights were finite, but buffers already held NaN/Inf when the step began: norm.mean." in report
+    assert "it came from buffers (norm.mean)" in report and "step 2 |w| 0.517 (non-finite buffers)" in report
+
+
 def _plain_loop_capture(tmp_path, fires):
     """A plain loop with the standalone monitor over FlakyNet, failing at step 3."""
     torch.manual_seed(0)
@@ -232,14 +401,56 @@ def test_nondeterministic_fault_is_not_reproducible(tmp_path, replays_hit):
     assert "not reproducible" in d.report()
 
 
+def test_capture_without_dataset_indices_names_rows(tmp_path):
+    """A plain loop that does not give collect_batch the dataset indices: the culprit sample
+    is named by its row in the microbatch."""
+    from torch.utils.data import default_collate
+
+    model = FaultNet("log0")
+    data = FaultData(plant={13: {"s": 0.0}})  # step 1, row 5
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = NaNCaptureMonitor(model, out_dir=tmp_path / "caps")
+    with pytest.raises(NaNDetectedError) as info:
+        for step in range(4):
+            batch = default_collate([data[i] for i in range(step * 8, step * 8 + 8)])
+            monitor.begin_step(step)
+            monitor.collect_batch(batch)
+            loss = model.training_step(batch)
+            monitor.collect_loss(loss)
+            loss.backward()
+            monitor.check_and_capture()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert info.value.step == 1
+    d = stabletrain.diagnose(info.value.capture_path, model=FaultNet("log0"))
+
+    assert d.cause == DETERMINISTIC_NUMERICAL and d.finding.op == "aten.log.default"
+    assert d.data.status == "isolated" and d.data.rows == [5]
+    assert d.data.index_sets is None and d.data.dataset_indices is None
+    assert d.traced_on == {"microbatches": [(0, 0)], "rows": [5], "dataset_indices": None}
+    assert d.probable_cause.endswith(" for row 5")
+    assert d.next_actions[0].endswith("row 5 drives its argument to 0 or below.")
+    assert d.next_actions[1].startswith("Look at row 5: what sets it apart")
+    report = d.report()
+    assert "Row 5 of microbatch 0 (8 samples) triggers the failure" in report
+    assert "- traced on microbatch(es) 0, rows [5], in 32-true" in report and "dataset ind" not in report
+    assert d.to_dict()["data"]["dataset_indices"] is None and d.to_dict()["data"]["rows"] == [5]
+
+
 def test_batchnorm_makes_single_sample_isolation_approximate(tmp_path):
-    """The built-in CNN (BatchNorm) with an Inf pixel in one image of step 1."""
+    """The built-in CNN (BatchNorm) with an Inf pixel in one image of step 1. A NaN put into a
+    BatchNorm running variance after step 0 is reported but not blamed: in training mode
+    BatchNorm normalises with the batch's statistics and never reads it."""
 
     class PoisonImage:
         def on_microbatch(self, trainer, *, step, micro_step, batch, indices):
             if step == 1:
                 batch[0][6, 1, 4, 7] = float("inf")  # the batch the model (and the capture) gets
                 self.victim = int(indices[6])
+
+        def on_after_optimizer_step(self, trainer, *, step):
+            if step == 0:
+                dict(trainer.model.named_buffers())["features.1.bn.running_var"][2] = float("nan")
 
     poison = PoisonImage()
     with pytest.raises(NaNDetectedError) as info:
@@ -255,6 +466,12 @@ def test_batchnorm_makes_single_sample_isolation_approximate(tmp_path):
     assert f"dataset index {poison.victim}" in d.next_actions[0]
     assert "transform_args.normalize" in d.next_actions[1], "image data: check the input normalisation"
     assert "BatchNorm makes their isolation approximate" in d.next_actions[-2]
+    assert d.weights.status == "nonfinite" and d.weights.nonfinite == []
+    assert d.weights.nonfinite_buffers == ["features.1.bn.running_var"]
+    assert d.probable_cause.startswith("bad data:"), "the unread buffer is not the cause"
+    assert not any("Resume from" in a for a in d.next_actions)
+    assert ("buffers already held NaN/Inf when the step began: features.1.bn.running_var. The damage happened in "
+            "earlier steps, though the failure traces back to something else (see Where).") in d.report()
 
 
 def test_two_ranks_the_culprit_sample_is_on_rank_1(tmp_path):

@@ -4,11 +4,15 @@
 written by nancapture and answers, offline:
 
 1. **Why** (first, because it decides what else is worth doing): the step is replayed in
-   the captured precision twice, then in float32 and in float64. A failure that does not
-   come back in the captured precision is **not reproducible** (nondeterminism, an
-   external cause, a hardware fault); one that comes back in reduced precision but not in
-   float32 is **precision-induced**; one that comes back in every precision is
-   **deterministic numerical**.
+   the captured precision twice, then in float32 (unless that is the captured one) and in
+   float64 (likewise). The class is decided by the captured precision and float32 alone:
+   a failure that does not come back in both replays in the captured precision is **not
+   reproducible** (nondeterminism, an external cause, a hardware fault); one that comes
+   back in a reduced captured precision (16-mixed, bf16-mixed, 16-true, bf16-true) but
+   not in float32 is **precision-induced**; one that comes back in float32 too (or was
+   captured in 32-true or 64-true) is **deterministic numerical**. The float64 replay
+   does not change the class; it is evidence reported with it: a deterministic numerical
+   failure that float64 keeps finite is an overflow that a wider type only postpones.
 2. **Which data**: the microbatches and then the samples within the culprit microbatch
    that are enough to trigger the failure, found by replaying subsets (delta debugging:
    halves first, then smaller pieces). A failure visible in the loss is checked with
@@ -159,17 +163,19 @@ class ParamStat:
 
 @dataclass
 class WeightsReport:
-    """Were the weights healthy when the step began?
+    """Were the weights (and buffers) healthy when the step began?
 
     Attributes:
-        status: "healthy", "huge" (some weight reaches ``threshold``) or "nonfinite".
+        status: "healthy", "huge" (some weight reaches ``threshold``) or "nonfinite"
+            (some parameter, or some buffer such as running statistics, holds NaN/Inf).
         threshold: The magnitude counted as huge.
         largest: The parameters with the largest magnitudes, largest first.
         nonfinite: Parameters holding NaN or Inf.
         nonfinite_buffers: Buffers (e.g. BatchNorm statistics) holding NaN or Inf.
         checkpoints: For unhealthy weights: each checkpoint of the run with its step and
             largest weight magnitude (``{"path", "step", "abs_max", "healthy"}``).
-        healthy_checkpoint: The newest checkpoint whose weights are finite and below the threshold.
+        healthy_checkpoint: The newest checkpoint whose weights are finite and below the
+            threshold and whose buffers are finite.
     """
 
     status: str
@@ -213,6 +219,9 @@ class DataReport:
         caveats: Why the isolation may be approximate.
         nonfinite_inputs: Non-finite values already in the data: ``{"rank", "micro_step",
             "row", "index", "field", "count"}`` per sample and tensor.
+        out_of_range_inputs: For a capture in 16-true or bf16-true (which convert the
+            batch to float16 or bfloat16): finite values in the data that this conversion
+            turns into Inf, with the same keys plus ``abs_max`` (the sample's largest).
         replays: Subset replays done.
     """
 
@@ -227,6 +236,7 @@ class DataReport:
     approximate: bool = False
     caveats: list[str] = field(default_factory=list)
     nonfinite_inputs: list[dict[str, Any]] = field(default_factory=list)
+    out_of_range_inputs: list[dict[str, Any]] = field(default_factory=list)
     replays: int = 0
 
     @property
@@ -254,6 +264,7 @@ class DataReport:
             "approximate": self.approximate,
             "caveats": self.caveats,
             "nonfinite_inputs": self.nonfinite_inputs,
+            "out_of_range_inputs": _jsonable(self.out_of_range_inputs),
             "replays": self.replays,
         }
 
@@ -266,13 +277,20 @@ class Diagnosis:
         path: The capture diagnosed.
         step, ranks, world_size, precision, loss_scale, reason, model_class: From the capture.
         device: Where the replays ran.
-        cause: :data:`PRECISION_INDUCED`, :data:`DETERMINISTIC_NUMERICAL` or :data:`NOT_REPRODUCIBLE`.
-        cause_explanation: The same in plain language, with the evidence.
+        cause: :data:`NOT_REPRODUCIBLE` when either replay in the captured precision is
+            finite; else :data:`PRECISION_INDUCED` when the captured precision is reduced
+            (16-mixed, bf16-mixed, 16-true, bf16-true) and the float32 replay is finite;
+            else :data:`DETERMINISTIC_NUMERICAL` (float32 fails too, or the run was in
+            32-true or 64-true). The float64 replay does not decide the class.
+        cause_explanation: The same in plain language, with the evidence (including
+            whether float64 keeps the step finite).
         deterministic: Whether the two replays in the captured precision agreed bitwise.
         matches_capture: Whether the first replay's losses equal the captured ones bitwise
             (None when the capture holds no losses).
-        replays: The full replays: captured precision twice, float32, float64.
-        reproduces_in: Precision -> whether the failure came back in it.
+        replays: The full replays: captured precision twice, then float32 and float64
+            (each unless it is the captured precision).
+        reproduces_in: Precision -> whether the failure came back in it (for the captured
+            precision: in both replays).
         finding: The first non-finite op (None when not reproducible or not found).
         traced_on: The subset that was traced: ``{"microbatches", "rows", "dataset_indices"}``.
         origin: Where a non-finite *input* of the first op came from ("data", "weights",
@@ -427,6 +445,7 @@ def diagnose(
     with clock("weights"):
         weights = _weights_report(cap, huge_weight)
         bad_inputs = _nonfinite_inputs(cap)
+        out_of_range = _out_of_range_inputs(cap, precision)
 
     with clock("replays"):
         first = _full_replay(cap, "captured precision", precision, dev)
@@ -459,6 +478,7 @@ def diagnose(
         with clock("bisect"):
             data = _isolate(cap, first.result, precision, dev, max_subset_replays)
         data.nonfinite_inputs = bad_inputs
+        data.out_of_range_inputs = out_of_range
         data.caveats = _isolation_caveats(replay_model, data) if data.status == "isolated" else data.caveats
         data.approximate = any("batch-dependent" in c for c in data.caveats)
         with clock("trace"):
@@ -471,13 +491,13 @@ def diagnose(
                 "dataset_indices": data.dataset_indices if rows else None,
             }
     else:
-        data = DataReport(status="not_searched", nonfinite_inputs=bad_inputs,
+        data = DataReport(status="not_searched", nonfinite_inputs=bad_inputs, out_of_range_inputs=out_of_range,
                           note="not searched: a failure that does not come back cannot be narrowed down by replaying subsets")
 
     with clock("checkpoints"):
         out = _run_folder(cap)
         if weights.status != "healthy" and out is not None:
-            _scan_checkpoints(out / "checkpoints", weights, set(cap.ranks[0].params))
+            _scan_checkpoints(out / "checkpoints", weights, set(cap.ranks[0].params), set(cap.ranks[0].buffers))
         history = _history(out) if out is not None else []
 
     origin = _origin(finding, data, weights, precision)
@@ -765,6 +785,27 @@ def _isolation_caveats(model: nn.Module, data: DataReport) -> list[str]:
 
 def _nonfinite_inputs(cap: NaNCapture) -> list[dict[str, Any]]:
     """Non-finite values already in the captured batches, per sample and tensor."""
+    return _flag_inputs(cap, lambda t: ~torch.isfinite(t))
+
+
+def _out_of_range_inputs(cap: NaNCapture, precision: str) -> list[dict[str, Any]]:
+    """Finite values of the captured batches that 16-true or bf16-true, which convert the
+    batch to their dtype, turn into Inf; per sample and tensor, with the sample's abs max."""
+    dtype = {"16-true": torch.float16, "bf16-true": torch.bfloat16}.get(precision)
+    if dtype is None:
+        return []
+    limit = torch.finfo(dtype).max
+
+    def beyond(t: Tensor) -> Tensor:
+        if t.is_complex() or torch.finfo(t.dtype).max <= limit:
+            return torch.zeros_like(t, dtype=torch.bool)
+        return torch.isfinite(t) & ~torch.isfinite(t.to(dtype))
+
+    return _flag_inputs(cap, beyond, with_abs_max=True)
+
+
+def _flag_inputs(cap: NaNCapture, test: Callable[[Tensor], Tensor], with_abs_max: bool = False) -> list[dict[str, Any]]:
+    """Where ``test(tensor) -> bool mask`` holds in the captured batches, per sample and tensor."""
     found = []
     for part in cap.ranks:
         for micro, batch in enumerate(part.microbatches):
@@ -775,7 +816,7 @@ def _nonfinite_inputs(cap: NaNCapture) -> list[dict[str, Any]]:
             for name, t in _named_tensors(batch):
                 if not (t.is_floating_point() or t.is_complex()) or not t.numel():
                     continue
-                bad = ~torch.isfinite(t)
+                bad = test(t)
                 if not bool(bad.any()):
                     continue
                 if t.ndim and t.shape[0] == n:
@@ -786,9 +827,13 @@ def _nonfinite_inputs(cap: NaNCapture) -> list[dict[str, Any]]:
                             "index": int(ix[row]) if isinstance(ix, Tensor) else None,
                             "field": name, "count": int(counts[row]),
                         })
+                        if with_abs_max:
+                            found[-1]["abs_max"] = float(t[row].abs().max())
                 else:
                     found.append({"rank": part.rank, "micro_step": micro, "row": None, "index": None,
                                   "field": name, "count": int(bad.sum())})
+                    if with_abs_max:
+                        found[-1]["abs_max"] = float(t[bad].abs().max())
     return found
 
 
@@ -869,7 +914,9 @@ def _weights_report(cap: NaNCapture, threshold: float) -> WeightsReport:
         if b.is_floating_point() and b.numel() and not bool(torch.isfinite(b).all())
     })
     top = max((s.abs_max for s in stats if math.isfinite(s.abs_max)), default=0.0)
-    status = "nonfinite" if nonfinite else ("huge" if top >= threshold else "healthy")
+    # A NaN in a buffer (running statistics) at the start of the step is damage from earlier
+    # steps just as much as a NaN in a weight: the forward pass that updated it did it.
+    status = "nonfinite" if (nonfinite or buffers) else ("huge" if top >= threshold else "healthy")
     return WeightsReport(status, float(threshold), largest, nonfinite, buffers)
 
 
@@ -893,7 +940,7 @@ def _run_folder(cap: NaNCapture) -> Optional[Path]:
     return None
 
 
-def _scan_checkpoints(folder: Path, weights: WeightsReport, names: set[str]) -> None:
+def _scan_checkpoints(folder: Path, weights: WeightsReport, names: set[str], buffer_names: set[str]) -> None:
     if not folder.is_dir():
         return
     from stabletrain.checkpoint import CheckpointError, load_checkpoint
@@ -910,10 +957,15 @@ def _scan_checkpoints(folder: Path, weights: WeightsReport, names: set[str]) -> 
         step = int(state.get("step", -1))
         if step in seen:
             continue
-        values = [t for n, t in state.get("model", {}).items() if n in names and isinstance(t, Tensor) and t.is_floating_point()]
+        model = state.get("model", {})
+        values = [t for n, t in model.items() if n in names and isinstance(t, Tensor) and t.is_floating_point()]
+        # Buffers count for health only when finite or not: running statistics may be large legitimately.
+        buffers = [t for n, t in model.items() if n in buffer_names and isinstance(t, Tensor) and t.is_floating_point()]
         finite = all(bool(torch.isfinite(t).all()) for t in values)
         top = max((float(t.detach().abs().max()) for t in values if t.numel()), default=0.0) if finite else math.inf
-        seen[step] = {"path": str(path), "step": step, "abs_max": top, "healthy": finite and top < weights.threshold}
+        buffers_finite = all(bool(torch.isfinite(t).all()) for t in buffers)
+        seen[step] = {"path": str(path), "step": step, "abs_max": top,
+                      "healthy": finite and buffers_finite and top < weights.threshold}
     weights.checkpoints = [seen[s] for s in sorted(seen)]
     healthy = [c for c in weights.checkpoints if c["healthy"]]
     if healthy:
@@ -1019,16 +1071,34 @@ def _finding_text(f: OpFinding) -> str:
     return f"`{f.op}`{grad} in {f.where}, {f.phase} pass, {f.dtype}, gives {'/'.join(kinds)}"
 
 
+def _damaged_before(d: Diagnosis) -> bool:
+    """Whether the model state at the start of the step explains the failure: huge or
+    non-finite weights, or non-finite buffers that the failing op read (a NaN in a buffer
+    the forward pass does not use, such as BatchNorm's running statistics in training
+    mode, does not make this step fail)."""
+    w = d.weights
+    if w.status == "huge" or w.nonfinite:
+        return True
+    return bool(w.nonfinite_buffers) and (d.origin == "buffers" or d.finding is None)
+
+
 def _probable_cause(d: Diagnosis, cap: NaNCapture) -> str:
     w = d.weights
     if d.cause == NOT_REPRODUCIBLE:
         if d.reason == REASON_OTHER_RANK and len(cap.ranks) == 1:
             return "another rank's data failed; this rank only stopped with it"
         return "nondeterminism, an external cause or a hardware fault: the captured step does not fail again when replayed"
-    if w.status == "nonfinite":
-        top = w.nonfinite[0]
-        text = (f"the weights were already non-finite when the step began ({top.nonfinite} value(s) of {top.name}"
-                f"{'' if len(w.nonfinite) == 1 else f' and {len(w.nonfinite) - 1} other parameter(s)'}): an earlier step did the damage")
+    if w.status == "nonfinite" and _damaged_before(d):
+        if w.nonfinite:
+            top = w.nonfinite[0]
+            text = (f"the weights were already non-finite when the step began ({top.nonfinite} value(s) of {top.name}"
+                    f"{'' if len(w.nonfinite) == 1 else f' and {len(w.nonfinite) - 1} other parameter(s)'}): "
+                    "an earlier step did the damage")
+        else:
+            where = f" and {d.finding.op_name} in {d.finding.where} is the first op to read them" if d.finding else ""
+            noun = "buffer" if len(w.nonfinite_buffers) == 1 else "buffers"
+            text = (f"the {noun} {_few(w.nonfinite_buffers, 3)} already held NaN/Inf when the step began{where}: "
+                    "an earlier step's forward pass, which updates them, did the damage")
         if d.data.status == "isolated":
             text += f"; only the data that reaches them fails ({_samples_text(d.data.row_sets, d.data.index_sets)})"
         return text
@@ -1047,10 +1117,20 @@ def _probable_cause(d: Diagnosis, cap: NaNCapture) -> str:
         if d.origin == "data":
             bad = _bad_input_text(d)
             return f"bad data: {bad}; {f.op_name} in {f.where} is only the first op to use it"
+        if d.origin == "precision_conversion":
+            dtype = _DTYPE_NAMES.get(d.precision, d.precision)
+            return (f"the batch holds values beyond {dtype}'s range ({_out_of_range_text(d)}): {d.precision} converts "
+                    f"the batch to {dtype}, which turns them into Inf before {f.op_name} in {f.where}")
         return f"a non-finite value reached {f.op_name} in {f.where} from outside the traced ops ({d.origin or 'unknown origin'})"
     if d.cause == PRECISION_INDUCED:
         dtype = _DTYPE_NAMES.get(d.precision, d.precision)
         big = max((s.abs_max for s in f.inputs if math.isfinite(s.abs_max)), default=math.nan)
+        if _precision_failure(f) == "rounding":
+            zero = any(s.abs_min == 0 for s in f.inputs)
+            kinds = "/".join(k for k, n in (("NaN", f.output.nan), ("+Inf", f.output.posinf), ("-Inf", f.output.neginf)) if n)
+            lost = ("an input that is exactly 0 in " + dtype if zero else f"inputs that {dtype} has rounded")
+            return (f"{dtype} rounding: {f.op_name} in {f.where} ({f.phase}) gives {kinds} from {lost}{data_text}; "
+                    "the same step is finite in float32, which keeps that value")
         if f.phase == "backward" and d.precision == "16-mixed":
             return (f"{dtype} overflow in the backward pass ({f.op_name} in {f.where}) at loss scale "
                     f"{_fmt(d.loss_scale or math.nan)}{data_text}: the gradients do not fit in {dtype}")
@@ -1072,15 +1152,46 @@ def _probable_cause(d: Diagnosis, cap: NaNCapture) -> str:
     return f"{f.op_name} in {f.where} ({f.phase}) produced a non-finite value{data_text}"
 
 
-def _bad_input_text(d: Diagnosis) -> str:
+def _precision_failure(f: OpFinding) -> str:
+    """How a reduced precision broke an op with finite inputs: "overflow" (a value beyond
+    the dtype's range) or "rounding" (a value rounded to 0, or to the wrong side of 0, that
+    the op cannot take: log, division, square root, or its gradient)."""
+    kind = _op_kind(f)
+    if kind in ("log", "sqrt", "sqrt_grad") or f.op_name == "rsqrt":  # rsqrt is infinite only at 0
+        return "rounding"
+    if kind == "div":
+        # x / 0 is rounding; a finite nonzero divisor that gives Inf is an overflow.
+        divisors = f.inputs[1:] if len(f.inputs) > 1 else f.inputs  # reciprocal has one input
+        divisor_zero = any(s.abs_min == 0 for s in divisors)
+        return "rounding" if divisor_zero or not (f.output.posinf or f.output.neginf) else "overflow"
+    if kind == "overflow":
+        return "overflow"
+    return "rounding"  # NaN from finite inputs
+
+
+def _culprit_inputs(d: Diagnosis, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The entries of a data scan that belong to the culprit samples."""
     rows = set(d.data.rows)
     keys = set(d.data.microbatches)
-    parts = []
-    for bad in d.data.nonfinite_inputs:
-        if (bad["rank"], bad["micro_step"]) in keys and (bad["row"] is None or bad["row"] in rows):
-            who = f"sample {bad['index']}" if bad["index"] is not None else f"row {bad['row']}"
-            parts.append(f"{bad['field']} of {who} holds {bad['count']} non-finite value{'s' if bad['count'] > 1 else ''}")
+    return [e for e in entries if (e["rank"], e["micro_step"]) in keys and (e["row"] is None or e["row"] in rows)]
+
+
+def _who(entry: dict[str, Any]) -> str:
+    if entry["index"] is not None:
+        return f"sample {entry['index']}"
+    return f"row {entry['row']}" if entry["row"] is not None else f"microbatch {entry['micro_step']}"
+
+
+def _bad_input_text(d: Diagnosis) -> str:
+    parts = [f"{bad['field']} of {_who(bad)} holds {bad['count']} non-finite value{'s' if bad['count'] > 1 else ''}"
+             for bad in _culprit_inputs(d, d.data.nonfinite_inputs)]
     return ", ".join(parts[:3]) or "the input"
+
+
+def _out_of_range_text(d: Diagnosis) -> str:
+    parts = [f"{e['field']} of {_who(e)} reaches {_fmt(e['abs_max'])} in magnitude"
+             for e in _culprit_inputs(d, d.data.out_of_range_inputs)]
+    return ", ".join(parts[:3]) or "the data"
 
 
 def _summary(d: Diagnosis, cap: NaNCapture) -> str:
@@ -1147,19 +1258,23 @@ def _next_actions(d: Diagnosis, cap: NaNCapture, out: Optional[Path]) -> list[st
             "(nvidia-smi -q for ECC errors, temperatures); replay the capture on the original machine "
             f"({_replay_command(cap)} --device cuda).",
         ]
-    if w.status in ("nonfinite", "huge"):
+    if _damaged_before(d):
+        buffers_only = not w.nonfinite and w.status != "huge"
+        state = "weights and buffers" if buffers_only else "weights"
+        if buffers_only:
+            lr = "the same settings"  # the optimizer does not write buffers: the learning rate is not implicated
         if w.healthy_checkpoint:
             ck = next(c for c in w.checkpoints if c["path"] == w.healthy_checkpoint)
             last = Path(w.healthy_checkpoint).parent / "last.ckpt"
             where = ("" if Path(w.healthy_checkpoint).name == "last.ckpt" else
                      f"copy {w.healthy_checkpoint} over {last}, then ")
             actions.append(
-                f"Resume from before the damage: the newest checkpoint with healthy weights is step {ck['step']} "
+                f"Resume from before the damage: the newest checkpoint with healthy {state} is step {ck['step']} "
                 f"(|w| up to {_fmt(ck['abs_max'])}); {where}{resume} and {lr}."
             )
         elif w.checkpoints:
             actions.append(
-                f"No checkpoint of this run has healthy weights (all reach |w| >= {_fmt(w.threshold)} or hold NaN): "
+                f"No checkpoint of this run has healthy {state} (all reach |w| >= {_fmt(w.threshold)} or hold NaN): "
                 f"start again with overwrite=true and {lr}."
             )
         elif out is not None and out.is_dir():
@@ -1168,30 +1283,80 @@ def _next_actions(d: Diagnosis, cap: NaNCapture, out: Optional[Path]) -> list[st
                 f"start again with overwrite=true and {lr}."
             )
         else:
-            actions.append(f"Resume from a checkpoint written before the weights went bad ({resume}) with {lr}.")
-        actions.append(f"Keep single steps from blowing the weights up: {clip}.")
+            actions.append(f"Resume from a checkpoint written before the {state} went bad ({resume}) with {lr}.")
+        optimizer = ((settings or {}).get("model_args") or {}).get("optimizer")
+        if d.precision == "16-true" and w.nonfinite and optimizer in (None, "adamw"):
+            # Not the learning rate: in float16, Adam divides by sqrt(v) + eps with both rounded to 0.
+            actions.append(
+                f"With precision=16-true the optimizer runs in float16 too: {'AdamW' if optimizer else 'an Adam-type optimizer'}'s "
+                "second moment (the squared gradient) underflows to 0 for small gradients and its eps=1e-8 is 0 in "
+                "float16, so the update divides by 0 and writes Inf into the weights. Train with precision=16-mixed or "
+                "precision=bf16-mixed (float32 master weights and optimizer state) or precision=32-true."
+            )
+        if w.nonfinite or w.status == "huge":
+            actions.append(f"Keep single steps from blowing the weights up: {clip}.")
+        else:
+            # Buffers are not trained by the optimizer: clipping gradients does not protect them.
+            actions.append(
+                f"Find what put NaN/Inf into {_few(w.nonfinite_buffers, 3)}: the forward pass updates them from the data "
+                f"(running statistics), so a batch with huge or non-finite values before step {cap.step} can corrupt them "
+                "without a non-finite loss; guard the update (skip non-finite batch statistics) or check that data."
+            )
     elif d.cause == PRECISION_INDUCED:
         f = d.finding
-        if d.precision == "16-mixed":
-            if f is not None and f.phase == "backward":
+        dtype = _DTYPE_NAMES.get(d.precision, d.precision)
+        failure = _precision_failure(f) if f is not None and not f.inputs_nonfinite else None
+        if d.origin == "precision_conversion":
+            largest = torch.finfo(torch.float16 if dtype == "float16" else torch.bfloat16).max
+            actions.append(
+                f"Train with precision=bf16-mixed or precision=32-true, which keep the batch in float32: {d.precision} "
+                f"converts every input to {dtype}, whose largest value is {largest:.6g}."
+            )
+            image = (settings or {}).get("task") == "image_classification"
+            actions.append(
+                f"Or keep {d.precision} and scale the inputs into {dtype}'s range: {_out_of_range_text(d)}"
+                + (" (transform_args.normalize)." if image else " (normalise them in the data pipeline).")
+            )
+        elif failure == "rounding":
+            actions.append(
+                f"Train with precision=32-true: {dtype} keeps only about 3 significant digits, and {f.op_name} gets a "
+                f"value that float32 keeps but {dtype} rounds away"
+                + (" (if it is a tiny value that underflows rather than a lost digit: float16 flushes values below "
+                   "6e-08 to 0, and precision=bf16-mixed, with float32's range, works too)." if dtype == "float16" else ".")
+            )
+        elif d.precision == "16-mixed" and f is not None and f.phase == "backward":
+            actions.append(
+                f"Train with precision=bf16-mixed (float32's range, no loss scaling needed) or precision=32-true: "
+                f"the float16 gradients overflow even at loss scale {_fmt(d.loss_scale or math.nan)}."
+            )
+        elif d.precision == "16-mixed":
+            actions.append(
+                "Train with precision=bf16-mixed (same exponent range as float32; GPUs with bfloat16 support) or "
+                "precision=32-true: a float16 activation exceeds 65504, which loss scaling cannot help."
+            )
+        elif d.precision == "16-true" and f is not None and f.phase == "backward":
+            actions.append(
+                "Train with precision=16-mixed (float32 master weights, and dynamic loss scaling that keeps float16 "
+                "gradients in range), precision=bf16-mixed (float32's range, no loss scaling needed) or precision=32-true: "
+                "float16 gradients leave float16's range (now 16-true)."
+            )
+        elif d.precision == "16-true":
+            actions.append(
+                "Train with precision=bf16-mixed (float32's range) or precision=32-true: a float16 value exceeds 65504 in "
+                "the forward pass. precision=16-mixed (float32 master weights, dynamic loss scaling) helps only if autocast "
+                "runs this op in float32; its loss scaling acts on gradients, not on activations (now 16-true)."
+            )
+        else:  # bfloat16 has float32's range: an overflow in it alone is at float32's edge too
+            actions.append(f"Train with precision=32-true: the values reach the edge of {dtype}'s range.")
+        if f is not None and f.source and f.phase == "forward" and d.origin != "precision_conversion":
+            if failure == "rounding":
                 actions.append(
-                    f"Train with precision=bf16-mixed (float32's range, no loss scaling needed) or precision=32-true: "
-                    f"the float16 gradients overflow even at loss scale {_fmt(d.loss_scale or math.nan)}."
+                    f"Or keep {d.precision} and compute the value that loses its precision in float32 (x.float()) or in "
+                    "a stable form (F.logsigmoid(-z) for log(1 - sigmoid(z)), torch.log1p(x) for log(1 + x), "
+                    f"x.clamp_min(eps) before log, division or sqrt) at {f.source}."
                 )
             else:
-                actions.append(
-                    "Train with precision=bf16-mixed (same exponent range as float32; GPUs with bfloat16 support) or "
-                    "precision=32-true: a float16 activation exceeds 65504, which loss scaling cannot help."
-                )
-        elif d.precision == "bf16-mixed":
-            actions.append("Train with precision=32-true: bfloat16 keeps only about 3 significant digits.")
-        else:
-            actions.append(
-                f"Train with precision=bf16-mixed or precision=32-true (float32 master weights); to stay in float16, use "
-                f"precision=16-mixed, which adds dynamic loss scaling (now {d.precision})."
-            )
-        if f is not None and f.source and f.phase == "forward":
-            actions.append(f"Or keep {d.precision} and keep the value in range where it grows: {f.source}.")
+                actions.append(f"Or keep {d.precision} and keep the value in range where it grows: {f.source}.")
         if d.reason == REASON_SKIPPED:
             skipped = cap.ranks[0].raw.get("consecutive_skipped_steps")
             limit = ((settings or {}).get("debug_args") or {}).get("nancapture", {}).get("max_skipped_steps")
@@ -1206,6 +1371,8 @@ def _next_actions(d: Diagnosis, cap: NaNCapture, out: Optional[Path]) -> list[st
         f = d.finding
         kind = _op_kind(f) if f is not None else "other"
         samples = _samples_text(d.data.row_sets, d.data.index_sets) if d.data.status == "isolated" else ""
+        one = bool(samples) and sum(len(r) for r in d.data.row_sets) == 1
+        verb = (lambda plural: plural + "s") if one else (lambda plural: plural)  # noqa: E731
         src = f" at {f.source}" if f is not None and f.source else ""
         if kind == "propagated" and d.origin == "data":
             actions.append(
@@ -1216,21 +1383,21 @@ def _next_actions(d: Diagnosis, cap: NaNCapture, out: Optional[Path]) -> list[st
                 actions.append("Check transform_args (transform_args.normalize.std must be well above 0 for every channel).")
         elif kind == "log":
             actions.append(f"Guard the logarithm{src}: torch.log(x.clamp_min(1e-12)) (or log1p / log_softmax) — "
-                           f"{samples or 'the data'} drive its argument to 0 or below.")
+                           f"{samples or 'the data'} {verb('drive')} its argument to 0 or below.")
         elif kind == "div":
             actions.append(f"Guard the division{src}: divide by x.clamp_min(1e-12) or x + 1e-12 (keeping the sign) — "
-                           f"{samples or 'the data'} make the denominator 0.")
+                           f"{samples or 'the data'} {verb('make')} the denominator 0.")
         elif kind == "sqrt":
-            actions.append(f"Guard the square root{src}: torch.sqrt(x.clamp_min(0)) — {samples or 'the data'} make its argument negative.")
+            actions.append(f"Guard the square root{src}: torch.sqrt(x.clamp_min(0)) — {samples or 'the data'} {verb('make')} its argument negative.")
         elif kind == "sqrt_grad":
             actions.append(f"Make the derivative finite{src}: torch.sqrt(x + 1e-12) instead of torch.sqrt(x) — its gradient "
-                           f"1/(2 sqrt(x)) is infinite at x = 0, where {samples or 'the data'} put it.")
+                           f"1/(2 sqrt(x)) is infinite at x = 0, where {samples or 'the data'} {verb('put')} it.")
         elif kind == "overflow":
             actions.append(f"Activations overflow{src}: lower the learning rate ({lr}) and bound updates ({clip}).")
         else:
             actions.append(f"Inspect {f.op_name if f else 'the failing op'}{src}; lower the learning rate ({lr}) if values grow over steps.")
         if samples and kind not in ("propagated",) and d.data.status == "isolated":
-            actions.append(f"Look at {samples}: what sets {'it' if ' index ' in samples else 'them'} apart (an outlier, an "
+            actions.append(f"Look at {samples}: what sets {'it' if one else 'them'} apart (an outlier, an "
                            "empty or constant input) is what the guard must handle.")
         if (settings or {}).get("precision") not in (None, "32-true") and d.precision in _REDUCED:
             actions.append(f"The failure is independent of precision; keep precision={d.precision}.")
@@ -1305,7 +1472,8 @@ def _render(d: Diagnosis) -> str:
                 "data": f"the data ({_bad_input_text(d)})",
                 "weights": "the weights, non-finite at the start of the step",
                 "buffers": f"buffers ({', '.join(d.weights.nonfinite_buffers[:3])})",
-                "precision_conversion": f"the conversion of the batch to {_DTYPE_NAMES.get(d.precision, d.precision)}",
+                "precision_conversion": f"the conversion of the batch to {_DTYPE_NAMES.get(d.precision, d.precision)} "
+                                        f"({_out_of_range_text(d)})",
             }.get(d.origin, d.origin)
             lines.append(f"- its input was already non-finite: it came from {origin}")
         if d.traced_on:
@@ -1349,16 +1517,23 @@ def _render(d: Diagnosis) -> str:
         lines.append(f"The weights were healthy when the step began (all finite, |w| below {_fmt(w.threshold)}): the step itself failed.")
     elif w.status == "huge":
         lines.append(f"The weights were already huge when the step began (|w| >= {_fmt(w.threshold)}): the damage happened in earlier steps.")
-    else:
+    elif w.nonfinite:
         names = ", ".join(f"{p.name} ({p.nonfinite})" for p in w.nonfinite[:4])
         lines.append(f"The weights already held NaN/Inf when the step began: {names}. The damage happened in earlier steps.")
+    else:
+        lines.append(f"The weights were finite, but buffers already held NaN/Inf when the step began: "
+                     f"{_few(w.nonfinite_buffers, 4)}. The damage happened in earlier steps"
+                     + ("." if _damaged_before(d) else ", though the failure traces back to something else (see Where)."))
     lines.append("")
-    lines.append("Largest weights: " + ", ".join(f"{p.name} {_fmt(p.abs_max)}" for p in w.largest) + ".")
-    if w.nonfinite_buffers:
+    lines.append("Largest weights: " + ", ".join(
+        f"{p.name} {_fmt(p.abs_max)}" + (f" (and {p.nonfinite} NaN/Inf)" if p.nonfinite else "") for p in w.largest) + ".")
+    if w.nonfinite_buffers and w.nonfinite:
         lines.append(f"Non-finite buffers: {', '.join(w.nonfinite_buffers[:5])}.")
     if w.checkpoints:
         lines.append("Checkpoints: " + ", ".join(
-            f"step {c['step']} |w| {_fmt(c['abs_max'])}{'' if c['healthy'] else ' (bad)'}" for c in w.checkpoints) + ".")
+            f"step {c['step']} |w| {_fmt(c['abs_max'])}" + (
+                "" if c["healthy"] else " (bad)" if not c["abs_max"] < w.threshold else " (non-finite buffers)")
+            for c in w.checkpoints) + ".")
     if d.history:
         lines.append("Last logged steps: " + ", ".join(
             f"{h.get('step')}: loss {_fmt_any(h.get('loss'))} grad_norm {_fmt_any(h.get('gradient_norm'))}" for h in d.history) + ".")
