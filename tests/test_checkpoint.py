@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import random
 import signal
 import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -58,6 +60,116 @@ def test_interrupted_then_resumed_run_is_bitwise_identical(tmp_path):
     for key in a["model"]:
         assert torch.equal(a["model"][key], b["model"][key]), key
     assert a["data"] == b["data"] and a["step"] == b["step"] == 12
+
+
+class _NoisyRegression(torch.nn.Module):
+    """Its training_step draws from torch, NumPy and Python's random, as user code may.
+
+    With an odd number of Gaussian draws per step (3 microbatches), NumPy's and Python's
+    cached second Gaussian is set at every other checkpoint (every 3 steps), so their whole
+    state matters, not just the generator's key.
+    """
+
+    def __init__(self):
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)  # the same initial weights in every run
+            self.lin = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch):
+        x = batch["x"]
+        x = x + 0.1 * torch.randn_like(x)
+        noise = np.random.standard_normal(x.numel() + 1)  # odd: 17 for a microbatch of 4
+        x = x + 0.1 * torch.from_numpy(noise[:-1].reshape(x.shape)).float()
+        scale = random.gauss(1.0, 0.1) + random.random() + 0.1 * float(noise[-1])
+        return scale * torch.nn.functional.mse_loss(self.lin(x), batch["y"])
+
+
+class _LinearData(torch.utils.data.Dataset):
+    def __init__(self, n=48):
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 4, generator=g)
+        self.y = self.x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "y": self.y[i]}
+
+
+NOISY = {
+    "steps": 12,
+    "batch_size": 12,
+    "gradient_accumulation_steps": 3,
+    "checkpoint_every_num_steps": 3,
+    "log_every_num_steps": 1,
+    "num_workers": 0,
+    "model_args": {"lr": 0.01, "warmup_steps": 0},
+}
+
+
+def _next_draws():
+    return torch.rand(3).tolist(), np.random.standard_normal(3).tolist(), [random.gauss(0, 1) for _ in range(3)]
+
+
+class _DrawsAtSave:
+    """Records the next draws of every RNG at each checkpoint save, then puts the RNGs back."""
+
+    def __init__(self):
+        self.draws = {}
+
+    def on_checkpoint_save(self, trainer, *, step, state):
+        saved = torch.get_rng_state(), np.random.get_state(), random.getstate()
+        self.draws[step] = _next_draws()
+        torch.set_rng_state(saved[0])
+        np.random.set_state(saved[1])
+        random.setstate(saved[2])
+
+
+def test_checkpoint_rng_state_restores_torch_numpy_and_python_draws(tmp_path):
+    from stabletrain.utils.rng import set_rng_state
+
+    recorder = _DrawsAtSave()
+    out = tmp_path / "run"
+    train(out=out, model=_NoisyRegression(), data=_LinearData(), callbacks=[recorder], **NOISY)
+    assert sorted(recorder.draws) == [3, 6, 9, 12]
+    state = load_checkpoint(out / "checkpoints" / "last.ckpt")
+    assert state["step"] == 12 and len(state["rng"]) == 1, "one RNG entry per rank"
+    rng = state["rng"][0]
+    cuda_used = torch.cuda.is_available() and torch.cuda.is_initialized()
+    assert set(rng) == {"torch", "numpy", "python"} | ({"cuda"} if cuda_used else set())
+    assert rng["torch"].dtype == torch.uint8 and rng["torch"].numel() == torch.get_rng_state().numel()
+    assert rng["numpy"]["name"] == "MT19937" and rng["numpy"]["keys"].shape == (624,)
+    assert isinstance(rng["numpy"]["pos"], int) and rng["numpy"]["has_gauss"] in (0, 1)
+    assert rng["python"]["version"] == 3 and len(rng["python"]["internal"]) == 625
+    if cuda_used:
+        assert len(rng["cuda"]) == torch.cuda.device_count()
+
+    # Scramble every RNG, restore the checkpoint's states: the next draws are those at save time.
+    torch.manual_seed(123), np.random.seed(123), random.seed(123)
+    set_rng_state(rng)
+    assert _next_draws() == recorder.draws[12]
+    # The same for a periodic checkpoint taken with a Gaussian cached in NumPy and Python.
+    periodic = load_checkpoint(out / "checkpoints" / "step_000009.ckpt")["rng"][0]
+    assert periodic["numpy"]["has_gauss"] == 1 and periodic["python"]["gauss"] is not None
+    set_rng_state(periodic)
+    assert _next_draws() == recorder.draws[9] != recorder.draws[12]
+
+
+def test_resume_is_bitwise_identical_when_the_step_draws_from_numpy_and_random(tmp_path):
+    full, broken = tmp_path / "full", tmp_path / "broken"
+    train(out=full, model=_NoisyRegression(), data=_LinearData(), **NOISY)
+    with pytest.raises(KeyboardInterrupt):
+        train(out=broken, model=_NoisyRegression(), data=_LinearData(), callbacks=[InterruptAt(11)], **NOISY)
+    train(out=broken, model=_NoisyRegression(), data=_LinearData(), resume_interrupted=True, **NOISY)
+    ref = {r["step"]: r for r in read_metrics(full / "metrics.jsonl")[0]}
+    rows = read_metrics(broken / "metrics.jsonl")[0]
+    assert [r["step"] for r in rows] == list(range(11)) + [9, 10, 11]
+    assert rows[8]["loss"] != rows[9]["loss"]
+    for r in rows:
+        assert r["loss"] == ref[r["step"]]["loss"], f"step {r['step']}: bitwise equal losses"
+        assert r["gradient_norm"] == ref[r["step"]]["gradient_norm"]
 
 
 def test_resume_with_lower_lr_and_more_steps(tmp_path):

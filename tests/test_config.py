@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from pydantic import BaseModel
 
 from stabletrain.config import TrainSettings, load_settings, parse_cli_overrides, settings_help
@@ -134,6 +135,135 @@ def test_empty_dataset_fails_before_training(tmp_path):
         train(out=tmp_path / "run", **tiny_lm(data=str(short)))
 
 
+class _Sized(torch.utils.data.Dataset):
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return {"x": torch.full((2,), float(i)), "y": torch.zeros(1)}
+
+
+class _Mean(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 1)
+
+    def training_step(self, batch):
+        return torch.nn.functional.mse_loss(self.lin(batch["x"]), batch["y"])
+
+
+def test_dataset_smaller_than_a_batch_fails_before_out_is_written(tmp_path):
+    # The audit's case: 201 bytes are 3 windows of 64 + 1 tokens, the default batch_size is 32.
+    text = tmp_path / "t.txt"
+    text.write_bytes(bytes(range(32, 127)) * 2 + b"abcdefghijk")
+    assert text.stat().st_size == 201
+    out = tmp_path / "o"
+    with pytest.raises(ConfigError) as info:
+        train(out=out, data=str(text))
+    [problem] = info.value.problems
+    assert problem.startswith(f"data: {text} holds 3 samples")
+    assert "batch_size=32" in problem and "lower batch_size to 3 or less, or give more data" in problem
+    assert not out.exists(), "nothing may be written for a configuration mistake"
+    out.mkdir()
+    with pytest.raises(ConfigError):
+        train(out=out, data=str(text))
+    assert not any(out.iterdir()), "an empty out/ stays empty"
+    # The advice works, in the same out/ (no 'out is not empty' on the rerun).
+    result = train(out=out, data=str(text), batch_size=3, steps=1)
+    assert result.steps_done == 1
+
+
+@pytest.mark.parametrize(
+    "batch_size, accum, world_size",
+    [(8, 1, 1), (8, 2, 1), (8, 1, 2), (12, 3, 2), (6, 2, 3)],
+)
+def test_dataset_size_check_matches_the_loader_exactly(tmp_path, batch_size, accum, world_size):
+    from stabletrain.data.loader import ResumableBatchSampler
+    from stabletrain.trainer import Trainer
+
+    microbatch = batch_size // (world_size * accum)
+    for n in range(1, 2 * batch_size):
+        try:
+            ResumableBatchSampler(n, microbatch, seed=0, rank=0, world_size=world_size)
+            loader_ok = True
+        except ValueError:
+            loader_ok = False
+        settings = load_settings(
+            {"out": tmp_path / "o", "model": _Mean(), "data": _Sized(n), "batch_size": batch_size,
+             "gradient_accumulation_steps": accum}
+        )
+        problems = Trainer(settings)._check_dataset_size(world_size)
+        assert (not problems) == loader_ok, (n, problems)
+        if problems:
+            assert f"holds {n} samples" in problems[0] and f"batch_size={batch_size}" in problems[0]
+            if n >= world_size:
+                largest = int(problems[0].split("lower batch_size to ")[1].split()[0])
+                assert largest % (world_size * accum) == 0
+                ResumableBatchSampler(n, largest // (world_size * accum), seed=0, rank=0, world_size=world_size)
+            if world_size > 1:
+                assert f"{world_size} x {accum}" in problems[0]
+
+
+def test_custom_dataset_at_the_size_limit_trains(tmp_path):
+    with pytest.raises(ConfigError, match=r"data: the dataset \(_Sized\) holds 7 samples"):
+        train(out=tmp_path / "a", model=_Mean(), data=_Sized(7), batch_size=8, steps=1)
+    assert not (tmp_path / "a").exists()
+    assert train(out=tmp_path / "b", model=_Mean(), data=_Sized(8), batch_size=8, steps=2).steps_done == 2
+
+
+def test_pydantic_fabric_data_and_out_mistakes_are_listed_at_once(tmp_path):
+    out = tmp_path / "o"
+    with pytest.raises(ConfigError) as info:
+        train(out=out, steps=0, data="missing.txt", strategy="dpp")
+    problems = info.value.problems
+    assert len(problems) == 3, problems
+    assert problems[0] == "steps: Input should be greater than or equal to 1 (got 0)"
+    assert problems[1].startswith("strategy: not a Lightning Fabric strategy; did you mean 'dp' or 'ddp'? Valid choices: auto, ddp,")
+    assert problems[1].endswith("(got 'dpp')")
+    assert problems[2].startswith("data: file not found: missing.txt")
+    assert not out.exists()
+
+    # A non-empty out/ and a wrong accelerator name join pydantic's problems too.
+    out.mkdir()
+    (out / "x").write_text("x")
+    with pytest.raises(ConfigError) as info:
+        train(out=out, accelerator="cdua", model_args={"lr": -1}, data="missing.txt")
+    text = str(info.value)
+    assert text.startswith("Invalid settings (4 problems):")
+    assert "accelerator: not a Lightning Fabric accelerator; did you mean 'cuda'? Valid choices: auto, cpu, cuda, gpu, mps, tpu (got 'cdua')" in text
+    assert "model_args.lr: Input should be greater than 0 (got -1)" in text
+    assert "data: file not found: missing.txt" in text
+    assert f"out: {out} is not empty" in text
+
+
+def test_checks_that_read_a_rejected_setting_are_skipped(tmp_path):
+    # context_length is rejected, so the task's data checks (which read it) cannot run;
+    # the data path is still checked on its own.
+    with pytest.raises(ConfigError) as info:
+        train(out=tmp_path / "o", data="missing.txt", model_args={"context_length": 0})
+    assert info.value.problems == [
+        "model_args.context_length: Input should be greater than or equal to 2 (got 0)",
+        "data: not found: missing.txt",
+    ]
+    text = tmp_path / "t.txt"
+    text.write_text("short")
+    with pytest.raises(ConfigError) as info:
+        train(out=tmp_path / "o", data=str(text), model_args={"context_length": 1})
+    assert len(info.value.problems) == 1, "no 'too short for context_length' from a rejected context_length"
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or torch.backends.mps.is_available(), reason="needs a machine without a GPU")
+def test_unavailable_accelerator_is_reported_with_other_problems(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        train(out=tmp_path / "o", **tiny_lm(accelerator="gpu", data="missing.txt"))
+    assert "accelerator: 'gpu' is not available on this machine; available here: auto, cpu" in info.value.problems
+    assert any(p.startswith("data: file not found") for p in info.value.problems)
+    assert not (tmp_path / "o").exists()
+
+
 def test_semantic_and_task_mistakes_are_reported_together(tmp_path):
     with pytest.raises(ConfigError) as info:
         train(out=tmp_path / "run", **tiny_lm(data="nope.txt", batch_size=7, gradient_accumulation_steps=2))
@@ -150,6 +280,16 @@ def test_cli_config_error_exits_2_without_traceback(cli):
     assert "Did you mean 'model_args.lr'?" in result.stderr
     missing_out = cli("train", "steps=3")
     assert missing_out.returncode == 2 and "out: required setting is missing" in missing_out.stderr
+
+
+def test_cli_lists_pydantic_fabric_and_data_mistakes_at_once(cli):
+    result = cli("train", "out=o", "steps=0", "data=missing.txt", "strategy=dpp")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert "Invalid settings (3 problems)" in result.stderr
+    assert "  - steps: Input should be greater than or equal to 1 (got 0)" in result.stderr
+    assert "  - strategy: not a Lightning Fabric strategy" in result.stderr
+    assert "  - data: file not found: missing.txt" in result.stderr
 
 
 def test_resolved_settings_rebuild_the_same_settings(tmp_path):

@@ -191,12 +191,37 @@ def test_lr_schedule_warmup_then_cosine(tmp_path):
     assert lrs[-1] == pytest.approx(0.001 + 0.009 * 0.5 * (1 + __import__("math").cos(__import__("math").pi * 7 / 8)))
 
 
+#: Graphs handed to the "stabletrain_test_counting" torch.compile backend (registered below).
+_COMPILED_GRAPHS: list = []
+
+
+def _counting_backend(gm, example_inputs):
+    # Runs the captured graph as is (fast on the CPU), after recording that it was compiled.
+    _COMPILED_GRAPHS.append(gm)
+    return gm.forward
+
+
 def test_torch_compile_compiles_the_training_step(tmp_path):
+    import torch._dynamo
+
+    if "stabletrain_test_counting" not in torch._dynamo.list_backends(exclude_tags=()):
+        torch._dynamo.register_backend(name="stabletrain_test_counting")(_counting_backend)
+    torch._dynamo.reset()  # no cached graphs from other tests' compiles
+    _COMPILED_GRAPHS.clear()
     result = train(
         out=tmp_path / "run",
-        torch_compile_args={"disable": False, "backend": "eager"},
+        torch_compile_args={"disable": False, "backend": "stabletrain_test_counting"},
         **tiny_lm(steps=3),
     )
     assert result.steps_done == 3
     settings = json.loads((tmp_path / "run" / "settings.json").read_text())
     assert settings["torch_compile_args"]["disable"] is False
+    assert _COMPILED_GRAPHS, "torch.compile never handed a graph to the backend"
+    # The whole training_step was captured: the model's layers and the loss.
+    targets = {n.target for gm in _COMPILED_GRAPHS for n in gm.graph.nodes if n.op == "call_function"}
+    assert torch.nn.functional.cross_entropy in targets and torch.nn.functional.layer_norm in targets
+    # The compiled step computes what the eager one does.
+    train(out=tmp_path / "eager", **tiny_lm(steps=3))
+    compiled = [r["loss"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")[0]]
+    eager = [r["loss"] for r in read_metrics(tmp_path / "eager" / "metrics.jsonl")[0]]
+    assert compiled == pytest.approx(eager, rel=1e-5)

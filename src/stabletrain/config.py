@@ -324,6 +324,17 @@ class TrainSettings(_Settings):
             raise ValueError(f"must be >= 0 or 'auto', got {v}")
         return v
 
+    @field_validator("accelerator")
+    @classmethod
+    def _known_accelerator(cls, v: str) -> str:
+        return _one_of(v, fabric_choices("accelerator"), "a Lightning Fabric accelerator")
+
+    @field_validator("strategy")
+    @classmethod
+    def _known_strategy(cls, v: str) -> str:
+        # Fabric lower-cases strategy names; so do we, so that the names compare equal.
+        return _one_of(v.lower(), fabric_choices("strategy"), "a Lightning Fabric strategy")
+
     def to_json_dict(self) -> dict[str, Any]:
         """The settings as JSON-compatible data; Python objects are described by their type."""
         data = self.model_dump(mode="python", exclude={"callbacks", "model", "data"})
@@ -332,6 +343,33 @@ class TrainSettings(_Settings):
         data["data"] = _describe(self.data)
         data["callbacks"] = [_describe(c) for c in self.callbacks]
         return json.loads(json.dumps(data, default=str))
+
+
+def fabric_choices(setting: Literal["accelerator", "strategy"]) -> list[str]:
+    """The names Lightning Fabric accepts for ``accelerator`` or ``strategy``, ``auto`` first.
+
+    Example::
+
+        fabric_choices("accelerator")  # ['auto', 'cpu', 'cuda', 'gpu', 'mps', 'tpu']
+    """
+    # Imported here: only a non-default value needs Fabric's registries.
+    if setting == "accelerator":
+        from lightning_fabric.accelerators import ACCELERATOR_REGISTRY
+
+        names = [*ACCELERATOR_REGISTRY.available_accelerators(), "gpu"]
+    else:
+        from lightning_fabric.strategies import STRATEGY_REGISTRY
+
+        names = list(STRATEGY_REGISTRY.available_strategies())
+    return ["auto", *sorted(set(names) - {"auto"})]
+
+
+def _one_of(value: str, choices: list[str], what: str) -> str:
+    if value in choices:
+        return value
+    close = difflib.get_close_matches(value, choices, n=2, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    raise ValueError(f"not {what}{hint} Valid choices: {', '.join(choices)}")
 
 
 #: Keys that settings.json and checkpoints add to the settings; not settings themselves.
@@ -372,6 +410,52 @@ def load_settings(settings: dict[str, Any]) -> TrainSettings:
         return TrainSettings(**settings)
     except ValidationError as exc:
         raise ConfigError(_format_validation_error(exc, TrainSettings)) from None
+
+
+def partial_settings(settings: dict[str, Any]) -> tuple[Optional[TrainSettings], list[str]]:
+    """The settings without the values pydantic rejects, and the dotted keys of those values.
+
+    Each rejected value is left out, so its setting falls back to its default, and the rest
+    is validated again. The checks that do not read a rejected setting can then still run,
+    so that one error lists every mistake. Returns ``(None, keys)`` when the rest still does
+    not validate (e.g. ``out`` is missing).
+
+    Example::
+
+        partial_settings({"out": "o", "steps": 0, "model_args": {"lr": 0.1, "lrr": 1}})
+        # (TrainSettings(out='o', steps=500, model_args=ModelArgs(lr=0.1, ...), ...), ['steps', 'model_args.lrr'])
+    """
+    data = _copy_dicts(settings)
+    rejected: list[str] = []
+    while True:
+        try:
+            return TrainSettings(**data), rejected
+        except ValidationError as exc:
+            dropped = [key for err in exc.errors() if (key := _drop(data, err["loc"])) is not None]
+            if not dropped:
+                return None, rejected
+            rejected.extend(dropped)
+
+
+def _copy_dicts(data: Any) -> Any:
+    """A copy of the nested dicts, sharing their other values (models, datasets, callbacks)."""
+    return {k: _copy_dicts(v) for k, v in data.items()} if isinstance(data, dict) else data
+
+
+def _drop(data: dict[str, Any], loc: tuple[Any, ...]) -> Optional[str]:
+    """Delete the deepest key of ``loc`` present in the nested dicts; its dotted path, or None."""
+    node: Any = data
+    path: list[str] = []
+    parent: dict[str, Any] = data
+    for part in loc:
+        if not (isinstance(node, dict) and part in node):
+            break  # e.g. a union member's name, or an index into a list
+        parent, node = node, node[part]
+        path.append(str(part))
+    if not path:
+        return None
+    del parent[path[-1]]
+    return ".".join(path)
 
 
 def _format_validation_error(exc: ValidationError, root: type[BaseModel]) -> list[str]:

@@ -12,6 +12,7 @@ import math
 import os
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -27,14 +28,14 @@ from stabletrain.checkpoint import (
     resume_conflicts,
     save_checkpoint,
 )
-from stabletrain.config import TrainSettings, load_settings
-from stabletrain.data.loader import build_loader
+from stabletrain.config import IMAGE_MODEL_ARGS, LANGUAGE_MODEL_ARGS, TrainSettings, load_settings, partial_settings
+from stabletrain.data.loader import build_loader, samples_needed
 from stabletrain.debug.grad_norm import GradNorm, clip_grad_norm_with_total, compute_grad_norm, layer_grad_norms
 from stabletrain.errors import ConfigError, StabletrainError
 from stabletrain.events import CallbackList
 from stabletrain.loggers import Logger, build_loggers, check_loggers
 from stabletrain.loggers.console import Console, format_duration, progress_line
-from stabletrain.tasks import build_task, check_task, resolve_task_name
+from stabletrain.tasks import build_task, check_task, num_samples, resolve_task_name
 from stabletrain.utils.io import atomic_write_text
 from stabletrain.utils.rng import get_rng_state, seed_everything, set_rng_state
 
@@ -83,7 +84,44 @@ def train(out: str | Path, **settings: Any) -> TrainResult:
         import stabletrain
         stabletrain.train(out="out/demo", steps=200, model_args={"lr": 1e-3})
     """
-    return Trainer(load_settings({"out": out, **settings})).fit()
+    return Trainer(validate_settings({"out": out, **settings})).fit()
+
+
+#: Settings the task checks (model name, data) read; with one of them rejected they cannot run.
+_TASK_CHECK_KEYS = (
+    "task",
+    "model",
+    "data",
+    "transform_args",
+    *(f"model_args.{k}" for k in LANGUAGE_MODEL_ARGS + IMAGE_MODEL_ARGS),
+)
+
+
+def validate_settings(settings: dict[str, Any]) -> TrainSettings:
+    """:func:`~stabletrain.config.load_settings`, reporting more mistakes when some values are invalid.
+
+    When pydantic rejects values, the checks that do not read them (the data path, the
+    model name, the out folder, the loggers) still run on the other settings, and their
+    problems join pydantic's in one :class:`ConfigError`.
+
+    Raises:
+        ConfigError: Every problem found, one line each.
+
+    Example::
+
+        validate_settings({"out": "out/x", "steps": 0, "data": "missing.txt"})
+        # ConfigError: Invalid settings (2 problems): steps: ..., data: file not found: missing.txt ...
+    """
+    try:
+        return load_settings(settings)
+    except ConfigError as exc:
+        partial, rejected = partial_settings(settings)
+        if partial is None:
+            raise
+        more = Trainer(partial)._check_despite(rejected)
+        if not more:
+            raise
+        raise ConfigError(exc.problems + more) from None
 
 
 def resolve_precision(precision: str, accelerator: str) -> str:
@@ -138,6 +176,13 @@ class Trainer:
         from lightning_fabric import Fabric
 
         s = self.settings
+        available = _available_accelerators()
+        if s.accelerator not in available:
+            # Fabric's own error for 'gpu' names no alternative; say what this machine has.
+            raise ConfigError(
+                f"accelerator: {s.accelerator!r} is not available on this machine; "
+                f"available here: {', '.join(available)}"
+            )
         try:
             return Fabric(
                 accelerator=s.accelerator,
@@ -153,23 +198,89 @@ class Trainer:
                 f"precision={s.precision!r}: {exc}"
             ) from None
 
-    def _check(self, world_size: int, is_rank_zero: bool) -> None:
-        """Every configuration problem at once, before anything is written or trained."""
+    def _check(self, world_size: Optional[int], is_rank_zero: bool, fabric_problems: Sequence[str] = ()) -> None:
+        """Every configuration problem at once, before anything is written or trained.
+
+        ``world_size`` is None when Fabric refused the settings (``fabric_problems``); the
+        checks that need it are skipped then.
+        """
         s = self.settings
-        problems = list(check_task(s))
-        per_step = world_size * s.gradient_accumulation_steps
-        if s.batch_size % per_step:
-            problems.append(
-                f"batch_size: {s.batch_size} is not divisible by devices x num_nodes x "
-                f"gradient_accumulation_steps = {world_size} x {s.gradient_accumulation_steps} = {per_step}; "
-                f"use a multiple of {per_step}, e.g. {max(per_step, s.batch_size // per_step * per_step)}"
-            )
+        task_problems = check_task(s)
+        problems = list(task_problems)
+        if world_size is not None:
+            per_step = world_size * s.gradient_accumulation_steps
+            if s.batch_size % per_step:
+                problems.append(
+                    f"batch_size: {s.batch_size} is not divisible by devices x num_nodes x "
+                    f"gradient_accumulation_steps = {world_size} x {s.gradient_accumulation_steps} = {per_step}; "
+                    f"use a multiple of {per_step}, e.g. {max(per_step, s.batch_size // per_step * per_step)}"
+                )
+            elif not any(p.startswith("data:") for p in task_problems):
+                problems.extend(self._check_dataset_size(world_size))
         problems.extend(check_loggers(s, try_import=is_rank_zero))
         problems.extend(_check_debug(s))
+        problems.extend(fabric_problems)
         if is_rank_zero:
             problems.extend(self._check_out_dir())
         if problems:
             raise ConfigError(problems)
+
+    def _check_despite(self, rejected: list[str]) -> list[str]:
+        """The checks that read none of the ``rejected`` settings (see :func:`validate_settings`)."""
+
+        def reads(*keys: str) -> bool:
+            return any(r == k or r.startswith(k + ".") or k.startswith(r + ".") for r in rejected for k in keys)
+
+        s = self.settings
+        problems = []
+        if not reads(*_TASK_CHECK_KEYS):
+            problems.extend(check_task(s))
+        elif not reads("data") and isinstance(s.data, (str, os.PathLike)) and not Path(s.data).exists():
+            problems.append(f"data: not found: {s.data}")
+        if not reads("loggers"):
+            problems.extend(check_loggers(s))
+        if not reads("out", "overwrite", "resume_interrupted"):
+            problems.extend(self._check_out_dir())
+        return problems
+
+    def _check_dataset_size(self, world_size: int) -> list[str]:
+        """The loader drops incomplete microbatches: every rank needs at least one full one."""
+        s = self.settings
+        try:
+            n = num_samples(s)
+        except (OSError, ValueError, TypeError):
+            return []  # unreadable data; building the task reports it
+        accum = s.gradient_accumulation_steps
+        microbatch = s.batch_size // (world_size * accum)
+        needed = samples_needed(microbatch, world_size)
+        if n >= needed:
+            return []
+        name = resolve_task_name(s)
+        if s.data is None:
+            what = f"the built-in {name} data"
+        elif isinstance(s.data, (str, os.PathLike)):
+            what = str(s.data)
+        else:
+            what = f"the dataset ({type(s.data).__name__})"
+        unit = ""
+        if name == "language_model":
+            unit = f" (windows of model_args.context_length + 1 = {s.model_args.context_length + 1} tokens)"
+        if world_size == 1 and accum == 1:
+            need = f"one batch of batch_size={s.batch_size} needs {needed}"
+        else:
+            need = (
+                f"batch_size={s.batch_size} / (devices x num_nodes x gradient_accumulation_steps = "
+                f"{world_size} x {accum}) = {microbatch} samples per microbatch, on each of {world_size} "
+                f"process(es), needs {needed}"
+            )
+        if n >= world_size:
+            largest = n // world_size * world_size * accum
+            fix = f"lower batch_size to {largest} or less, or give more data"
+        else:
+            fix = f"give at least {world_size} samples (one per process) or use fewer devices"
+        if name == "language_model":
+            fix += " (or lower model_args.context_length)"
+        return [f"data: {what} holds {n} samples{unit}, too few: {need}; {fix}"]
 
     def _check_out_dir(self) -> list[str]:
         s = self.settings
@@ -199,11 +310,18 @@ class Trainer:
 
     def fit(self) -> TrainResult:
         """Validate, launch (one process per device when distributed), train, clean up."""
-        fabric = self._make_fabric()
+        fabric: Any = None
+        fabric_problems: list[str] = []
+        try:
+            fabric = self._make_fabric()
+        except ConfigError as exc:
+            fabric_problems = exc.problems  # reported with every other problem below
         # Before launch we are the first process: check and prepare out/ once. Processes
         # started by the launcher (rank > 0) skip the out/ checks; rank 0 owns the folder.
-        first = fabric.global_rank == 0
-        self._check(fabric.world_size, is_rank_zero=first)
+        # Without a Fabric no process was launched: this is the first one.
+        first = fabric is None or fabric.global_rank == 0
+        self._check(None if fabric is None else fabric.world_size, is_rank_zero=first, fabric_problems=fabric_problems)
+        assert fabric is not None  # _check raised otherwise
         if first:
             self._prepare_out_dir()
         self.fabric = fabric
@@ -571,6 +689,16 @@ def _scale_tensor(scaler: Any, device: torch.device) -> torch.Tensor:
     if isinstance(scale, torch.Tensor):
         return scale.to(device)
     return torch.tensor(float(scaler.get_scale()), device=device)
+
+
+def _available_accelerators() -> list[str]:
+    """The accelerator names Fabric can use on this machine, ``auto`` first."""
+    from lightning_fabric.accelerators import ACCELERATOR_REGISTRY
+
+    names = [n for n in ACCELERATOR_REGISTRY.available_accelerators() if ACCELERATOR_REGISTRY[n]["accelerator"].is_available()]
+    if "cuda" in names or "mps" in names:
+        names.append("gpu")
+    return ["auto", *sorted(names)]
 
 
 def _check_debug(settings: TrainSettings) -> list[str]:

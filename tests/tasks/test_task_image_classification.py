@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 from torch.utils.data import default_collate
@@ -186,3 +187,22 @@ def test_check_class_without_images(tmp_path: Path):
 def test_check_task_dispatches_here(tmp_path: Path):
     problems = check_task(settings(tmp_path, model="torchvision/resnet81", data=str(tmp_path / "nope")))
     assert [p.split(":")[0] for p in problems] == ["model", "data"]
+
+
+def test_num_samples_is_the_built_datasets_length_and_too_few_fail(tmp_path: Path):
+    from stabletrain.errors import ConfigError
+    from stabletrain.trainer import train
+
+    folder = write_folder(tmp_path / "imgs", {"a": 3, "b": 2})
+    for s in (settings(tmp_path), settings(tmp_path, data=str(folder))):
+        assert image_classification.num_samples(s) == len(image_classification.build(s).dataset)
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError) as info:
+        train(out=out, model="cnn", data=str(folder), batch_size=8, steps=1)
+    assert info.value.problems == [
+        (
+            f"data: {folder} holds 5 samples, too few: one batch of batch_size=8 needs 8; "
+            "lower batch_size to 5 or less, or give more data"
+        )
+    ]
+    assert not out.exists()

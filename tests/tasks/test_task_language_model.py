@@ -216,3 +216,20 @@ def test_check_a_dataset_object_needs_a_custom_model(tmp_path: Path):
     s = settings(tmp_path, data=TensorDataset(torch.zeros(4)), task="language_model")
     (problem,) = check_task(s)
     assert problem.startswith("data: the language model task reads a text file path, got a TensorDataset")
+
+
+def test_num_samples_is_the_built_datasets_length(tmp_path: Path):
+    ascii_file = tmp_path / "a.txt"
+    ascii_file.write_text("hello world " * 20)
+    utf8_file = tmp_path / "u.txt"
+    utf8_file.write_text("héllo wörld ✓ " * 20, encoding="utf-8")  # bytes and characters differ
+    cases = [
+        settings(tmp_path),
+        settings(tmp_path, model_args={"tokenizer": "char"}),
+        settings(tmp_path, data=str(ascii_file)),
+        settings(tmp_path, data=str(utf8_file)),
+        settings(tmp_path, data=str(utf8_file), model_args={"tokenizer": "char"}),
+    ]
+    counts = [language_model.num_samples(s) for s in cases]
+    assert counts == [len(language_model.build(s).dataset) for s in cases]
+    assert counts[3] != counts[4]

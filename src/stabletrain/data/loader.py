@@ -39,6 +39,21 @@ def collate_indexed(items: list[tuple[int, Any]]) -> tuple[torch.Tensor, Any]:
     return indices, default_collate([s for _, s in items])
 
 
+def samples_needed(microbatch_size: int, world_size: int) -> int:
+    """Fewest samples :class:`ResumableBatchSampler` accepts: one full microbatch on every rank.
+
+    Incomplete microbatches are dropped and every rank gets ``num_samples // world_size``
+    samples, so an epoch holds at least one microbatch exactly when
+    ``num_samples // world_size >= microbatch_size``, i.e. ``num_samples >= microbatch_size * world_size``.
+    A step with gradient accumulation may take its microbatches from consecutive epochs.
+
+    Example::
+
+        samples_needed(microbatch_size=8, world_size=2)  # 16
+    """
+    return microbatch_size * world_size
+
+
 class ResumableBatchSampler(Sampler[list[int]]):
     """Endless stream of microbatches of dataset indices for one rank.
 
@@ -62,7 +77,7 @@ class ResumableBatchSampler(Sampler[list[int]]):
         self.start = start
         self.per_rank = num_samples // world_size
         self.batches_per_epoch = self.per_rank // microbatch_size
-        if self.batches_per_epoch < 1:
+        if num_samples < samples_needed(microbatch_size, world_size):
             raise ValueError(
                 f"the dataset has {num_samples} samples, fewer than one microbatch of "
                 f"{microbatch_size} per rank on {world_size} rank(s)"

@@ -13,7 +13,7 @@ import torch
 from stabletrain.config import IMAGE_MODEL_ARGS, LANGUAGE_MODEL_ARGS, TrainSettings
 from stabletrain.tasks.base import Task, TrainModel
 
-__all__ = ["Task", "TrainModel", "build_task", "build_model", "check_task", "resolve_task_name"]
+__all__ = ["Task", "TrainModel", "build_task", "build_model", "check_task", "num_samples", "resolve_task_name"]
 
 
 def resolve_task_name(settings: TrainSettings) -> str:
@@ -71,6 +71,17 @@ def check_task(settings: TrainSettings) -> list[str]:
         return problems
     problems.extend(_module(name).check(settings))
     return problems
+
+
+def num_samples(settings: TrainSettings) -> int:
+    """Samples in the dataset :func:`build_task` would make, without building the model.
+
+    Call it only when :func:`check_task` found no problem (the data must be readable).
+    """
+    name = resolve_task_name(settings)
+    if name == "custom":
+        return len(settings.data)
+    return int(_module(name).num_samples(settings))
 
 
 def build_task(settings: TrainSettings) -> Task:

@@ -282,6 +282,15 @@ def check(settings: TrainSettings) -> list[str]:
     return problems
 
 
+def num_samples(settings: TrainSettings) -> int:
+    """Images the settings' data gives (``len`` of the dataset :func:`build` makes), without
+    decoding any. Call :func:`check` first: the folder must be readable.
+    """
+    if settings.data is None:
+        return GENERATED_NUM_IMAGES
+    return len(find_image_classes(Path(settings.data))[1])
+
+
 # --------------------------------------------------------------------------------------
 # Building
 # --------------------------------------------------------------------------------------

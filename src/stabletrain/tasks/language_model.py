@@ -270,6 +270,21 @@ def _check_text_file(path: Path, tokenizer: str, needed: int) -> list[str]:
     return []
 
 
+def num_samples(settings: TrainSettings) -> int:
+    """Training windows the settings' data gives (``len`` of the dataset :func:`build` makes),
+    without building it. Call :func:`check` first: the data must be readable.
+    """
+    args = settings.model_args
+    if settings.data is None:
+        text = generate_text(GENERATED_TEXT_CHARS)
+        num_tokens = len(text.encode("utf-8")) if args.tokenizer == "byte" else len(text)
+    else:
+        path = Path(settings.data)
+        num_tokens = path.stat().st_size if args.tokenizer == "byte" else len(path.read_bytes().decode("utf-8"))
+    # TextDataset: windows of context_length + 1 tokens sharing one boundary token.
+    return max(0, (num_tokens - 1) // args.context_length)
+
+
 # --------------------------------------------------------------------------------------
 # Building
 # --------------------------------------------------------------------------------------
