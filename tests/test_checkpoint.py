@@ -186,6 +186,34 @@ def test_resume_with_lower_lr_and_more_steps(tmp_path):
     assert load_checkpoint(out / "checkpoints" / "last.ckpt")["step"] == 7
 
 
+class OptimizerGroups:
+    def on_train_start(self, trainer):
+        self.groups = [{k: v for k, v in g.items() if k != "params"} for g in trainer.optimizer.param_groups]
+
+
+@pytest.mark.parametrize(
+    "optimizer, before, after",
+    [("sgd", {"momentum": 0.9}, {"momentum": 0.5}), ("adamw", {"betas": (0.9, 0.95)}, {"betas": (0.8, 0.9)})],
+)
+def test_resume_uses_the_new_optimizer_hyperparameters(tmp_path, optimizer, before, after):
+    """model_args.momentum and betas changed on resume take effect (they were silently
+    replaced by the checkpoint's), while the optimizer's state is resumed."""
+    out = tmp_path / "run"
+    base = {"optimizer": optimizer, "lr_schedule": "constant", "warmup_steps": 0}
+    train(out=out, **tiny_lm(steps=3, model_args={**base, **before}))
+    saved = load_checkpoint(out / "checkpoints" / "last.ckpt")["optimizer"]
+    seen = OptimizerGroups()
+    train(out=out, resume_interrupted=True, callbacks=[seen], **tiny_lm(steps=5, model_args={**base, **after}))
+    key, value = next(iter(after.items()))
+    assert [tuple(g[key]) if key == "betas" else g[key] for g in seen.groups] == [value] * len(seen.groups)
+    final = load_checkpoint(out / "checkpoints" / "last.ckpt")["optimizer"]
+    assert all((tuple(g[key]) if key == "betas" else g[key]) == value for g in final["param_groups"])
+    # The state (momentum buffers, Adam moments and step counts) came from the checkpoint and went on.
+    assert saved["state"] and final["state"].keys() == saved["state"].keys()
+    if optimizer == "adamw":
+        assert all(float(final["state"][i]["step"]) == 5 for i in final["state"])
+
+
 def test_resume_refuses_changed_frozen_settings(tmp_path):
     out = tmp_path / "run"
     train(out=out, **tiny_lm(steps=2))

@@ -449,9 +449,11 @@ class Trainer:
         return optimizer
 
     def _load_optimizer_state(self, saved: dict[str, Any]) -> None:
-        # The saved param groups carry the old run's lr and weight decay; keep the new ones,
-        # so that e.g. a lower model_args.lr takes effect on resume.
-        keep = [{k: g[k] for k in ("base_lr", "weight_decay") if k in g} for g in self.optimizer.param_groups]
+        # The saved param groups carry the old run's hyperparameters (lr, weight decay, SGD
+        # momentum, AdamW betas, ...); keep those of the optimizer just built from this run's
+        # settings, so that e.g. a lower model_args.lr or another momentum takes effect on
+        # resume. Only the optimizer's state (moments, step counts) comes from the checkpoint.
+        keep = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         self.optimizer.load_state_dict(saved)
         for group, kept in zip(self.optimizer.param_groups, keep):
             group.update(kept)

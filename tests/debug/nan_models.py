@@ -1,7 +1,8 @@
 """Small models and datasets with faults planted at known samples, for the nancapture tests.
 
 Importable by the tests and by ``stabletrain replay --model tests/debug/nan_models.py:PoisonNet``;
-run as a script it trains PoisonNet with DDP on 2 CPU processes (see ``ddp_main``).
+run as a script it trains PoisonNet with DDP on 2 CPU processes (see ``ddp_main`` and
+``ddp_healthy_main``).
 """
 
 from __future__ import annotations
@@ -66,6 +67,19 @@ class SpikeNet(PoisonNet):
         return super().training_step(batch) + self.s * batch["c"].mean() - torch.log(self.s)
 
 
+class L1Net(nn.Module):
+    """Linear regression fitted by L1 loss. An input of 1e20 in a batch of 4 gives a finite
+    loss and finite gradients (``|d loss / d weight|`` = 1e20 / 4 = 2.5e19), but squared they
+    exceed float32's 3.4e38: the float32 gradient norm overflows to inf."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 1)
+
+    def training_step(self, batch):
+        return F.l1_loss(self.fc(batch["x"]), batch["y"])
+
+
 class PoisonData(Dataset):
     """64 regression samples; ``grad_poison={index: value}`` plants gradient faults,
     ``input_poison={index: value}`` plants a value in a sample's input, ``spikes={index: c}``
@@ -97,6 +111,17 @@ class PlainNet(nn.Module):
     def __init__(self):
         super().__init__()
         self.body = nn.Sequential(nn.Linear(4, 16), nn.GELU(), nn.Dropout(0.2), nn.Linear(16, 1))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+class SizedNet(nn.Module):
+    """PlainNet's shape with a constructor argument: no command can build it without one."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, hidden), nn.GELU(), nn.Dropout(0.2), nn.Linear(hidden, 1))
 
     def forward(self, x):
         return self.body(x)
@@ -138,5 +163,51 @@ def ddp_main(out, poison_step):
     )
 
 
+class SaveSyncedGrads:
+    """Saves this rank's gradients after the last backward pass of ``step`` (DDP has synced
+    them by then) to ``<out>/synced_grads_rank{rank}.pt``."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_after_microbatch(self, trainer, *, step, micro_step, loss):
+        if step == self.step and micro_step == trainer.settings.gradient_accumulation_steps - 1:
+            grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()}
+            torch.save(grads, trainer.out / f"synced_grads_rank{trainer.rank}.pt")
+
+
+def ddp_healthy_main(out, capture_step):
+    """PoisonNet on 2 CPU processes with clean data and 2 accumulation steps; every rank's
+    monitor is made to capture the healthy step ``capture_step`` (as if another rank had
+    failed), and the gradients DDP synced at that step are saved next to the captures."""
+    import stabletrain
+    from stabletrain.debug import nan_capture
+
+    flag = nan_capture.NaNCaptureMonitor._failure_flag
+
+    def forced(self, gn):
+        return flag(self, gn) | torch.tensor(self.step == capture_step, device=gn.total.device)
+
+    nan_capture.NaNCaptureMonitor._failure_flag = forced
+    stabletrain.train(
+        out=out,
+        model=PoisonNet(),
+        data=PoisonData(),
+        steps=4,
+        batch_size=8,
+        gradient_accumulation_steps=2,
+        devices=2,
+        strategy="ddp",
+        accelerator="cpu",
+        num_workers=0,
+        model_args={"lr": 0.01, "warmup_steps": 0},
+        callbacks=[SaveSyncedGrads(capture_step)],
+        debug_args={"nancapture": {"enabled": True}},
+    )
+
+
 if __name__ == "__main__":
-    ddp_main(sys.argv[1], int(sys.argv[2]))
+    if len(sys.argv) > 3 and sys.argv[3] == "healthy":
+        ddp_healthy_main(sys.argv[1], int(sys.argv[2]))
+    else:
+        ddp_main(sys.argv[1], int(sys.argv[2]))

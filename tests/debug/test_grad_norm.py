@@ -4,6 +4,7 @@ and free of host synchronisation on steps that are not logged."""
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -141,6 +142,34 @@ def test_nonfinite_gradient_makes_the_total_nonfinite_and_is_named(bad):
     gn = compute_grad_norm([("a", a), ("b", b)])
     assert not torch.isfinite(gn.total)
     assert gn.nonfinite_names() == ["b"]
+
+
+def test_finite_gradients_can_overflow_the_float32_total():
+    """A finite total means every element is finite, not the reverse: 2.5e19 squared is past
+    float32's 3.4e38. Which is which takes the elements themselves (nan_capture does that)."""
+    from stabletrain.debug.nan_capture import largest_abs_grads, nonfinite_grad_names
+
+    w, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(1))
+    w.grad, b.grad = torch.tensor([2.5e19, -1.0]), torch.tensor([3.0])
+    params = [("w", w), ("b", b)]
+    gn = compute_grad_norm(params)
+    assert all(bool(torch.isfinite(p.grad).all()) for _, p in params)
+    assert gn.total.item() == math.inf and gn.nonfinite_names() == ["w"]
+    assert nonfinite_grad_names(params) == []
+    assert largest_abs_grads(params) == [("w", pytest.approx(2.5e19, rel=1e-7)), ("b", 3.0)]
+    # Clipping would divide by the infinite norm and zero these finite gradients: hidden, had
+    # nancapture not checked before clipping.
+    clip_grad_norm_with_total(gn.params, 1.0, gn.total)
+    assert torch.equal(w.grad, torch.zeros(2)) and torch.equal(b.grad, torch.zeros(1))
+
+
+def test_clip_never_makes_a_nan_or_inf_gradient_finite():
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        a, b = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3))
+        a.grad, b.grad = torch.ones(3), torch.tensor([1.0, bad, 1.0])
+        gn = compute_grad_norm([("a", a), ("b", b)])
+        clip_grad_norm_with_total(gn.params, 1.0, gn.total)
+        assert not torch.isfinite(b.grad).all(), f"{bad}: the non-finite gradient stays non-finite"
 
 
 def test_clip_with_precomputed_norm_matches_torch():

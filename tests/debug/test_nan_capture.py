@@ -442,3 +442,99 @@ def test_readme_plain_loop_example_runs_and_replays(tmp_path):
     assert command == "stabletrain replay out/plain/nan_capture/rank0 --model example.py:Net --step-fn example.py:my_step_fn"
     pasted = subprocess.run(command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert pasted.returncode == 0 and "reproduced: YES" in pasted.stdout, pasted.stderr[-2000:]
+
+
+# ------------------------------------------------------------ with gradient clipping on
+
+
+def test_with_gradient_clipping_the_check_sees_the_gradients_before_clipping(tmp_path):
+    """gradient_clip_val > 0: the NaN is still caught, the gradients the check saw are the
+    unclipped ones, and the weights are those the step started from."""
+    from nan_models import L1Net
+
+    clip, step = 1e-3, 3
+    victim = samples_of_step(step)[2]
+    rec, model = Recorder(), PoisonNet()
+    with pytest.raises(NaNDetectedError) as info:
+        train(out=tmp_path / "run", model=model, data=PoisonData(grad_poison={victim: float("nan")}), callbacks=[rec],
+              gradient_clip_val=clip, debug_args=NANCAPTURE, **POISON_RUN)
+    err = info.value
+    assert (err.step, err.reason, err.nan_param_names) == (step, "nonfinite_gradients", ["fc2.weight"])
+    rows, _ = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2] and all(r["gradient_norm"] > clip for r in rows), "clipping was on"
+    assert rec.optimizer_steps == [0, 1, 2]
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, rec.start[step][name]), name
+    assert torch.load(err.capture_path, weights_only=True)["settings"]["gradient_clip_val"] == clip
+    # The gradients left in the model are bitwise those the replay computes (no clipping in either).
+    replayed = load_nan_capture(err.capture_path, model=PoisonNet()).forward_backward().model
+    for name in ("fc1.weight", "fc1.bias", "fc2.bias"):
+        seen, fresh = model.get_parameter(name).grad, replayed.get_parameter(name).grad
+        assert torch.equal(seen, fresh), f"{name}: the pre-clipping gradient"
+    assert float(model.fc1.weight.grad.norm()) > clip, "clipping would have scaled it"
+    assert torch.isnan(model.fc2.weight.grad).all()
+
+    # Finite gradients whose norm overflows: clipping would zero them (it divides by an
+    # infinite norm), so only a check before clipping sees them.
+    model = L1Net()
+    victim = samples_of_step(2, batch_size=4)[0]
+    with pytest.raises(NaNDetectedError) as info:
+        train(out=tmp_path / "l1", model=model, data=PoisonData(input_poison={victim: 1e20}), steps=6, batch_size=4,
+              num_workers=0, gradient_clip_val=1.0, model_args={"lr": 0.01, "warmup_steps": 0}, debug_args=NANCAPTURE)
+    assert (info.value.step, info.value.reason) == (2, "gradient_norm_overflow")
+    assert float(model.fc.weight.grad.abs().max()) == pytest.approx(2.5e19, rel=1e-6), "not clipped to 0"
+
+
+# ------------------------------------------------- fp16: default limit, finite overflow
+
+
+def test_fp16_default_max_skipped_steps_captures_the_10th_skipped_step_in_a_row(tmp_path):
+    """At loss scale 2**40 every step's fp16 gradients overflow: 9 skipped steps in a row go
+    on, the 10th (the default max_skipped_steps) is captured."""
+    assert load_settings({"out": str(tmp_path)}).debug_args.nancapture.max_skipped_steps == 10
+    with pytest.raises(NaNDetectedError) as info:
+        _fp16_trainer(tmp_path, 2.0**40, data=PoisonData(), steps=14, debug_args=NANCAPTURE).fit()
+    err = info.value
+    assert (err.step, err.reason) == (9, "skipped_steps")
+    assert "skipped 10 steps in a row (max_skipped_steps=10)" in str(err)
+    rows, _ = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(9)), "the 9th skipped step in a row did not stop training"
+    assert not any(math.isfinite(r["gradient_norm"]) for r in rows), "each of them was skipped"
+    state = torch.load(err.capture_path, weights_only=True)
+    assert state["consecutive_skipped_steps"] == 10 and state["loss_scale"] == 2.0 ** (40 - 9)
+
+
+def test_fp16_finite_gradients_whose_norm_overflows_are_captured_at_once(tmp_path):
+    """Under loss scaling a non-finite norm is not always a skipped step: finite gradients of
+    1.25e20 pass the GradScaler's own check (it would apply them), so they are captured at
+    once as gradient_norm_overflow, not counted as a skipped step. (A plain loop: Fabric
+    converts inputs to float16, where 1e21 cannot be fed.)"""
+    from nan_models import SpikeNet
+
+    torch.manual_seed(0)
+    model, data = SpikeNet(), PoisonData(spikes={16: 1e21})  # sample 16 is in step 2
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    with NaNCaptureMonitor(model, out_dir=tmp_path / "caps", scaler=scaler) as monitor:
+        with pytest.raises(NaNDetectedError) as info:
+            for step in range(6):
+                batch = torch.utils.data.default_collate([data[i] for i in range(step * 8, step * 8 + 8)])
+                monitor.begin_step(step)
+                monitor.collect_batch(batch)
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = model.training_step(batch)
+                monitor.collect_loss(loss)
+                scaler.scale(loss).backward()
+                scaler.unscale_(optimizer)
+                monitor.check_and_capture()
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad()
+    err = info.value
+    assert (err.step, err.reason, err.nan_param_names) == (2, "gradient_norm_overflow", [])
+    assert "Largest |gradient|: s 1.25e+20" in str(err)
+    assert scaler.get_scale() == 2.0**8, "no step was skipped before"
+    assert float(model.s.detach()) > 0, "the huge update never happened"
+    # In float32 (a 16-mixed replay converts inputs to float16 as Fabric does, which this loop did not).
+    result = load_nan_capture(err.capture_path, model=SpikeNet()).replay(precision="32-true")
+    assert result.reproduced and result.gradient_norm_overflow and result.nan_param_names == []

@@ -50,10 +50,12 @@ import torch
 from torch import Tensor, nn
 
 from stabletrain.debug.nan_capture import (
+    REASON_NORM_OVERFLOW,
     REASON_OTHER_RANK,
     REASON_SKIPPED,
     NaNCaptureError,
     _default_step_fn,
+    _shell_path,
 )
 from stabletrain.debug.op_trace import OpFinding, OpTracer
 from stabletrain.debug.replay import (
@@ -572,7 +574,7 @@ def _full_replay(cap: NaNCapture, label: str, precision: str, device: torch.devi
     outcome = ReplayOutcome(
         label=label,
         precision=res.precision,
-        reproduced=not res.finite,
+        reproduced=res.reproduces(cap.reason),
         losses=res.loss_values,
         nan_param_names=res.nonfinite_param_names,
         gradient_norm=res.gradient_norm,
@@ -620,7 +622,7 @@ def _isolate(cap: NaNCapture, full: ForwardBackwardResult, precision: str, devic
         except Exception as exc:  # e.g. BatchNorm refusing a batch of one sample
             errors.append(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
             return False
-        return not res.finite
+        return res.reproduces(cap.reason)
 
     # Microbatches: a loss is computed per microbatch, so the full replay already says which
     # ones produce a non-finite loss. Gradient-only failures need a replay per microbatch.
@@ -1110,6 +1112,9 @@ def _probable_cause(d: Diagnosis, cap: NaNCapture) -> str:
     data_text = ""
     if d.data.status == "isolated":
         data_text = f" for {_samples_text(d.data.row_sets, d.data.index_sets)}"
+    if f is None and d.reason == REASON_NORM_OVERFLOW:
+        return (f"finite gradients too large for a float32 norm ({_largest_text(cap)}){data_text}: no op produced "
+                "a non-finite value, but the update would be huge")
     if f is None:
         return "the failure could not be traced to an op" + data_text
     kind = _op_kind(f)
@@ -1204,11 +1209,19 @@ def _summary(d: Diagnosis, cap: NaNCapture) -> str:
         "nonfinite_gradients": "non-finite gradients",
         REASON_SKIPPED: f"fp16 loss scaling skipped steps in a row (loss scale {_fmt(d.loss_scale or math.nan)})",
         REASON_OTHER_RANK: "a failure on another rank",
+        REASON_NORM_OVERFLOW: "a gradient norm overflow",
     }.get(d.reason, d.reason)
-    text = (f"Training stopped at step {d.step} ({ranks}, {d.precision}, {n_mb} microbatch(es)) on {what}; "
-            f"{len(cap.nan_param_names)} of {n_params} parameters had NaN/Inf gradients.")
+    if d.reason == REASON_NORM_OVERFLOW:
+        text = (f"Training stopped at step {d.step} ({ranks}, {d.precision}, {n_mb} microbatch(es)) on {what}: every "
+                f"gradient element was finite, but {_largest_text(cap)}, and the float32 gradient norm was inf.")
+    else:
+        text = (f"Training stopped at step {d.step} ({ranks}, {d.precision}, {n_mb} microbatch(es)) on {what}; "
+                f"{len(cap.nan_param_names)} of {n_params} parameters had NaN/Inf gradients.")
     if d.cause != NOT_REPRODUCIBLE:
         bad = [i for i, x in enumerate(first.losses) if not math.isfinite(x)]
+        if not bad and not first.nan_param_names and not math.isfinite(first.gradient_norm):
+            text += " The replay gives the same: finite losses and gradient elements, gradient norm inf."
+            return text + (" Its losses are bitwise those of training." if d.matches_capture else "")
         if bad:
             text += f" The replay gives the same: losses {', '.join(_fmt(first.losses[i]) for i in bad)} in microbatch(es) {', '.join(map(str, bad))}"
         else:
@@ -1217,6 +1230,15 @@ def _summary(d: Diagnosis, cap: NaNCapture) -> str:
         if d.matches_capture:
             text += " Its losses are bitwise those of training."
     return text
+
+
+def _largest_text(cap: NaNCapture) -> str:
+    """'|gradient| reached 2.5e+19 in fc.weight', from a gradient_norm_overflow capture."""
+    largest = next((r.largest_gradients for r in cap.ranks if r.largest_gradients), [])
+    if not largest:
+        return "the gradients were too large"
+    name, value = largest[0]
+    return f"|gradient| reached {_fmt(value)} in {name}"
 
 
 def _lr_text(settings: Optional[dict[str, Any]]) -> tuple[str, Optional[float]]:
@@ -1374,7 +1396,11 @@ def _next_actions(d: Diagnosis, cap: NaNCapture, out: Optional[Path]) -> list[st
         one = bool(samples) and sum(len(r) for r in d.data.row_sets) == 1
         verb = (lambda plural: plural + "s") if one else (lambda plural: plural)  # noqa: E731
         src = f" at {f.source}" if f is not None and f.source else ""
-        if kind == "propagated" and d.origin == "data":
+        if f is None and d.reason == REASON_NORM_OVERFLOW:
+            actions.append(f"Keep the gradients in range ({_largest_text(cap)}): lower the learning rate ({lr}) and "
+                           f"clip ({clip}) if they grew over steps; if {samples or 'the data'} is an outlier (an input "
+                           "far out of scale), fix or normalise it.")
+        elif kind == "propagated" and d.origin == "data":
             actions.append(
                 f"Fix or drop {samples or 'the bad samples'}: {_bad_input_text(d)}, and NaN/Inf in the data reaches "
                 "the loss whatever the precision or learning rate. Check the data pipeline that produced it."
@@ -1412,7 +1438,7 @@ def _replay_command(cap: NaNCapture) -> str:
     stored = cap.ranks[0].raw.get("replay_command")
     if isinstance(stored, str) and stored.startswith("stabletrain replay ") and (len(cap.ranks) == 1 or cap.world_size > 1):
         return stored
-    return f"stabletrain replay {cap.path}"
+    return f"stabletrain replay {_shell_path(cap.path)}"
 
 
 def _samples_text(sets: list[list[int]], index_sets: Optional[list[list[int]]]) -> str:

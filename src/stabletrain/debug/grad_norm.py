@@ -49,8 +49,10 @@ class GradNorm:
     """Gradient norms of one optimizer step, still on the device.
 
     Attributes:
-        total: Scalar float32 tensor, the L2 norm over all gradients. It is finite exactly
-            when every gradient element is finite.
+        total: Scalar float32 tensor, the L2 norm over all gradients. A finite total means
+            every gradient element is finite; the reverse does not hold: finite elements
+            whose squares overflow float32 (an element above about 1.8e19, since
+            float32 ends at 3.4e38) give an infinite total too.
         per_param: One float32 scalar tensor per parameter in ``names`` order.
         names: Parameter names that had a gradient.
         params: The parameters, in the same order (for clipping).
@@ -62,7 +64,10 @@ class GradNorm:
     params: list[Tensor]
 
     def nonfinite_names(self) -> list[str]:
-        """Names of the parameters whose gradient holds a NaN or Inf (one host sync)."""
+        """Names of the parameters whose float32 gradient norm is not finite (one host sync):
+        those holding a NaN or Inf element, and also those whose finite elements are too large
+        for a float32 norm. ``stabletrain.debug.nan_capture.nonfinite_grad_names`` checks the
+        elements themselves."""
         if not self.per_param:
             return []
         finite = torch.isfinite(torch.stack(self.per_param)).tolist()

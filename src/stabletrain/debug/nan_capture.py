@@ -4,7 +4,9 @@ After every gradient-accumulation cycle (gradients final and un-scaled, before c
 and the optimizer step) the monitor decides whether the step went bad. On detection it
 writes ``<out>/debug/nan_capture/rank{rank}/nan_capture.pt`` atomically and raises
 :class:`NaNDetectedError`, whose message holds a replay command that works when pasted
-into a shell. :func:`stabletrain.load_nan_capture` reads the file back and ``.replay()``
+into a shell (paths quoted), or, when no command can build your model (a constructor with
+required arguments, a class defined inside a function), a Python template that says what
+to fill in. :func:`stabletrain.load_nan_capture` reads the file back and ``.replay()``
 reruns the step (see :mod:`stabletrain.debug.replay`).
 
 What counts as a failure:
@@ -12,10 +14,19 @@ What counts as a failure:
 * any gradient element is NaN, +Inf or -Inf; detected from the total gradient norm the
   trainer already computes (a finite L2 norm means every gradient element is finite), so
   the common case costs no extra pass over the gradients;
+* every gradient element is finite but the float32 gradient norm overflows (an element
+  above about 1.8e19, whose square exceeds float32's 3.4e38): the reason is
+  ``gradient_norm_overflow``, told apart from NaN/Inf elements only once the norm is found
+  non-finite. An optimizer step with such gradients is huge (SGD) or puts Inf into the
+  optimizer state (Adam's average of squared gradients), and clipping would divide by an
+  infinite norm, so this step is captured too;
 * a microbatch loss is non-finite;
 * under fp16 loss scaling, non-finite gradients alone are expected (the GradScaler skips
   the step and lowers its scale); the monitor captures only when the loss itself is
-  non-finite or when ``max_skipped_steps`` steps in a row were skipped.
+  non-finite or when ``max_skipped_steps`` steps in a row were skipped. Which steps the
+  scaler skips is read from the scaler itself (its per-device found-inf flags after
+  ``unscale_``), so finite gradients whose norm overflows, which the scaler would apply,
+  are captured at once.
 
 Cost per optimizer step while nothing is wrong (see ``benchmarks/nancapture_overhead.py``):
 
@@ -84,6 +95,7 @@ REASON_GRADIENTS = "nonfinite_gradients"
 REASON_LOSS = "nonfinite_loss"
 REASON_SKIPPED = "skipped_steps"
 REASON_OTHER_RANK = "other_rank"
+REASON_NORM_OVERFLOW = "gradient_norm_overflow"
 
 __all__ = [
     "NaNCaptureMonitor",
@@ -120,11 +132,16 @@ class NaNDetectedError(StabletrainError):
     Attributes:
         step: The optimizer step that failed (numbered from 0).
         rank: The process that raised (every rank raises at the same step).
-        nan_param_names: Parameters whose gradient holds a NaN or Inf on this rank.
+        nan_param_names: Parameters whose gradient holds a NaN or Inf on this rank (empty
+            for ``"gradient_norm_overflow"``: every element is finite).
         capture_path: The capture file, ``.../nan_capture/rank{rank}/nan_capture.pt``.
-        reason: ``"nonfinite_gradients"``, ``"nonfinite_loss"``, ``"skipped_steps"`` (fp16
-            loss scaling skipped ``max_skipped_steps`` steps in a row) or ``"other_rank"``.
-        replay_command: A shell command that replays the capture.
+        reason: ``"nonfinite_gradients"``, ``"nonfinite_loss"``, ``"gradient_norm_overflow"``
+            (every gradient element finite, but so large that the float32 gradient norm
+            overflows), ``"skipped_steps"`` (fp16 loss scaling skipped ``max_skipped_steps``
+            steps in a row) or ``"other_rank"``.
+        replay_command: A shell command that replays the capture; or, when no command can
+            rebuild your model (its class needs constructor arguments or is not defined at
+            the top level of a file), a Python template with a line marked ``FILL IN``.
 
     Example::
 
@@ -355,20 +372,47 @@ class NaNCaptureMonitor:
 
     def _failure_flag(self, gn: GradNorm) -> Tensor:
         """A device bool: did this rank's step fail? No host synchronisation."""
+        # Non-finite norm: a NaN/Inf element, or finite elements whose float32 norm overflows.
+        # Which of the two is told apart only on the failure path (_raise).
         grad_bad = ~torch.isfinite(gn.total)
         device = grad_bad.device
         if self.scaler is None:
             flag = grad_bad
         else:
             # Skipped steps are expected under loss scaling; count them in a row on the device.
+            # The scaler's own found-inf flags say which steps it skips (elementwise); a
+            # non-finite norm without them is an overflow of finite gradients that it applies.
+            found_inf = self._scaler_found_inf(device)
+            skipped_now = grad_bad if found_inf is None else found_inf
             if self._skipped is None or self._skipped.device != device:
                 self._skipped = torch.zeros((), dtype=torch.int64, device=device)
-            self._skipped = torch.where(grad_bad, self._skipped + 1, torch.zeros_like(self._skipped))
+            self._skipped = torch.where(skipped_now, self._skipped + 1, torch.zeros_like(self._skipped))
             flag = self._skipped >= self.max_skipped_steps
+            if found_inf is not None:
+                flag = flag | (grad_bad & ~found_inf)
         if self._losses:
             losses = torch.stack([loss.reshape(()).float().to(device) for loss in self._losses])
             flag = flag | ~torch.isfinite(losses).all()
         return flag
+
+    def _scaler_found_inf(self, device: torch.device) -> Optional[Tensor]:
+        """A device bool: did the GradScaler find an Inf/NaN gradient (and so skip this step)?
+
+        Read from the flags ``scaler.unscale_(optimizer)`` leaves per device; None when the
+        gradients were not un-scaled yet (then the gradient norm stands in for them).
+        """
+        states = getattr(self.scaler, "_per_optimizer_states", None)
+        if not isinstance(states, dict):
+            return None
+        flags = [
+            f.reshape(()).to(device)
+            for state in states.values()
+            if getattr(state.get("stage"), "name", None) == "UNSCALED"
+            for f in state.get("found_inf_per_device", {}).values()
+        ]
+        if not flags:
+            return None
+        return torch.stack(flags).sum() > 0
 
     def _raise(self, gn: GradNorm) -> None:
         # The rare path: host reads are fine from here on.
@@ -376,20 +420,22 @@ class NaNCaptureMonitor:
         loss_bad = [i for i, loss in enumerate(losses) if not bool(torch.isfinite(loss))]
         total = float(gn.total)
         skipped = int(self._skipped) if self._skipped is not None else 0
+        # Elementwise: a non-finite float32 norm alone does not mean a non-finite element.
+        names = nonfinite_grad_names(self.model.named_parameters())
+        largest: list[tuple[str, float]] = []
         if loss_bad:
             reason = REASON_LOSS
         elif self.scaler is not None and skipped >= self.max_skipped_steps:
             reason = REASON_SKIPPED
-        elif not math.isfinite(total):
+        elif names:
             reason = REASON_GRADIENTS
+        elif not math.isfinite(total):
+            reason = REASON_NORM_OVERFLOW
+            largest = largest_abs_grads(self.model.named_parameters())
         else:
             reason = REASON_OTHER_RANK
-        names = nonfinite_grad_names(self.model.named_parameters())
-        if not names and not math.isfinite(total):
-            # Every element finite but the float32 norm overflowed: name the parameters whose norm did.
-            names = gn.nonfinite_names()
-        path = self._write(names, reason, skipped)
-        message = self._message(names, reason, skipped, losses, path)
+        path = self._write(names, reason, skipped, largest)
+        message = self._message(names, reason, skipped, losses, path, largest)
         raise NaNDetectedError(
             message,
             step=int(self.step),  # type: ignore[arg-type]
@@ -400,7 +446,7 @@ class NaNCaptureMonitor:
             replay_command=self.replay_command,
         )
 
-    def _write(self, names: list[str], reason: str, skipped: int) -> Path:
+    def _write(self, names: list[str], reason: str, skipped: int, largest: list[tuple[str, float]]) -> Path:
         batches, unstorable = [], []
         for i, b in enumerate(self._batches):
             try:
@@ -433,6 +479,8 @@ class NaNCaptureMonitor:
             "rng": [storable_rng_state(r) for r in self._rng],
             "losses": [_to_cpu(loss) for loss in self._losses],
             "nan_param_names": list(names),
+            # With gradient_norm_overflow: the parameters with the largest |gradient| element.
+            "largest_gradients": [{"name": n, "abs_max": v} for n, v in largest],
             "settings": self.settings,
             "model_meta": self.model_meta,
             "model_class": f"{type(self.model).__module__}.{type(self.model).__qualname__}",
@@ -447,7 +495,10 @@ class NaNCaptureMonitor:
         except OSError as exc:
             raise NaNCaptureError(f"cannot write the NaN capture to {self.capture_path}: {exc}", self.capture_path) from exc
 
-    def _message(self, names: list[str], reason: str, skipped: int, losses: list[Tensor], path: Path) -> str:
+    def _message(
+        self, names: list[str], reason: str, skipped: int, losses: list[Tensor], path: Path,
+        largest: list[tuple[str, float]],
+    ) -> str:
         where = f"step {self.step} (rank {self.rank} of {self.world_size})"
         n_params = sum(1 for _ in self.model.parameters())
         if reason == REASON_LOSS:
@@ -459,18 +510,41 @@ class NaNCaptureMonitor:
             )
         elif reason == REASON_OTHER_RANK:
             head = f"Another rank found a non-finite value at {where}; this rank stopped with it"
+        elif reason == REASON_NORM_OVERFLOW:
+            head = (
+                f"Gradient norm overflow at {where}: every gradient element is finite, but they are so large "
+                "that the float32 gradient norm is inf (an element above about 1.8e19 squares past float32's 3.4e38)"
+            )
         else:
             head = f"Non-finite gradients at {where}"
         lines = [head + "."]
         if names:
             lines.append(f"Gradients with NaN/Inf: {len(names)} of {n_params} parameters: {_short_list(names)}.")
+        if largest:
+            lines.append("Largest |gradient|: " + ", ".join(f"{n} {_fmt(v)}" for n, v in largest) + ".")
+            lines.append(
+                "An optimizer step with these gradients would be huge (SGD moves a weight by lr x gradient) or put Inf "
+                "into the optimizer state (Adam's average of squared gradients overflows float32), and clipping would "
+                "divide by an infinite norm: the next step would blow up. Lower the learning rate (model_args.lr) or "
+                "clip gradients (gradient_clip_val) so that earlier steps cannot grow them this far, and look for the "
+                "input that produces them (stabletrain diagnose on the capture)."
+            )
         if losses:
             lines.append(
                 f"Microbatch losses: {', '.join(_fmt(float(loss)) for loss in losses)}."
             )
         lines.append(f"The step was captured before clipping and the optimizer step: {path}")
-        lines.append("Replay it offline:")
-        lines.append(f"    {self.replay_command}")
+        if is_replay_template(self.replay_command):
+            # No command can rebuild the model: a template, presented as one, never as a command.
+            why = no_replay_command_reason(self.model, self.step_fn) or "see stabletrain replay --help"
+            lines.append(
+                f"Replay it offline in Python. No shell command can rebuild the model ({why}), so here is a "
+                "template: complete each line after a '# FILL IN' comment (replace the ...), then run it:"
+            )
+            lines.extend(f"    {line}" for line in self.replay_command.splitlines())
+        else:
+            lines.append("Replay it offline:")
+            lines.append(f"    {self.replay_command}")
         if self.advice is not None:
             lines.append(self.advice(int(self.step)))  # type: ignore[arg-type]
         return "\n".join(lines)
@@ -613,6 +687,21 @@ def nonfinite_grad_names(named_parameters: Any) -> list[str]:
     return [n for n, ok in zip(names, finite) if not ok]
 
 
+def largest_abs_grads(named_parameters: Any, k: int = 5) -> list[tuple[str, float]]:
+    """The ``k`` parameters with the largest ``|gradient|`` element, largest first, as
+    (name, value) pairs (one host sync; for the failure path and offline replay)."""
+    names, maxima = [], []
+    for name, p in named_parameters:
+        if p.grad is not None and p.grad.numel():
+            names.append(name)
+            maxima.append(p.grad.detach().abs().amax().to("cpu", torch.float64))
+    if not maxima:
+        return []
+    values = torch.stack(maxima).tolist()
+    ranked = sorted(zip(names, values), key=lambda nv: -nv[1] if not math.isnan(nv[1]) else math.inf)
+    return ranked[:k]
+
+
 def to_storable(obj: Any, where: str = "batch") -> Any:
     """A copy of ``obj`` that ``torch.load(weights_only=True)`` can read back: CPU tensors,
     numbers, strings, None, and lists, tuples and dicts of them.
@@ -717,7 +806,7 @@ def _qualified_name(obj: Any) -> str:
     return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__qualname__)}"
 
 
-def _shell_path(path: str | Path) -> str:
+def _display_path(path: str | Path) -> str:
     """``path`` relative to the working directory when it lies below it, else absolute."""
     p = Path(path)
     absolute = p if p.is_absolute() else Path.cwd() / p
@@ -726,65 +815,158 @@ def _shell_path(path: str | Path) -> str:
     except ValueError:
         rel = str(absolute)
     text = str(absolute) if rel.startswith("..") else rel
-    return shlex.quote(text)
+    return "./" + text if text.startswith("-") else text  # never read as an option
+
+
+def _shell_path(path: str | Path) -> str:
+    """:func:`_display_path`, quoted for a POSIX shell (spaces, quotes, ``$`` and all)."""
+    return shlex.quote(_display_path(path))
+
+
+def _import_spec(obj: Any, needs_no_args: bool) -> Optional[tuple[str, bool, str]]:
+    """(file path or module name, whether it is a file, name) for :func:`importable_ref`, or None."""
+    if _not_importable_reason(obj, needs_no_args) is not None:
+        return None
+    module = sys.modules[obj.__module__]
+    source = getattr(module, "__file__", None)
+    if source and source.endswith(".py"):
+        return _display_path(source), True, obj.__qualname__
+    return obj.__module__, False, obj.__qualname__
+
+
+def _not_importable_reason(obj: Any, needs_no_args: bool) -> Optional[str]:
+    """Why ``stabletrain replay --model/--step-fn`` cannot import (and build) ``obj``; None if it can."""
+    qualname = getattr(obj, "__qualname__", "")
+    module_name = getattr(obj, "__module__", None)
+    what = qualname or type(obj).__qualname__
+    if not qualname or module_name is None:
+        return f"{what} has no importable name"
+    if "<locals>" in qualname:
+        return f"{what} is defined inside a function"
+    if "<" in qualname:
+        return f"{what} is not defined by a def or class statement"
+    if "." in qualname:
+        return f"{what} is nested in {qualname.rsplit('.', 1)[0]}, not defined at the top level of a file"
+    module = sys.modules.get(module_name)
+    if module is None or getattr(module, qualname, None) is not obj:
+        return f"{what} is not found under its name in its module {module_name}"
+    source = getattr(module, "__file__", None)
+    if not (source and source.endswith(".py")) and module_name == "__main__":
+        return f"{what} is defined in an interactive session, not in a file"
+    if needs_no_args:
+        try:
+            sig = inspect.signature(obj)
+        except (TypeError, ValueError):
+            return f"the signature of {what} cannot be read"
+        required = [
+            p.name for p in sig.parameters.values()
+            if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        ]
+        if required:
+            return f"its constructor needs arguments: {', '.join(required)}"
+    return None
 
 
 def importable_ref(obj: Any, needs_no_args: bool) -> Optional[str]:
     """``file.py:Name`` (or ``package.module:Name``) that ``stabletrain replay --model`` can
-    import, when ``obj`` is defined at the top level of a source file; else None.
+    import, when ``obj`` is defined at the top level of a source file; else None. A file
+    path is quoted for the shell.
 
     Args:
         obj: A class or function.
         needs_no_args: For a model class: also require a constructor without required arguments.
     """
-    qualname = getattr(obj, "__qualname__", "")
-    module_name = getattr(obj, "__module__", None)
-    if not qualname or "<" in qualname or "." in qualname or module_name is None:
+    spec = _import_spec(obj, needs_no_args)
+    if spec is None:
         return None
-    module = sys.modules.get(module_name)
-    if module is None or getattr(module, qualname, None) is not obj:
-        return None
-    if needs_no_args:
-        try:
-            sig = inspect.signature(obj)
-        except (TypeError, ValueError):
-            return None
-        required = [
-            p for p in sig.parameters.values()
-            if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-        ]
-        if required:
-            return None
-    source = getattr(module, "__file__", None)
-    if source and source.endswith(".py"):
-        return f"{_shell_path(source)}:{qualname}"
-    if module_name != "__main__":
-        return f"{module_name}:{qualname}"
-    return None
+    target, is_file, name = spec
+    return f"{shlex.quote(target) if is_file else target}:{name}"
+
+
+def _custom_step_fn(step_fn: Any) -> bool:
+    return step_fn is not None and step_fn is not _default_step_fn
+
+
+def no_replay_command_reason(model: Any, step_fn: Any = None) -> Optional[str]:
+    """Why :func:`default_replay_command` gives a Python template instead of a shell
+    command for your model (and step function); None when it gives a command."""
+    if model is None:
+        return "no model was given"
+    why = _not_importable_reason(type(model), needs_no_args=True)
+    if why is None and _custom_step_fn(step_fn):
+        why = _not_importable_reason(step_fn, needs_no_args=False)
+    return why
 
 
 def default_replay_command(
     path: str | Path, *, model: Any = None, step_fn: Any = None, builtin: bool = False
 ) -> str:
-    """The shell command that replays the capture at ``path`` (a rank folder or the folder of ranks).
+    """How to replay the capture at ``path`` (a rank folder or the folder of ranks).
 
-    Built-in models are rebuilt from the stored settings. For your own model the command
-    names its class as ``file.py:Class`` (``stabletrain replay --model``) when the class is
-    defined at the top level of a file and needs no constructor arguments; otherwise it is
-    the Python call to make, with the model to construct.
+    Built-in models are rebuilt from the stored settings: ``stabletrain replay PATH``. For
+    your own model the command names its class as ``file.py:Class`` (``--model``, and
+    ``--step-fn`` for a step function) when the class is defined at the top level of a
+    file and needs no constructor arguments. Paths are quoted for the shell, so the command
+    works when pasted whatever characters they hold.
+
+    Otherwise no command can rebuild the model, and the result is a Python template (several
+    lines, not a shell command): the lines to complete follow a ``# FILL IN`` comment and
+    hold ``...`` (:func:`no_replay_command_reason` says why there is no command).
+
+    Example::
+
+        default_replay_command("out/run/debug/nan_capture/rank0", model=MyModel())
+        # 'stabletrain replay out/run/debug/nan_capture/rank0 --model train.py:MyModel'
     """
     target = _shell_path(path)
     if builtin:
         return f"stabletrain replay {target}"
-    model_ref = importable_ref(type(model), needs_no_args=True) if model is not None else None
-    step_ref = None
-    if step_fn is not None and step_fn is not _default_step_fn:
-        step_ref = importable_ref(step_fn, needs_no_args=False)
-    if model_ref is not None and (step_fn is None or step_ref is not None):
+    custom_step = _custom_step_fn(step_fn)
+    if no_replay_command_reason(model, step_fn) is None:
+        model_ref = importable_ref(type(model), needs_no_args=True)
+        step_ref = importable_ref(step_fn, needs_no_args=False) if custom_step else None
         return f"stabletrain replay {target} --model {model_ref}" + (f" --step-fn {step_ref}" if step_ref else "")
-    cls = type(model).__name__ if model is not None else "MyModel"
-    step = f", step_fn={getattr(step_fn, '__name__', 'my_step_fn')}" if step_fn is not None else ""
-    return (
-        f"python -c \"import stabletrain; print(stabletrain.load_nan_capture({str(path)!r}, model={cls}(){step}).replay())\""
-        f"  # construct {cls} as in training (and import it)"
-    )
+    return _replay_template(path, model, step_fn if custom_step else None)
+
+
+def is_replay_template(text: str) -> bool:
+    """Whether ``text`` (from :func:`default_replay_command`) is a Python template, not a command."""
+    return text.startswith(_TEMPLATE_HEAD)
+
+
+_TEMPLATE_HEAD = "import stabletrain\n"
+
+
+def _replay_template(path: str | Path, model: Any, step_fn: Any) -> str:
+    """Python that replays the capture once the ``# FILL IN`` lines are completed."""
+    lines = ["import stabletrain"]
+    cls = type(model) if model is not None else None
+    model_spec = _import_spec(cls, needs_no_args=False) if cls is not None else None
+    step_spec = _import_spec(step_fn, needs_no_args=False) if step_fn is not None else None
+    if model_spec is not None or step_spec is not None:
+        lines.append("from stabletrain.debug.replay import load_object  # imports a file without running its __main__ block")
+    if model_spec is not None:
+        target, _, name = model_spec
+        lines.append(f"{name} = load_object({f'{target}:{name}'!r})")
+        why = _not_importable_reason(cls, needs_no_args=True)
+        if why is None:
+            lines.append(f"model = {name}()")
+        else:
+            # The placeholder alone on its line: run unfilled, load_nan_capture says what to do.
+            lines.append(f"# FILL IN: construct {name} as in training ({why}), e.g. model = {name}(...):")
+            lines.append("model = ...")
+    else:
+        what = _qualified_name(cls) if cls is not None else "your model class"
+        lines.append(f"# FILL IN: build the model as in training (an instance of {what}):")
+        lines.append("model = ...")
+    call = "model=model"
+    if step_fn is not None:
+        if step_spec is not None:
+            target, _, name = step_spec
+            lines.append(f"step_fn = load_object({f'{target}:{name}'!r})")
+        else:
+            lines.append(f"# FILL IN: the step function your loop computed the loss with ({_qualified_name(step_fn)}):")
+            lines.append("step_fn = ...")
+        call += ", step_fn=step_fn"
+    lines.append(f"print(stabletrain.load_nan_capture({_display_path(path)!r}, {call}).replay())")
+    return "\n".join(lines)

@@ -44,9 +44,13 @@ from stabletrain.debug.grad_norm import compute_grad_norm
 from stabletrain.debug.nan_capture import (
     FILE_NAME,
     FORMAT,
+    REASON_NORM_OVERFLOW,
+    REASON_OTHER_RANK,
     VERSION,
     NaNCaptureError,
     _default_step_fn,
+    _shell_path,
+    largest_abs_grads,
     nonfinite_grad_names,
     persistent_buffers,
 )
@@ -86,7 +90,8 @@ class RankCapture:
     Attributes:
         path: The ``nan_capture.pt`` file.
         step, rank, world_size: Where the failure happened.
-        reason: ``nonfinite_gradients``, ``nonfinite_loss``, ``skipped_steps`` or ``other_rank``.
+        reason: ``nonfinite_gradients``, ``nonfinite_loss``, ``gradient_norm_overflow``,
+            ``skipped_steps`` or ``other_rank``.
         precision: The run's precision ("32-true", "bf16-mixed", ...).
         device: Device type the run trained on ("cpu", "cuda").
         loss_scale: fp16 GradScaler scale at the failing step, else None.
@@ -100,6 +105,8 @@ class RankCapture:
         losses: Each microbatch's loss (0-dim tensors), possibly fewer than microbatches
             when a plain loop did not call ``collect_loss``.
         nan_param_names: Parameters with a non-finite gradient at capture time.
+        largest_gradients: With ``gradient_norm_overflow``: (name, largest ``|gradient|``)
+            of the parameters with the largest gradient elements at capture time.
         settings: Resolved settings that rebuild a built-in model, or None.
         model_meta: The built-in task's ``model_meta``, or None.
         model_class: ``module.QualName`` of the model that was trained.
@@ -126,6 +133,7 @@ class RankCapture:
     model_meta: Optional[dict[str, Any]]
     model_class: str
     raw: dict[str, Any] = field(repr=False)
+    largest_gradients: list[tuple[str, float]] = field(default_factory=list)
 
     @property
     def num_microbatches(self) -> int:
@@ -239,7 +247,19 @@ def read_capture_file(path: str | Path) -> RankCapture:
         model_meta=state.get("model_meta"),
         model_class=state["model_class"],
         raw=state,
+        largest_gradients=_largest_entries(state.get("largest_gradients")),
     )
+
+
+def _largest_entries(value: Any) -> list[tuple[str, float]]:
+    """The capture's ``largest_gradients`` (absent in older captures) as (name, value) pairs."""
+    if not isinstance(value, list):
+        return []
+    return [
+        (str(e["name"]), float(e["abs_max"]))
+        for e in value
+        if isinstance(e, dict) and isinstance(e.get("name"), str) and isinstance(e.get("abs_max"), (int, float))
+    ]
 
 
 def _unpickler_detail(message: str) -> str:
@@ -301,6 +321,12 @@ def load_nan_capture(
         result = cap.replay()
         print(result.reproduced, result.nan_param_names, result.losses)
     """
+    if model is not None and not isinstance(model, nn.Module):
+        raise NaNCaptureError(
+            f"model must be an instance of the torch.nn.Module class that was trained, got {type(model).__name__} "
+            f"({model!r}); construct it as in training (complete the '# FILL IN' lines of a replay template)",
+            path,
+        )
     root = Path(path)
     parts = [read_capture_file(p) for p in _capture_files(root)]
     first = parts[0]
@@ -373,10 +399,14 @@ class ForwardBackwardResult:
             without a gradient are left out).
         nonfinite_param_names: The names whose gradient is not finite, in model order.
         gradient_norm: L2 norm over all gradients (float32 accumulation), as training logs it.
+            It is inf, with every element finite, when the gradients are too large for a float32
+            norm (``gradient_norm_overflow``).
         model: The model, holding the parameters the step started from and the gradients
             in ``.grad`` (un-scaled under fp16; over several ranks averaged as DDP does,
             while one rank's microbatches alone give that rank's local gradient).
         precision: The precision used.
+        largest_gradients: When the gradient norm overflows: (name, largest ``|gradient|``)
+            of the parameters with the largest gradient elements, largest first; else empty.
     """
 
     microbatches: list[MicrobatchKey]
@@ -386,6 +416,7 @@ class ForwardBackwardResult:
     gradient_norm: float
     model: nn.Module
     precision: str
+    largest_gradients: list[tuple[str, float]] = field(default_factory=list)
 
     @property
     def loss_values(self) -> list[float]:
@@ -393,8 +424,26 @@ class ForwardBackwardResult:
 
     @property
     def finite(self) -> bool:
-        """True when every loss and every gradient is finite."""
+        """True when every loss and every gradient element is finite (the gradient norm may
+        still overflow: see :attr:`gradient_norm_overflow`)."""
         return not self.nonfinite_param_names and all(math.isfinite(v) for v in self.loss_values)
+
+    @property
+    def gradient_norm_overflow(self) -> bool:
+        """Every gradient element is finite, but the gradient norm is not (float32 overflow)."""
+        return not self.nonfinite_param_names and not math.isfinite(self.gradient_norm)
+
+    def reproduces(self, reason: str) -> bool:
+        """Whether this replay fails the way a capture taken for ``reason`` did.
+
+        A non-finite loss or gradient element always counts. For ``gradient_norm_overflow``
+        (every element finite at capture time) so does a gradient norm that overflows again:
+        that is the failure training saw. For the other reasons it does not, since they
+        were non-finite values, not an overflowing norm.
+        """
+        if not self.finite:
+            return True
+        return reason == REASON_NORM_OVERFLOW and self.gradient_norm_overflow
 
 
 def forward_backward(
@@ -532,6 +581,8 @@ def forward_backward(
     bad = set(names)
     grad_finite = {n: n not in bad for n, p in model.named_parameters() if p.grad is not None}
     total = _grad_norm(model)
+    # Only when every element is finite and the norm still is not: which ones are so large.
+    largest = largest_abs_grads(model.named_parameters()) if not names and not math.isfinite(total) else []
     return ForwardBackwardResult(
         microbatches=run_keys,
         losses=losses,
@@ -540,6 +591,7 @@ def forward_backward(
         gradient_norm=total,
         model=model,
         precision=prec,
+        largest_gradients=largest,
     )
 
 
@@ -665,7 +717,10 @@ class ReplayResult:
     """What :meth:`NaNCapture.replay` found.
 
     Attributes:
-        reproduced: True when the replay also produced a non-finite gradient or loss.
+        reproduced: True when the replay fails again the way the captured step did: a
+            non-finite loss or gradient element, or, for a ``gradient_norm_overflow``
+            capture (every element finite), a float32 gradient norm that overflows again
+            (see :meth:`ForwardBackwardResult.reproduces`).
         nan_param_names: Parameters whose replayed gradient is non-finite.
         losses: Replayed loss of each microbatch (rank by rank in a multi-rank replay).
         step: The captured optimizer step.
@@ -676,6 +731,10 @@ class ReplayResult:
             (NaN counts as equal to NaN); None when the capture holds no losses.
         captured_nan_param_names: What training reported.
         gradient_norm: L2 norm of the replayed gradient.
+        gradient_norm_overflow: Every replayed gradient element is finite but their norm is not.
+        largest_gradients: With ``gradient_norm_overflow``: (name, largest ``|gradient|``)
+            of the parameters with the largest replayed gradient elements.
+        reason: Why the step was captured (of several ranks: the one that failed).
         microbatches: (rank, micro_step) of each loss.
         ranks: Ranks replayed; ``missing_ranks``: ranks of the run without a capture here.
         per_rank: For several ranks, each rank's microbatches replayed alone.
@@ -701,6 +760,8 @@ class ReplayResult:
     per_rank: list[RankOutcome]
     path: str
     sample_indices: list[Optional[list[int]]] = field(default_factory=list)
+    gradient_norm_overflow: bool = False
+    largest_gradients: list[tuple[str, float]] = field(default_factory=list)
 
     @property
     def ranks_reproducing_alone(self) -> list[int]:
@@ -718,6 +779,8 @@ class ReplayResult:
             "losses_bitwise_equal": self.losses_bitwise_equal,
             "captured_nan_param_names": self.captured_nan_param_names,
             "gradient_norm": _json_float(self.gradient_norm),
+            "gradient_norm_overflow": self.gradient_norm_overflow,
+            "largest_gradients": [{"name": n, "abs_max": _json_float(v)} for n, v in self.largest_gradients],
             "precision": self.precision,
             "captured_precision": self.captured_precision,
             "device": self.device,
@@ -751,11 +814,21 @@ class ReplayResult:
             lines.append(
                 f"  warning: no capture of rank(s) {', '.join(map(str, self.missing_ranks))}: the gradient is not the full DDP gradient"
             )
+        largest = f"largest |gradient|: {', '.join(f'{n} {_fmt(v)}' for n, v in self.largest_gradients)}"
         if self.reproduced:
-            what = f"non-finite gradients in {len(self.nan_param_names)} parameter(s): {_few(self.nan_param_names, 8)}" if self.nan_param_names else "non-finite loss (gradients finite)"
+            if self.nan_param_names:
+                what = f"non-finite gradients in {len(self.nan_param_names)} parameter(s): {_few(self.nan_param_names, 8)}"
+            elif any(not math.isfinite(x) for x in self.losses):
+                what = "non-finite loss (gradients finite)"
+            else:
+                what = f"gradient norm overflow: every gradient element is finite, but the float32 gradient norm overflows ({largest})"
             lines.append(f"  reproduced: YES - {what}")
+        elif self.gradient_norm_overflow:
+            lines.append(f"  reproduced: NO - no loss or gradient element is non-finite as in training, though the float32 "
+                         f"gradient norm overflows ({largest})")
         else:
-            lines.append("  reproduced: NO - every replayed loss and gradient is finite")
+            lines.append("  reproduced: NO - every replayed loss and gradient is finite"
+                         + (", and so is the gradient norm" if self.reason == REASON_NORM_OVERFLOW else ""))
         lines.append(f"  gradient_norm: {_fmt(self.gradient_norm)}")
         lines.append("  microbatch  rank  loss (replay)     loss (captured)   samples")
         for i, ((rank, micro), loss) in enumerate(zip(self.microbatches, self.losses)):
@@ -869,6 +942,12 @@ class NaNCapture:
         return self.ranks[0].settings
 
     @property
+    def reason(self) -> str:
+        """Why the step was captured; of several ranks, the reason of one that failed (the
+        others stopped with it: ``other_rank``)."""
+        return next((r.reason for r in self.ranks if r.reason != REASON_OTHER_RANK), self.ranks[0].reason)
+
+    @property
     def missing_ranks(self) -> list[int]:
         have = {r.rank for r in self.ranks}
         return [r for r in range(self.world_size) if r not in have]
@@ -921,7 +1000,7 @@ class NaNCapture:
             raise NaNCaptureError(
                 f"this capture is of your own model ({cls}), which cannot be rebuilt from settings: "
                 f"pass it, e.g. load_nan_capture({str(self.path)!r}, model={cls.rsplit('.', 1)[-1]}()), "
-                f"or on the command line: stabletrain replay {self.path} --model path/to/file.py:{cls.rsplit('.', 1)[-1]}",
+                f"or on the command line: stabletrain replay {_shell_path(self.path)} --model path/to/file.py:{cls.rsplit('.', 1)[-1]}",
                 self.path,
             )
         from stabletrain.config import settings_from_resolved
@@ -983,7 +1062,7 @@ class NaNCapture:
                 alone = forward_backward(
                     self, microbatches=[(part.rank, m) for m in range(part.num_microbatches)], precision=precision, device=device
                 )
-                per_rank.append(RankOutcome(part.rank, not alone.finite, alone.nonfinite_param_names, alone.loss_values))
+                per_rank.append(RankOutcome(part.rank, alone.reproduces(self.reason), alone.nonfinite_param_names, alone.loss_values))
         captured = [loss for r in self.ranks for loss in r.losses]
         bitwise: Optional[bool] = None
         if len(captured) == len(full.losses) and captured:
@@ -994,7 +1073,7 @@ class NaNCapture:
             indices.append(ix.tolist() if isinstance(ix, Tensor) else None)
         dev = torch.device(device) if device is not None else self.default_device()
         return ReplayResult(
-            reproduced=not full.finite,
+            reproduced=full.reproduces(self.reason),
             nan_param_names=full.nonfinite_param_names,
             losses=full.loss_values,
             step=self.step,
@@ -1009,10 +1088,12 @@ class NaNCapture:
             ranks=[r.rank for r in self.ranks],
             world_size=self.world_size,
             missing_ranks=self.missing_ranks,
-            reason=self.ranks[0].reason,
+            reason=self.reason,
             per_rank=per_rank,
             path=str(self.path),
             sample_indices=indices,
+            gradient_norm_overflow=full.gradient_norm_overflow,
+            largest_gradients=full.largest_gradients,
         )
 
     def diagnose(self, **kwargs: Any) -> "Diagnosis":
@@ -1031,7 +1112,7 @@ class NaNCapture:
     def __repr__(self) -> str:
         return (
             f"NaNCapture(path={str(self.path)!r}, step={self.step}, ranks={[r.rank for r in self.ranks]}, "
-            f"world_size={self.world_size}, precision={self.precision!r}, reason={self.ranks[0].reason!r})"
+            f"world_size={self.world_size}, precision={self.precision!r}, reason={self.reason!r})"
         )
 
 
@@ -1044,7 +1125,8 @@ def load_object(spec: str) -> Any:
     """``path/to/file.py:Name`` or ``package.module:Name`` -> the object.
 
     A file is imported as a module of its own name (its ``if __name__ == "__main__":``
-    block does not run), with its folder on ``sys.path`` for its own imports.
+    block does not run), with its folder on ``sys.path`` for its own imports, once: asked
+    again for the same, unchanged file, the module already imported is used.
     """
     target, sep, attr = spec.rpartition(":")
     if not sep or not target or not attr:
@@ -1056,12 +1138,24 @@ def load_object(spec: str) -> Any:
         name = f"_stabletrain_user_{file.stem}"
         if str(file.parent) not in sys.path:
             sys.path.insert(0, str(file.parent))
-        module_spec = importlib.util.spec_from_file_location(name, file)
-        if module_spec is None or module_spec.loader is None:
-            raise NaNCaptureError(f"{spec!r}: cannot import {file}")
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[name] = module
-        module_spec.loader.exec_module(module)
+        module = sys.modules.get(name)
+        mtime = file.stat().st_mtime_ns
+        # The same file once (e.g. --model and --step-fn from one file): one module, whose
+        # classes and functions are the very objects the other names refer to. An edited
+        # file is imported again.
+        if (module is None or getattr(module, "__file__", None) != str(file)
+                or getattr(module, "_stabletrain_mtime", None) != mtime):
+            module_spec = importlib.util.spec_from_file_location(name, file)
+            if module_spec is None or module_spec.loader is None:
+                raise NaNCaptureError(f"{spec!r}: cannot import {file}")
+            module = importlib.util.module_from_spec(module_spec)
+            module._stabletrain_mtime = mtime  # type: ignore[attr-defined]
+            sys.modules[name] = module
+            try:
+                module_spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[name]
+                raise
     else:
         if "" not in sys.path and "." not in sys.path:
             sys.path.insert(0, "")
