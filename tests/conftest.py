@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -57,3 +58,19 @@ def cli(tmp_path: Path):
         return run_cli(*args, cwd=tmp_path, timeout=timeout)
 
     return run
+
+
+class LinearData(torch.utils.data.Dataset):
+    """``n`` samples ``{"x": [4], "y": [1]}`` of a fixed linear map (seeded): a custom dataset
+    that any small regression model learns."""
+
+    def __init__(self, n: int = 64):
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 4, generator=g)
+        self.y = self.x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": self.x[i], "y": self.y[i]}

@@ -18,7 +18,7 @@ from stabletrain.errors import ConfigError
 from stabletrain.loggers.jsonl import read_metrics
 from stabletrain.trainer import train
 
-from conftest import cli_env, tiny_lm
+from conftest import LinearData, cli_env, tiny_lm
 
 # Dropout on and accumulation 2, so that RNG and data position both matter.
 RESUME = tiny_lm(
@@ -85,17 +85,6 @@ class _NoisyRegression(torch.nn.Module):
         return scale * torch.nn.functional.mse_loss(self.lin(x), batch["y"])
 
 
-class _LinearData(torch.utils.data.Dataset):
-    def __init__(self, n=48):
-        g = torch.Generator().manual_seed(0)
-        self.x = torch.randn(n, 4, generator=g)
-        self.y = self.x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return {"x": self.x[i], "y": self.y[i]}
 
 
 NOISY = {
@@ -132,7 +121,7 @@ def test_checkpoint_rng_state_restores_torch_numpy_and_python_draws(tmp_path):
 
     recorder = _DrawsAtSave()
     out = tmp_path / "run"
-    train(out=out, model=_NoisyRegression(), data=_LinearData(), callbacks=[recorder], **NOISY)
+    train(out=out, model=_NoisyRegression(), data=LinearData(48), callbacks=[recorder], **NOISY)
     assert sorted(recorder.draws) == [3, 6, 9, 12]
     state = load_checkpoint(out / "checkpoints" / "last.ckpt")
     assert state["step"] == 12 and len(state["rng"]) == 1, "one RNG entry per rank"
@@ -159,10 +148,10 @@ def test_checkpoint_rng_state_restores_torch_numpy_and_python_draws(tmp_path):
 
 def test_resume_is_bitwise_identical_when_the_step_draws_from_numpy_and_random(tmp_path):
     full, broken = tmp_path / "full", tmp_path / "broken"
-    train(out=full, model=_NoisyRegression(), data=_LinearData(), **NOISY)
+    train(out=full, model=_NoisyRegression(), data=LinearData(48), **NOISY)
     with pytest.raises(KeyboardInterrupt):
-        train(out=broken, model=_NoisyRegression(), data=_LinearData(), callbacks=[InterruptAt(11)], **NOISY)
-    train(out=broken, model=_NoisyRegression(), data=_LinearData(), resume_interrupted=True, **NOISY)
+        train(out=broken, model=_NoisyRegression(), data=LinearData(48), callbacks=[InterruptAt(11)], **NOISY)
+    train(out=broken, model=_NoisyRegression(), data=LinearData(48), resume_interrupted=True, **NOISY)
     ref = {r["step"]: r for r in read_metrics(full / "metrics.jsonl")[0]}
     rows = read_metrics(broken / "metrics.jsonl")[0]
     assert [r["step"] for r in rows] == list(range(11)) + [9, 10, 11]

@@ -7,13 +7,12 @@ import json
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import Dataset
 
 from stabletrain.errors import ConfigError, StabletrainError
 from stabletrain.loggers.jsonl import read_metrics
 from stabletrain.trainer import train
 
-from conftest import tiny_lm
+from conftest import LinearData, tiny_lm
 
 
 def test_outputs_metrics_log_settings_and_checkpoints(tmp_path, capsys):
@@ -67,17 +66,6 @@ class _Regression(nn.Module):
         return nn.functional.mse_loss(self(batch["x"]), batch["y"])
 
 
-class _Linear(Dataset):
-    def __init__(self, n=64):
-        g = torch.Generator().manual_seed(0)
-        self.x = torch.randn(n, 4, generator=g)
-        self.y = self.x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return {"x": self.x[i], "y": self.y[i]}
 
 
 def test_custom_model_trains_and_loss_falls(tmp_path):
@@ -85,7 +73,7 @@ def test_custom_model_trains_and_loss_falls(tmp_path):
     result = train(
         out=tmp_path / "run",
         model=model,
-        data=_Linear(),
+        data=LinearData(),
         steps=60,
         batch_size=16,
         log_every_num_steps=1,
@@ -100,18 +88,18 @@ def test_custom_model_trains_and_loss_falls(tmp_path):
 
 def test_custom_model_mistakes(tmp_path):
     with pytest.raises(ConfigError, match="has no training_step"):
-        train(out=tmp_path / "a", model=nn.Linear(2, 2), data=_Linear())
+        train(out=tmp_path / "a", model=nn.Linear(2, 2), data=LinearData())
     with pytest.raises(ConfigError, match="needs a map-style torch Dataset"):
         train(out=tmp_path / "b", model=_Regression())
     with pytest.raises(ConfigError, match="the dataset is empty"):
-        train(out=tmp_path / "c", model=_Regression(), data=_Linear(0))
+        train(out=tmp_path / "c", model=_Regression(), data=LinearData(0))
 
     class Vector(_Regression):
         def training_step(self, batch):
             return (self(batch["x"]) - batch["y"]) ** 2  # forgot the mean
 
     with pytest.raises(StabletrainError, match=r"scalar loss tensor, got Tensor of shape \(16, 1\)"):
-        train(out=tmp_path / "d", model=Vector(), data=_Linear(), batch_size=16, steps=1)
+        train(out=tmp_path / "d", model=Vector(), data=LinearData(), batch_size=16, steps=1)
 
 
 def test_events_fire_in_order_with_accumulation(tmp_path):

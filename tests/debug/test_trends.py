@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import Dataset
 
 from stabletrain.config import TrendAlertArgs
 from stabletrain.debug.trends import AlertContext, Episode, TrendAlerts, TrendDetector, detect_trends, next_actions
@@ -17,7 +16,7 @@ from stabletrain.loggers.jsonl import read_metrics
 from stabletrain.trainer import train
 from stabletrain.utils.sync import SyncsPerStep
 
-from conftest import tiny_lm
+from conftest import LinearData, tiny_lm
 
 
 def noise(seed: int, n: int, decades: float = 0.1) -> np.ndarray:
@@ -294,17 +293,6 @@ class _NanGradientAt(nn.Module):
         return loss
 
 
-class _LinearData(Dataset):
-    def __init__(self, n=64):
-        g = torch.Generator().manual_seed(0)
-        self.x = torch.randn(n, 4, generator=g)
-        self.y = self.x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return {"x": self.x[i], "y": self.y[i]}
 
 
 def test_nan_gradients_then_nan_loss_the_loss_gets_a_follow_up_alert(tmp_path, capsys):
@@ -312,7 +300,7 @@ def test_nan_gradients_then_nan_loss_the_loss_gets_a_follow_up_alert(tmp_path, c
     next actions; at step 7 one more line (and one metrics.jsonl row) says the loss is gone
     too, from step 7, without repeating the actions."""
     out = tmp_path / "run"
-    train(out=out, model=_NanGradientAt(6), data=_LinearData(), steps=10, batch_size=16, log_every_num_steps=1,
+    train(out=out, model=_NanGradientAt(6), data=LinearData(), steps=10, batch_size=16, log_every_num_steps=1,
           model_args={"optimizer": "sgd", "lr": 0.01, "warmup_steps": 0})
     rows, events = read_metrics(out / "metrics.jsonl")
     by_step = {r["step"]: r for r in rows}
