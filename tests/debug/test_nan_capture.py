@@ -325,16 +325,14 @@ def test_fp16_on_a_gpu_skipped_steps_pass_and_a_nan_loss_is_captured(tmp_path):
     assert result.device.startswith("cuda") and result.precision == "16-mixed" and result.reproduced
 
 
-def test_standalone_monitor_with_a_cpu_grad_scaler(tmp_path):
-    """A plain fp16 loop: skipped steps pass, a NaN loss raises at once."""
-    torch.manual_seed(0)
-    model, data = PoisonNet(), PoisonData(input_poison={50: float("nan")})
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+def _fp16_plain_loop(model, data, optimizer, scaler, out_dir, steps):
+    """A plain fp16 loop (autocast, GradScaler, batches of 8 in order) under NaNCaptureMonitor
+    that must end in NaNDetectedError; returns pytest's ExceptionInfo and the loss scale
+    after each completed step."""
     scales = []
-    with NaNCaptureMonitor(model, out_dir=tmp_path / "caps", scaler=scaler) as monitor:
+    with NaNCaptureMonitor(model, out_dir=out_dir, scaler=scaler) as monitor:
         with pytest.raises(NaNDetectedError) as info:
-            for step in range(8):
+            for step in range(steps):
                 batch = torch.utils.data.default_collate([data[i] for i in range(step * 8, step * 8 + 8)])
                 monitor.begin_step(step)
                 monitor.collect_batch(batch)
@@ -348,6 +346,16 @@ def test_standalone_monitor_with_a_cpu_grad_scaler(tmp_path):
                 scaler.update()
                 scales.append(scaler.get_scale())
                 optimizer.zero_grad()
+    return info, scales
+
+
+def test_standalone_monitor_with_a_cpu_grad_scaler(tmp_path):
+    """A plain fp16 loop: skipped steps pass, a NaN loss raises at once."""
+    torch.manual_seed(0)
+    model, data = PoisonNet(), PoisonData(input_poison={50: float("nan")})
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    info, scales = _fp16_plain_loop(model, data, optimizer, scaler, tmp_path / "caps", steps=8)
     assert scales[:3] == [2.0**15, 2.0**14, 2.0**14], "two skipped steps did not stop the loop"
     assert (info.value.step, info.value.reason) == (6, "nonfinite_loss")  # sample 50 is in step 6
     cap = load_nan_capture(info.value.capture_path, model=PoisonNet())
@@ -515,21 +523,7 @@ def test_fp16_finite_gradients_whose_norm_overflows_are_captured_at_once(tmp_pat
     model, data = SpikeNet(), PoisonData(spikes={16: 1e21})  # sample 16 is in step 2
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
-    with NaNCaptureMonitor(model, out_dir=tmp_path / "caps", scaler=scaler) as monitor:
-        with pytest.raises(NaNDetectedError) as info:
-            for step in range(6):
-                batch = torch.utils.data.default_collate([data[i] for i in range(step * 8, step * 8 + 8)])
-                monitor.begin_step(step)
-                monitor.collect_batch(batch)
-                with torch.autocast("cpu", dtype=torch.float16):
-                    loss = model.training_step(batch)
-                monitor.collect_loss(loss)
-                scaler.scale(loss).backward()
-                scaler.unscale_(optimizer)
-                monitor.check_and_capture()
-                scaler.step(optimizer)
-                scaler.update()
-                optimizer.zero_grad()
+    info, _ = _fp16_plain_loop(model, data, optimizer, scaler, tmp_path / "caps", steps=6)
     err = info.value
     assert (err.step, err.reason, err.nan_param_names) == (2, "gradient_norm_overflow", [])
     assert "Largest |gradient|: s 1.25e+20" in str(err)
