@@ -154,7 +154,7 @@ class Trainer:
     Attributes useful to callbacks: ``fabric``, ``settings``, ``model`` (the user's module,
     unwrapped), ``optimizer``, ``scaler`` (fp16 GradScaler or None), ``precision`` (resolved),
     ``out``, ``rank``, ``world_size``, ``step``, ``task``, ``console``, ``loggers``; methods
-    ``any_rank``, ``request_stop``, ``log_event``, ``resolved_settings``, ``checkpoint_state``.
+    ``any_rank``, ``max_over_ranks``, ``request_stop``, ``log_event``, ``resolved_settings``, ``checkpoint_state``.
     """
 
     def __init__(self, settings: TrainSettings, fabric: Any = None):
@@ -631,11 +631,19 @@ class Trainer:
 
         Every rank must call it at the same point of the step.
         """
+        return bool(self.max_over_ranks(flag))
+
+    def max_over_ranks(self, value: float | torch.Tensor) -> float:
+        """The largest ``value`` (a number or a scalar tensor) over all ranks, on every rank:
+        one host read, and one all-reduce when distributed.
+
+        Every rank must call it at the same point of the step.
+        """
         if self.world_size == 1:
-            return bool(flag)
+            return float(value)
         # A copy: the all-reduce works in place and must not change the caller's tensor.
-        t = torch.as_tensor(flag, dtype=torch.float32, device=self.fabric.device).clone().reshape(())
-        return bool(self.fabric.all_reduce(t, reduce_op="max"))
+        t = torch.as_tensor(value, dtype=torch.float32, device=self.fabric.device).clone().reshape(())
+        return float(self.fabric.all_reduce(t, reduce_op="max"))
 
     def request_stop(self, reason: str) -> None:
         """Finish the current step (log it, checkpoint it), then stop training."""

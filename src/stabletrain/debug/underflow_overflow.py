@@ -938,7 +938,7 @@ class UnderflowOverflowCallback:
 
     Attaches an :class:`UnderflowOverflowMonitor` to ``trainer.model`` (the user's module,
     so names carry no wrapper prefixes) and decides at two points every rank reaches, with
-    ``trainer.any_rank``: before the backward of the step's last microbatch (every forward
+    ``trainer.max_over_ranks``: before the backward of the step's last microbatch (every forward
     of the step) and after the last backward (before clipping and the optimizer step). That
     is two host synchronisations per optimizer step, with or without gradient accumulation;
     the statistics of all microbatches stay on the device until then, so the first bad frame
@@ -1013,7 +1013,7 @@ class UnderflowOverflowCallback:
         monitor = self.monitor
         assert monitor is not None
         code = monitor.nonfinite_code()
-        worst = self._worst(trainer, code)  # the one host sync of this decision
+        worst = int(trainer.max_over_ranks(code))  # the one host sync of this decision
         if worst == 0:
             monitor.accept()
             if phase == "backward":
@@ -1039,14 +1039,6 @@ class UnderflowOverflowCallback:
                 "tensor": exc.tensor, "value": exc.value, "detected_by": exc.detected_by, "report": str(exc.report_path),
             })
             raise
-
-    @staticmethod
-    def _worst(trainer: Any, code: Tensor) -> int:
-        if trainer.world_size == 1:
-            return int(code)
-        # A copy: the all-reduce works in place, and this rank's own code is still needed.
-        t = code.to(device=trainer.fabric.device, dtype=torch.float32, copy=True).reshape(())
-        return int(trainer.fabric.all_reduce(t, reduce_op="max"))
 
     @staticmethod
     def _ranks_that_found(trainer: Any, flag: Tensor) -> list[int]:
