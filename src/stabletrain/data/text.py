@@ -209,6 +209,12 @@ def decode_chars(tokens: torch.Tensor | list[int], vocab: str) -> str:
 # --------------------------------------------------------------------------------------
 
 
+def num_windows(num_tokens: int, context_length: int) -> int:
+    """How many samples :class:`TextDataset` makes of ``num_tokens`` tokens (windows of
+    ``context_length + 1`` tokens sharing one boundary token)."""
+    return max(0, (num_tokens - 1) // context_length)
+
+
 class TextDataset(Dataset):
     """Non-overlapping windows of a token stream for next-token prediction.
 
@@ -237,7 +243,7 @@ class TextDataset(Dataset):
         self.context_length = context_length
 
     def __len__(self) -> int:
-        return max(0, (len(self.tokens) - 1) // self.context_length)
+        return num_windows(len(self.tokens), self.context_length)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         n = len(self)

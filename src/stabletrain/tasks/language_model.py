@@ -35,6 +35,7 @@ from stabletrain.data.text import (
     encode_bytes,
     encode_chars,
     generate_text,
+    num_windows,
 )
 from stabletrain.tasks.base import Task
 
@@ -241,25 +242,26 @@ def check(settings: TrainSettings) -> list[str]:
     return problems
 
 
-def _check_text_file(path: Path, tokenizer: str, needed: int) -> list[str]:
+def _count_tokens(path: Path, tokenizer: str) -> int:
+    """Tokens of the text file under ``tokenizer`` (bytes, or UTF-8 characters), without
+    encoding them. Raises OSError or UnicodeDecodeError."""
     if tokenizer == "byte":
-        try:
-            num_tokens = path.stat().st_size
-        except OSError as exc:
-            return [f"data: cannot read {path}: {exc} ({_DATA_HINT})"]
-    else:
-        try:
-            text = path.read_bytes().decode("utf-8")
-        except OSError as exc:
-            return [f"data: cannot read {path}: {exc} ({_DATA_HINT})"]
-        except UnicodeDecodeError as exc:
-            return [
-                f"data: {path} is not valid UTF-8 (byte {exc.start}: {exc.reason}); the char tokenizer "
-                "needs UTF-8 text (model_args.tokenizer='byte' accepts any bytes)"
-            ]
-        if not text:
-            return [f"data: {path} is empty; the char tokenizer needs a non-empty UTF-8 text file"]
-        num_tokens = len(text)
+        return path.stat().st_size
+    return len(path.read_bytes().decode("utf-8"))
+
+
+def _check_text_file(path: Path, tokenizer: str, needed: int) -> list[str]:
+    try:
+        num_tokens = _count_tokens(path, tokenizer)
+    except OSError as exc:
+        return [f"data: cannot read {path}: {exc} ({_DATA_HINT})"]
+    except UnicodeDecodeError as exc:
+        return [
+            f"data: {path} is not valid UTF-8 (byte {exc.start}: {exc.reason}); the char tokenizer "
+            "needs UTF-8 text (model_args.tokenizer='byte' accepts any bytes)"
+        ]
+    if tokenizer != "byte" and not num_tokens:
+        return [f"data: {path} is empty; the char tokenizer needs a non-empty UTF-8 text file"]
     if num_tokens < needed:
         unit = "bytes" if tokenizer == "byte" else "characters"
         return [
@@ -279,10 +281,8 @@ def num_samples(settings: TrainSettings) -> int:
         text = generate_text(GENERATED_TEXT_CHARS)
         num_tokens = len(text.encode("utf-8")) if args.tokenizer == "byte" else len(text)
     else:
-        path = Path(settings.data)
-        num_tokens = path.stat().st_size if args.tokenizer == "byte" else len(path.read_bytes().decode("utf-8"))
-    # TextDataset: windows of context_length + 1 tokens sharing one boundary token.
-    return max(0, (num_tokens - 1) // args.context_length)
+        num_tokens = _count_tokens(Path(settings.data), args.tokenizer)
+    return num_windows(num_tokens, args.context_length)
 
 
 # --------------------------------------------------------------------------------------
