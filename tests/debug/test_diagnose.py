@@ -362,26 +362,33 @@ def test_buffer_already_nonfinite_when_the_step_began(tmp_path):
     assert "it came from buffers (norm.mean)" in report and "step 2 |w| 0.517 (non-finite buffers)" in report
 
 
-def _plain_loop_capture(tmp_path, fires):
-    """A plain loop with the standalone monitor over FlakyNet, failing at step 3."""
-    torch.manual_seed(0)
-    model = FlakyNet(fires=fires)
-    data = PoisonData()
+def _plain_loop(model, data, out_dir, steps, with_indices=True):
+    """A plain SGD loop (batches of 8 in order) under the standalone monitor that must end in
+    NaNDetectedError, which it returns. ``with_indices=False``: collect_batch is not told the
+    dataset indices."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    monitor = NaNCaptureMonitor(model, out_dir=tmp_path / "caps")
+    monitor = NaNCaptureMonitor(model, out_dir=out_dir)
     with pytest.raises(NaNDetectedError) as info:
-        for step in range(8):
-            batch = torch.utils.data.default_collate([data[i] for i in range(step * 8, step * 8 + 8)])
+        for step in range(steps):
+            rows = list(range(step * 8, step * 8 + 8))
+            batch = torch.utils.data.default_collate([data[i] for i in rows])
             monitor.begin_step(step)
-            monitor.collect_batch(batch, indices=list(range(step * 8, step * 8 + 8)))
+            monitor.collect_batch(batch, indices=rows if with_indices else None)
             loss = model.training_step(batch)
             monitor.collect_loss(loss)
             loss.backward()
             monitor.check_and_capture()
             optimizer.step()
             optimizer.zero_grad()
-    assert info.value.step == 3
-    return info.value.capture_path
+    return info.value
+
+
+def _plain_loop_capture(tmp_path, fires):
+    """A plain loop with the standalone monitor over FlakyNet, failing at step 3."""
+    torch.manual_seed(0)
+    err = _plain_loop(FlakyNet(fires=fires), PoisonData(), tmp_path / "caps", steps=8)
+    assert err.step == 3
+    return err.capture_path
 
 
 @pytest.mark.parametrize("replays_hit", [[False, False], [True, False]], ids=["never-again", "1-of-2"])
@@ -404,25 +411,10 @@ def test_nondeterministic_fault_is_not_reproducible(tmp_path, replays_hit):
 def test_capture_without_dataset_indices_names_rows(tmp_path):
     """A plain loop that does not give collect_batch the dataset indices: the culprit sample
     is named by its row in the microbatch."""
-    from torch.utils.data import default_collate
-
-    model = FaultNet("log0")
     data = FaultData(plant={13: {"s": 0.0}})  # step 1, row 5
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    monitor = NaNCaptureMonitor(model, out_dir=tmp_path / "caps")
-    with pytest.raises(NaNDetectedError) as info:
-        for step in range(4):
-            batch = default_collate([data[i] for i in range(step * 8, step * 8 + 8)])
-            monitor.begin_step(step)
-            monitor.collect_batch(batch)
-            loss = model.training_step(batch)
-            monitor.collect_loss(loss)
-            loss.backward()
-            monitor.check_and_capture()
-            optimizer.step()
-            optimizer.zero_grad()
-    assert info.value.step == 1
-    d = stabletrain.diagnose(info.value.capture_path, model=FaultNet("log0"))
+    err = _plain_loop(FaultNet("log0"), data, tmp_path / "caps", steps=4, with_indices=False)
+    assert err.step == 1
+    d = stabletrain.diagnose(err.capture_path, model=FaultNet("log0"))
 
     assert d.cause == DETERMINISTIC_NUMERICAL and d.finding.op == "aten.log.default"
     assert d.data.status == "isolated" and d.data.rows == [5]
