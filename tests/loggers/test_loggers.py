@@ -43,6 +43,8 @@ def _offline_env(tmp_path: Path) -> dict[str, str]:
         WANDB_CACHE_DIR=str(tmp_path / "wandb_cache"),
         WANDB_DATA_DIR=str(tmp_path / "wandb_data"),
         WANDB_DIR=str(tmp_path / "wandb_default_dir"),
+        # matplotlib (imported by MLflow and W&B) keeps its font cache under $HOME/.cache; that is not a logger's write.
+        MPLCONFIGDIR=str(tmp_path / "matplotlib"),
         MLFLOW_DISABLE_TELEMETRY="true",
         DO_NOT_TRACK="true",
     )
