@@ -243,3 +243,17 @@ def test_norm_adds_no_sync_on_steps_that_are_not_logged(tmp_path, monkeypatch):
     reading = _run_counting(tmp_path, "reading", extra=[ReadsNorm()], gradient_clip_val=1.0)
     for step in quiet:
         assert reading[step] == ours[step] + 1
+
+
+def test_float64_gradients_64_true(tmp_path):
+    """precision=64-true: float64 gradients (their norm used to raise in _foreach_norm's dtype check)."""
+    p = nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    p.grad = torch.tensor([3.0, 4.0, 12.0], dtype=torch.float64)
+    gn = compute_grad_norm([("p", p)])
+    assert gn.total.dtype == torch.float32 and gn.total.item() == 13.0
+    rec = Recorder()
+    train(out=tmp_path / "run", model=MLP(), data=Blobs(), callbacks=[rec], steps=2, batch_size=16,
+          precision="64-true", log_every_num_steps=1, model_args={"lr": 0.05, "warmup_steps": 0})
+    rows, _ = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    for row in rows:
+        assert row["gradient_norm"] == pytest.approx(_norm64(rec.grads[row["step"]]), rel=1e-6)
