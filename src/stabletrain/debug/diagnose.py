@@ -54,8 +54,7 @@ from stabletrain.debug.nan_capture import (
     REASON_OTHER_RANK,
     REASON_SKIPPED,
     NaNCaptureError,
-    _default_step_fn,
-    _shell_path,
+    default_step_fn,
 )
 from stabletrain.debug.op_trace import OpFinding, OpTracer
 from stabletrain.debug.replay import (
@@ -70,6 +69,7 @@ from stabletrain.debug.replay import (
     normalize_precision,
 )
 from stabletrain.utils.io import atomic_write_text
+from stabletrain.utils.text import fmt_list, fmt_number, json_float, shell_path
 
 __all__ = [
     "diagnose",
@@ -141,9 +141,9 @@ class ReplayOutcome:
             "label": self.label,
             "precision": self.precision,
             "reproduced": self.reproduced,
-            "losses": [_jf(x) for x in self.losses],
+            "losses": [json_float(x) for x in self.losses],
             "nan_param_names": self.nan_param_names,
-            "gradient_norm": _jf(self.gradient_norm),
+            "gradient_norm": json_float(self.gradient_norm),
             "seconds": round(self.seconds, 3),
         }
 
@@ -159,7 +159,7 @@ class ParamStat:
     nonfinite: int
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "shape": self.shape, "abs_max": _jf(self.abs_max), "rms": _jf(self.rms),
+        return {"name": self.name, "shape": self.shape, "abs_max": json_float(self.abs_max), "rms": json_float(self.rms),
                 "nonfinite": self.nonfinite}
 
 
@@ -195,7 +195,7 @@ class WeightsReport:
             "largest": [p.to_dict() for p in self.largest],
             "nonfinite": [p.to_dict() for p in self.nonfinite],
             "nonfinite_buffers": self.nonfinite_buffers,
-            "checkpoints": [{**c, "abs_max": _jf(c["abs_max"])} for c in self.checkpoints],
+            "checkpoints": [{**c, "abs_max": json_float(c["abs_max"])} for c in self.checkpoints],
             "healthy_checkpoint": self.healthy_checkpoint,
         }
 
@@ -772,7 +772,7 @@ def _isolation_caveats(model: nn.Module, data: DataReport) -> list[str]:
     norms = [name or "<root>" for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     if norms and data.microbatch_size > 1:
         caveats.insert(0,
-            f"the model has batch-dependent layers (BatchNorm in training mode: {_few(norms, 3)}): a subset of samples is "
+            f"the model has batch-dependent layers (BatchNorm in training mode: {fmt_list(norms, 3)}): a subset of samples is "
             "normalised with its own batch statistics, so samples replayed on their own do not see exactly what they saw "
             "in the full microbatch; the isolation of single samples is approximate"
         )
@@ -863,7 +863,7 @@ def _trace(
     precision: str,
     device: torch.device,
 ) -> Optional[OpFinding]:
-    base = cap.step_fn or _default_step_fn
+    base = cap.step_fn or default_step_fn
     # The forward pass alone first: most failures start there, and it costs neither the
     # backward pass nor anomaly mode (which records a traceback per autograd node).
     for backward in (False, True):
@@ -1040,7 +1040,7 @@ def _explain_cause(d: Diagnosis, cap: NaNCapture) -> str:
         big = next((r for r in d.replays if r.precision in finite_in), None)
         mag = ""
         if big is not None and big.losses:
-            mag = f" (loss {_fmt(max(abs(x) for x in big.losses))}, gradient_norm {_fmt(big.gradient_norm)})"
+            mag = f" (loss {fmt_number(max(abs(x) for x in big.losses))}, gradient_norm {fmt_number(big.gradient_norm)})"
         text += (
             f", and only {', '.join(finite_in)} keeps it finite{mag}: the values exceed what {dtype} can hold. "
             "A wider type postpones the overflow; it does not fix the values"
@@ -1099,14 +1099,14 @@ def _probable_cause(d: Diagnosis, cap: NaNCapture) -> str:
         else:
             where = f" and {d.finding.op_name} in {d.finding.where} is the first op to read them" if d.finding else ""
             noun = "buffer" if len(w.nonfinite_buffers) == 1 else "buffers"
-            text = (f"the {noun} {_few(w.nonfinite_buffers, 3)} already held NaN/Inf when the step began{where}: "
+            text = (f"the {noun} {fmt_list(w.nonfinite_buffers, 3)} already held NaN/Inf when the step began{where}: "
                     "an earlier step's forward pass, which updates them, did the damage")
         if d.data.status == "isolated":
             text += f"; only the data that reaches them fails ({_samples_text(d.data.row_sets, d.data.index_sets)})"
         return text
     if w.status == "huge":
         top = w.largest[0]
-        return (f"the weights were already huge when the step began (|w| up to {_fmt(top.abs_max)} in {top.name}): "
+        return (f"the weights were already huge when the step began (|w| up to {fmt_number(top.abs_max)} in {top.name}): "
                 "training was diverging in earlier steps, most likely from a learning rate too high")
     f = d.finding
     data_text = ""
@@ -1138,8 +1138,8 @@ def _probable_cause(d: Diagnosis, cap: NaNCapture) -> str:
                     "the same step is finite in float32, which keeps that value")
         if f.phase == "backward" and d.precision == "16-mixed":
             return (f"{dtype} overflow in the backward pass ({f.op_name} in {f.where}) at loss scale "
-                    f"{_fmt(d.loss_scale or math.nan)}{data_text}: the gradients do not fit in {dtype}")
-        return (f"{dtype} overflow: {f.op_name} in {f.where} ({f.phase}) turns inputs up to |{_fmt(big)}| into "
+                    f"{fmt_number(d.loss_scale or math.nan)}{data_text}: the gradients do not fit in {dtype}")
+        return (f"{dtype} overflow: {f.op_name} in {f.where} ({f.phase}) turns inputs up to |{fmt_number(big)}| into "
                 f"{'Inf' if f.output.posinf or f.output.neginf else 'NaN'}{data_text}; the same step is finite in float32")
     where = f" at {f.source}" if f.source else ""
     if kind == "log":
@@ -1153,7 +1153,7 @@ def _probable_cause(d: Diagnosis, cap: NaNCapture) -> str:
                 f"at 0 in {f.where}{where}{data_text}")
     if kind == "overflow":
         big = max((s.abs_max for s in f.inputs if math.isfinite(s.abs_max)), default=math.nan)
-        return f"overflow: {f.op_name} in {f.where} ({f.phase}) turns inputs up to |{_fmt(big)}| into Inf{data_text}"
+        return f"overflow: {f.op_name} in {f.where} ({f.phase}) turns inputs up to |{fmt_number(big)}| into Inf{data_text}"
     return f"{f.op_name} in {f.where} ({f.phase}) produced a non-finite value{data_text}"
 
 
@@ -1194,7 +1194,7 @@ def _bad_input_text(d: Diagnosis) -> str:
 
 
 def _out_of_range_text(d: Diagnosis) -> str:
-    parts = [f"{e['field']} of {_who(e)} reaches {_fmt(e['abs_max'])} in magnitude"
+    parts = [f"{e['field']} of {_who(e)} reaches {fmt_number(e['abs_max'])} in magnitude"
              for e in _culprit_inputs(d, d.data.out_of_range_inputs)]
     return ", ".join(parts[:3]) or "the data"
 
@@ -1207,7 +1207,7 @@ def _summary(d: Diagnosis, cap: NaNCapture) -> str:
     what = {
         "nonfinite_loss": "a non-finite loss",
         "nonfinite_gradients": "non-finite gradients",
-        REASON_SKIPPED: f"fp16 loss scaling skipped steps in a row (loss scale {_fmt(d.loss_scale or math.nan)})",
+        REASON_SKIPPED: f"fp16 loss scaling skipped steps in a row (loss scale {fmt_number(d.loss_scale or math.nan)})",
         REASON_OTHER_RANK: "a failure on another rank",
         REASON_NORM_OVERFLOW: "a gradient norm overflow",
     }.get(d.reason, d.reason)
@@ -1223,7 +1223,7 @@ def _summary(d: Diagnosis, cap: NaNCapture) -> str:
             text += " The replay gives the same: finite losses and gradient elements, gradient norm inf."
             return text + (" Its losses are bitwise those of training." if d.matches_capture else "")
         if bad:
-            text += f" The replay gives the same: losses {', '.join(_fmt(first.losses[i]) for i in bad)} in microbatch(es) {', '.join(map(str, bad))}"
+            text += f" The replay gives the same: losses {', '.join(fmt_number(first.losses[i]) for i in bad)} in microbatch(es) {', '.join(map(str, bad))}"
         else:
             text += " The replay gives the same: every loss is finite, but the backward pass is not"
         text += f", NaN/Inf gradients in {len(first.nan_param_names)} parameter(s)."
@@ -1238,7 +1238,7 @@ def _largest_text(cap: NaNCapture) -> str:
     if not largest:
         return "the gradients were too large"
     name, value = largest[0]
-    return f"|gradient| reached {_fmt(value)} in {name}"
+    return f"|gradient| reached {fmt_number(value)} in {name}"
 
 
 def _lr_text(settings: Optional[dict[str, Any]]) -> tuple[str, Optional[float]]:
@@ -1292,11 +1292,11 @@ def _next_actions(d: Diagnosis, cap: NaNCapture, out: Optional[Path]) -> list[st
                      f"copy {w.healthy_checkpoint} over {last}, then ")
             actions.append(
                 f"Resume from before the damage: the newest checkpoint with healthy {state} is step {ck['step']} "
-                f"(|w| up to {_fmt(ck['abs_max'])}); {where}{resume} and {lr}."
+                f"(|w| up to {fmt_number(ck['abs_max'])}); {where}{resume} and {lr}."
             )
         elif w.checkpoints:
             actions.append(
-                f"No checkpoint of this run has healthy {state} (all reach |w| >= {_fmt(w.threshold)} or hold NaN): "
+                f"No checkpoint of this run has healthy {state} (all reach |w| >= {fmt_number(w.threshold)} or hold NaN): "
                 f"start again with overwrite=true and {lr}."
             )
         elif out is not None and out.is_dir():
@@ -1320,7 +1320,7 @@ def _next_actions(d: Diagnosis, cap: NaNCapture, out: Optional[Path]) -> list[st
         else:
             # Buffers are not trained by the optimizer: clipping gradients does not protect them.
             actions.append(
-                f"Find what put NaN/Inf into {_few(w.nonfinite_buffers, 3)}: the forward pass updates them from the data "
+                f"Find what put NaN/Inf into {fmt_list(w.nonfinite_buffers, 3)}: the forward pass updates them from the data "
                 f"(running statistics), so a batch with huge or non-finite values before step {cap.step} can corrupt them "
                 "without a non-finite loss; guard the update (skip non-finite batch statistics) or check that data."
             )
@@ -1349,7 +1349,7 @@ def _next_actions(d: Diagnosis, cap: NaNCapture, out: Optional[Path]) -> list[st
         elif d.precision == "16-mixed" and f is not None and f.phase == "backward":
             actions.append(
                 f"Train with precision=bf16-mixed (float32's range, no loss scaling needed) or precision=32-true: "
-                f"the float16 gradients overflow even at loss scale {_fmt(d.loss_scale or math.nan)}."
+                f"the float16 gradients overflow even at loss scale {fmt_number(d.loss_scale or math.nan)}."
             )
         elif d.precision == "16-mixed":
             actions.append(
@@ -1438,16 +1438,17 @@ def _replay_command(cap: NaNCapture) -> str:
     stored = cap.ranks[0].raw.get("replay_command")
     if isinstance(stored, str) and stored.startswith("stabletrain replay ") and (len(cap.ranks) == 1 or cap.world_size > 1):
         return stored
-    return f"stabletrain replay {_shell_path(cap.path)}"
+    return f"stabletrain replay {shell_path(cap.path)}"
 
 
 def _samples_text(sets: list[list[int]], index_sets: Optional[list[list[int]]]) -> str:
     if index_sets:
         flat = [i for s in index_sets for i in s]
-        return (f"the sample at dataset index {flat[0]}" if len(flat) == 1 else
-                f"the samples at dataset indices {', '.join(map(str, flat[:8]))}{', ...' if len(flat) > 8 else ''}")
+        if len(flat) == 1:
+            return f"the sample at dataset index {flat[0]}"
+        return f"the samples at dataset indices {fmt_list(flat, 8)}"
     flat = [r for s in sets for r in s]
-    return f"row {flat[0]}" if len(flat) == 1 else f"rows {', '.join(map(str, flat[:8]))}"
+    return f"row {flat[0]}" if len(flat) == 1 else f"rows {fmt_list(flat, 8)}"
 
 
 def _keys_text(keys: Sequence[MicrobatchKey]) -> str:
@@ -1483,7 +1484,7 @@ def _render(d: Diagnosis) -> str:
         for s in f.inputs:
             counts = ", ".join(f"{n} {k}" for k, n in (("NaN", s.nan), ("+Inf", s.posinf), ("-Inf", s.neginf)) if n)
             flag = f" — already non-finite: {counts}" if s.nonfinite else ""
-            mag = (f"abs min {_fmt(s.abs_min)}, abs max {_fmt(s.abs_max)}" if math.isfinite(s.abs_max)
+            mag = (f"abs min {fmt_number(s.abs_min)}, abs max {fmt_number(s.abs_max)}" if math.isfinite(s.abs_max)
                    else "no finite value")
             lines.append(f"- input {s.index}: {s.dtype} {list(s.shape)}, {mag}{flag}")
         if f.source:
@@ -1517,7 +1518,7 @@ def _render(d: Diagnosis) -> str:
     lines.append("|---|---|---|---|---|")
     for r in d.replays:
         res = "fails" if r.reproduced else "finite"
-        lines.append(f"| {r.label} | {r.precision} | {res} | {_short_floats(r.losses)} | {_fmt(r.gradient_norm)} |")
+        lines.append(f"| {r.label} | {r.precision} | {res} | {fmt_list(r.losses, 4, fmt_number)} | {fmt_number(r.gradient_norm)} |")
     lines += ["", f"**{d.cause_title}**: {d.cause_explanation}"]
     if d.matches_capture is False and d.cause != NOT_REPRODUCIBLE:
         lines.append("")
@@ -1540,29 +1541,29 @@ def _render(d: Diagnosis) -> str:
     lines += ["", "## Before or during the step", ""]
     w = d.weights
     if w.status == "healthy":
-        lines.append(f"The weights were healthy when the step began (all finite, |w| below {_fmt(w.threshold)}): the step itself failed.")
+        lines.append(f"The weights were healthy when the step began (all finite, |w| below {fmt_number(w.threshold)}): the step itself failed.")
     elif w.status == "huge":
-        lines.append(f"The weights were already huge when the step began (|w| >= {_fmt(w.threshold)}): the damage happened in earlier steps.")
+        lines.append(f"The weights were already huge when the step began (|w| >= {fmt_number(w.threshold)}): the damage happened in earlier steps.")
     elif w.nonfinite:
         names = ", ".join(f"{p.name} ({p.nonfinite})" for p in w.nonfinite[:4])
         lines.append(f"The weights already held NaN/Inf when the step began: {names}. The damage happened in earlier steps.")
     else:
         lines.append(f"The weights were finite, but buffers already held NaN/Inf when the step began: "
-                     f"{_few(w.nonfinite_buffers, 4)}. The damage happened in earlier steps"
+                     f"{fmt_list(w.nonfinite_buffers, 4)}. The damage happened in earlier steps"
                      + ("." if _damaged_before(d) else ", though the failure traces back to something else (see Where)."))
     lines.append("")
     lines.append("Largest weights: " + ", ".join(
-        f"{p.name} {_fmt(p.abs_max)}" + (f" (and {p.nonfinite} NaN/Inf)" if p.nonfinite else "") for p in w.largest) + ".")
+        f"{p.name} {fmt_number(p.abs_max)}" + (f" (and {p.nonfinite} NaN/Inf)" if p.nonfinite else "") for p in w.largest) + ".")
     if w.nonfinite_buffers and w.nonfinite:
         lines.append(f"Non-finite buffers: {', '.join(w.nonfinite_buffers[:5])}.")
     if w.checkpoints:
         lines.append("Checkpoints: " + ", ".join(
-            f"step {c['step']} |w| {_fmt(c['abs_max'])}" + (
+            f"step {c['step']} |w| {fmt_number(c['abs_max'])}" + (
                 "" if c["healthy"] else " (bad)" if not c["abs_max"] < w.threshold else " (non-finite buffers)")
             for c in w.checkpoints) + ".")
     if d.history:
         lines.append("Last logged steps: " + ", ".join(
-            f"{h.get('step')}: loss {_fmt_any(h.get('loss'))} grad_norm {_fmt_any(h.get('gradient_norm'))}" for h in d.history) + ".")
+            f"{h.get('step')}: loss {fmt_number(h.get('loss'))} grad_norm {fmt_number(h.get('gradient_norm'))}" for h in d.history) + ".")
     lines += ["", "## Next actions", ""]
     lines += [f"{i}. {a}" for i, a in enumerate(d.next_actions, 1)]
     lines += ["", "Diagnosed in " + ", ".join(f"{k} {v:.2f}s" for k, v in d.timings.items())
@@ -1570,34 +1571,9 @@ def _render(d: Diagnosis) -> str:
     return "\n".join(lines)
 
 
-def _short_floats(xs: list[float], limit: int = 4) -> str:
-    shown = ", ".join(_fmt(x) for x in xs[:limit])
-    return shown + (f", ... ({len(xs)})" if len(xs) > limit else "")
-
-
-def _fmt(x: Optional[float]) -> str:
-    if x is None:
-        return "-"
-    return f"{x:.3g}" if math.isfinite(x) else str(x)
-
-
-def _fmt_any(x: Any) -> str:
-    if isinstance(x, (int, float)):
-        return _fmt(float(x))
-    return str(x)
-
-
-def _few(names: list[str], limit: int) -> str:
-    return ", ".join(names[:limit]) + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
-
-
-def _jf(x: float) -> Any:
-    return x if math.isfinite(x) else str(x)
-
-
 def _jsonable(obj: Any) -> Any:
     if isinstance(obj, float):
-        return _jf(obj)
+        return json_float(obj)
     if isinstance(obj, dict):
         return {k: _jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):

@@ -70,7 +70,6 @@ from __future__ import annotations
 import datetime
 import inspect
 import math
-import os
 import shlex
 import sys
 from pathlib import Path
@@ -84,6 +83,7 @@ from stabletrain.debug.grad_norm import GradNorm, compute_grad_norm
 from stabletrain.errors import StabletrainError
 from stabletrain.utils.io import atomic_torch_save
 from stabletrain.utils.rng import raw_rng_state, storable_rng_state
+from stabletrain.utils.text import MEASURED_DIGITS, fmt_list, fmt_number, fmt_path, shell_path
 
 #: The ``format`` entry of every capture file, and the newest ``version`` this code writes and reads.
 FORMAT = "stabletrain.nan_capture"
@@ -189,7 +189,8 @@ def _rebuild_nan_detected_error(message: str, step: int, rank: int, names: list[
 # --------------------------------------------------------------------------------------
 
 
-def _default_step_fn(model: nn.Module, batch: Any) -> Tensor:
+def default_step_fn(model: nn.Module, batch: Any) -> Tensor:
+    """The loss of one microbatch when no ``step_fn`` is given: ``model.training_step(batch)``."""
     return model.training_step(batch)  # type: ignore[operator]
 
 
@@ -519,9 +520,13 @@ class NaNCaptureMonitor:
             head = f"Non-finite gradients at {where}"
         lines = [head + "."]
         if names:
-            lines.append(f"Gradients with NaN/Inf: {len(names)} of {n_params} parameters: {_short_list(names)}.")
+            lines.append(
+                f"Gradients with NaN/Inf: {len(names)} of {n_params} parameters: {fmt_list(names, 6)}"
+                + ("; all are in the capture." if len(names) > 6 else ".")
+            )
         if largest:
-            lines.append("Largest |gradient|: " + ", ".join(f"{n} {_fmt(v)}" for n, v in largest) + ".")
+            shown = ", ".join(f"{n} {fmt_number(v, MEASURED_DIGITS)}" for n, v in largest)
+            lines.append(f"Largest |gradient|: {shown}.")
             lines.append(
                 "An optimizer step with these gradients would be huge (SGD moves a weight by lr x gradient) or put Inf "
                 "into the optimizer state (Adam's average of squared gradients overflows float32), and clipping would "
@@ -531,7 +536,7 @@ class NaNCaptureMonitor:
             )
         if losses:
             lines.append(
-                f"Microbatch losses: {', '.join(_fmt(float(loss)) for loss in losses)}."
+                f"Microbatch losses: {', '.join(fmt_number(float(loss), MEASURED_DIGITS) for loss in losses)}."
             )
         lines.append(f"The step was captured before clipping and the optimizer step: {path}")
         if is_replay_template(self.replay_command):
@@ -551,7 +556,7 @@ class NaNCaptureMonitor:
 
     def _scale_text(self) -> str:
         s = getattr(self.scaler, "_scale", None)
-        return _fmt(float(s)) if isinstance(s, Tensor) else "?"
+        return fmt_number(float(s), MEASURED_DIGITS) if isinstance(s, Tensor) else "?"
 
 
 # --------------------------------------------------------------------------------------
@@ -787,16 +792,6 @@ def _stabletrain_version() -> str:
     return __version__
 
 
-def _fmt(x: float) -> str:
-    return f"{x:.6g}" if math.isfinite(x) else str(x)
-
-
-def _short_list(names: Sequence[str], limit: int = 6) -> str:
-    if len(names) <= limit:
-        return ", ".join(names)
-    return ", ".join(names[:limit]) + f", ... ({len(names) - limit} more; all are in the capture)"
-
-
 # --------------------------------------------------------------------------------------
 # The replay command shown in the error
 # --------------------------------------------------------------------------------------
@@ -806,23 +801,6 @@ def _qualified_name(obj: Any) -> str:
     return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__qualname__)}"
 
 
-def _display_path(path: str | Path) -> str:
-    """``path`` relative to the working directory when it lies below it, else absolute."""
-    p = Path(path)
-    absolute = p if p.is_absolute() else Path.cwd() / p
-    try:
-        rel = os.path.relpath(absolute, Path.cwd())
-    except ValueError:
-        rel = str(absolute)
-    text = str(absolute) if rel.startswith("..") else rel
-    return "./" + text if text.startswith("-") else text  # never read as an option
-
-
-def _shell_path(path: str | Path) -> str:
-    """:func:`_display_path`, quoted for a POSIX shell (spaces, quotes, ``$`` and all)."""
-    return shlex.quote(_display_path(path))
-
-
 def _import_spec(obj: Any, needs_no_args: bool) -> Optional[tuple[str, bool, str]]:
     """(file path or module name, whether it is a file, name) for :func:`importable_ref`, or None."""
     if _not_importable_reason(obj, needs_no_args) is not None:
@@ -830,7 +808,7 @@ def _import_spec(obj: Any, needs_no_args: bool) -> Optional[tuple[str, bool, str
     module = sys.modules[obj.__module__]
     source = getattr(module, "__file__", None)
     if source and source.endswith(".py"):
-        return _display_path(source), True, obj.__qualname__
+        return fmt_path(source), True, obj.__qualname__
     return obj.__module__, False, obj.__qualname__
 
 
@@ -884,7 +862,7 @@ def importable_ref(obj: Any, needs_no_args: bool) -> Optional[str]:
 
 
 def _custom_step_fn(step_fn: Any) -> bool:
-    return step_fn is not None and step_fn is not _default_step_fn
+    return step_fn is not None and step_fn is not default_step_fn
 
 
 def no_replay_command_reason(model: Any, step_fn: Any = None) -> Optional[str]:
@@ -918,7 +896,7 @@ def default_replay_command(
         default_replay_command("out/run/debug/nan_capture/rank0", model=MyModel())
         # 'stabletrain replay out/run/debug/nan_capture/rank0 --model train.py:MyModel'
     """
-    target = _shell_path(path)
+    target = shell_path(path)
     if builtin:
         return f"stabletrain replay {target}"
     custom_step = _custom_step_fn(step_fn)
@@ -968,5 +946,5 @@ def _replay_template(path: str | Path, model: Any, step_fn: Any) -> str:
             lines.append(f"# FILL IN: the step function your loop computed the loss with ({_qualified_name(step_fn)}):")
             lines.append("step_fn = ...")
         call += ", step_fn=step_fn"
-    lines.append(f"print(stabletrain.load_nan_capture({_display_path(path)!r}, {call}).replay())")
+    lines.append(f"print(stabletrain.load_nan_capture({fmt_path(path)!r}, {call}).replay())")
     return "\n".join(lines)

@@ -48,13 +48,13 @@ from stabletrain.debug.nan_capture import (
     REASON_OTHER_RANK,
     VERSION,
     NaNCaptureError,
-    _default_step_fn,
-    _shell_path,
+    default_step_fn,
     largest_abs_grads,
     nonfinite_grad_names,
     persistent_buffers,
 )
 from stabletrain.utils.rng import get_rng_state, set_rng_state
+from stabletrain.utils.text import MEASURED_DIGITS, fmt_list, fmt_number, json_float, shell_path
 
 if TYPE_CHECKING:
     from stabletrain.debug.diagnose import Diagnosis
@@ -510,8 +510,8 @@ def forward_backward(
     prec = normalize_precision(precision or capture.precision)
     dev = torch.device(device) if device is not None else capture.default_device()
     model = model if model is not None else capture.get_model()
-    fn = step_fn or capture.step_fn or _default_step_fn
-    if fn is _default_step_fn and not callable(getattr(model, "training_step", None)):
+    fn = step_fn or capture.step_fn or default_step_fn
+    if fn is default_step_fn and not callable(getattr(model, "training_step", None)):
         raise NaNCaptureError(
             f"{type(model).__name__} has no training_step(batch) -> loss; pass step_fn=my_step_fn "
             "(the function your loop computed the loss with) to load_nan_capture"
@@ -623,8 +623,8 @@ def _load_state(model: nn.Module, part: RankCapture, float_dtype: Optional[torch
         raise NaNCaptureError(
             f"the model does not match the capture (trained: {part.model_class}, given: "
             f"{type(model).__module__}.{type(model).__qualname__}): "
-            + (f"the capture has {_few(missing)} that the model lacks; " if missing else "")
-            + (f"the model has {_few(extra)} that the capture lacks; " if extra else "")
+            + (f"the capture has {fmt_list(missing)} that the model lacks; " if missing else "")
+            + (f"the model has {fmt_list(extra)} that the capture lacks; " if extra else "")
             + "pass an instance of the model class that was trained",
             part.path,
         )
@@ -645,11 +645,6 @@ def _load_state(model: nn.Module, part: RankCapture, float_dtype: Optional[torch
                 t.data = src.to(device=device, dtype=dtype, copy=True)
     for p in params.values():
         p.grad = None
-
-
-def _few(names: list[str], limit: int = 4) -> str:
-    shown = ", ".join(names[:limit])
-    return shown + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
 
 
 def _microbatch_size(part: RankCapture, micro: int) -> int:
@@ -774,13 +769,13 @@ class ReplayResult:
             "reproduced": self.reproduced,
             "step": self.step,
             "nan_param_names": self.nan_param_names,
-            "losses": [_json_float(x) for x in self.losses],
-            "captured_losses": [_json_float(x) for x in self.captured_losses],
+            "losses": [json_float(x) for x in self.losses],
+            "captured_losses": [json_float(x) for x in self.captured_losses],
             "losses_bitwise_equal": self.losses_bitwise_equal,
             "captured_nan_param_names": self.captured_nan_param_names,
-            "gradient_norm": _json_float(self.gradient_norm),
+            "gradient_norm": json_float(self.gradient_norm),
             "gradient_norm_overflow": self.gradient_norm_overflow,
-            "largest_gradients": [{"name": n, "abs_max": _json_float(v)} for n, v in self.largest_gradients],
+            "largest_gradients": [{"name": n, "abs_max": json_float(v)} for n, v in self.largest_gradients],
             "precision": self.precision,
             "captured_precision": self.captured_precision,
             "device": self.device,
@@ -793,7 +788,7 @@ class ReplayResult:
             "ranks_reproducing_alone": self.ranks_reproducing_alone,
             "per_rank": [
                 {"rank": o.rank, "reproduced": o.reproduced, "nan_param_names": o.nan_param_names,
-                 "losses": [_json_float(x) for x in o.losses]}
+                 "losses": [json_float(x) for x in o.losses]}
                 for o in self.per_rank
             ],
             "path": self.path,
@@ -814,10 +809,12 @@ class ReplayResult:
             lines.append(
                 f"  warning: no capture of rank(s) {', '.join(map(str, self.missing_ranks))}: the gradient is not the full DDP gradient"
             )
-        largest = f"largest |gradient|: {', '.join(f'{n} {_fmt(v)}' for n, v in self.largest_gradients)}"
+        largest = "largest |gradient|: " + ", ".join(
+            f"{n} {fmt_number(v, MEASURED_DIGITS)}" for n, v in self.largest_gradients
+        )
         if self.reproduced:
             if self.nan_param_names:
-                what = f"non-finite gradients in {len(self.nan_param_names)} parameter(s): {_few(self.nan_param_names, 8)}"
+                what = f"non-finite gradients in {len(self.nan_param_names)} parameter(s): {fmt_list(self.nan_param_names, 8)}"
             elif any(not math.isfinite(x) for x in self.losses):
                 what = "non-finite loss (gradients finite)"
             else:
@@ -829,12 +826,13 @@ class ReplayResult:
         else:
             lines.append("  reproduced: NO - every replayed loss and gradient is finite"
                          + (", and so is the gradient norm" if self.reason == REASON_NORM_OVERFLOW else ""))
-        lines.append(f"  gradient_norm: {_fmt(self.gradient_norm)}")
+        lines.append(f"  gradient_norm: {fmt_number(self.gradient_norm, MEASURED_DIGITS)}")
         lines.append("  microbatch  rank  loss (replay)     loss (captured)   samples")
         for i, ((rank, micro), loss) in enumerate(zip(self.microbatches, self.losses)):
-            cap = _fmt(self.captured_losses[i]) if i < len(self.captured_losses) else "-"
+            cap = fmt_number(self.captured_losses[i], MEASURED_DIGITS) if i < len(self.captured_losses) else "-"
             samples = self.sample_indices[i] if i < len(self.sample_indices) else None
-            lines.append(f"  {micro:<10}  {rank:<4}  {_fmt(loss):<16}  {cap:<16}  {_short(samples)}")
+            shown = "-" if samples is None else fmt_list(samples, 6)
+            lines.append(f"  {micro:<10}  {rank:<4}  {fmt_number(loss, MEASURED_DIGITS):<16}  {cap:<16}  {shown}")
         if self.losses_bitwise_equal is True:
             lines.append("  losses: bitwise equal to the captured ones")
         elif self.losses_bitwise_equal is False:
@@ -863,21 +861,6 @@ class ReplayResult:
                 "backward (a callback or hook that changed gradients, memory corruption)."
             )
         return "\n".join(lines)
-
-
-def _json_float(x: float) -> Any:
-    return x if math.isfinite(x) else str(x)
-
-
-def _fmt(x: float) -> str:
-    return f"{x:.6g}" if math.isfinite(x) else str(x)
-
-
-def _short(samples: Optional[list[int]], limit: int = 6) -> str:
-    if samples is None:
-        return "-"
-    shown = ", ".join(map(str, samples[:limit]))
-    return f"[{shown}{', ...' if len(samples) > limit else ''}] ({len(samples)})"
 
 
 def _bitwise_equal(a: Tensor, b: Tensor) -> bool:
@@ -1000,7 +983,7 @@ class NaNCapture:
             raise NaNCaptureError(
                 f"this capture is of your own model ({cls}), which cannot be rebuilt from settings: "
                 f"pass it, e.g. load_nan_capture({str(self.path)!r}, model={cls.rsplit('.', 1)[-1]}()), "
-                f"or on the command line: stabletrain replay {_shell_path(self.path)} --model path/to/file.py:{cls.rsplit('.', 1)[-1]}",
+                f"or on the command line: stabletrain replay {shell_path(self.path)} --model path/to/file.py:{cls.rsplit('.', 1)[-1]}",
                 self.path,
             )
         from stabletrain.config import settings_from_resolved

@@ -64,6 +64,7 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 
 from stabletrain.config import TrendAlertArgs
+from stabletrain.utils.text import fmt_factor, fmt_number
 
 KINDS = ("exploding", "vanishing", "spike", "plateau", "nonfinite")
 SIGNALS = ("gradient_norm", "loss")
@@ -132,15 +133,15 @@ class Episode:
     def describe(self) -> str:
         """One line: what happened, where, by how much."""
         s, what = self.signal, self.steps_text()
-        v, r, f = _fmt(self.value), _fmt(self.reference), self.factor
+        v, r, f = fmt_number(self.value), fmt_number(self.reference), self.factor
         if self.kind == "exploding":
-            return f"{s} is exploding ({what}): {v}, {_fmt_factor(f)} its lowest recent level {r}"
+            return f"{s} is exploding ({what}): {v}, {fmt_factor(f)} its lowest recent level {r}"
         if self.kind == "vanishing":
             shrink = 1 / f if f > 0 else float("inf")
-            return f"{s} is vanishing ({what}): {v}, {_fmt_factor(shrink)} below its highest level {r}"
+            return f"{s} is vanishing ({what}): {v}, {fmt_factor(shrink)} below its highest level {r}"
         if self.kind == "spike":
             tail = " (during warmup: tolerated)" if self.tolerated else ""
-            return f"{s} spiked ({what}): {v}, {_fmt_factor(f)} its recent median {r}{tail}"
+            return f"{s} spiked ({what}): {v}, {fmt_factor(f)} its recent median {r}{tail}"
         if self.kind == "plateau":
             return f"{s} is on a plateau ({what}): {v}, barely below its start {r}"
         return f"{s} is not finite ({what}): {v}" + (f", {self.note}" if self.note else "")
@@ -204,7 +205,7 @@ def next_actions(episode: Episode, context: Optional[AlertContext] = None) -> li
     precision = c.precision
     if episode.kind == "exploding":
         actions = [
-            f"lower the learning rate: model_args.lr={_fmt(lr / 10)} (now {_fmt(lr)})"
+            f"lower the learning rate: model_args.lr={fmt_number(lr / 10)} (now {fmt_number(lr)})"
             if lr
             else "lower the learning rate (model_args.lr), e.g. by 10x"
         ]
@@ -221,7 +222,7 @@ def next_actions(episode: Episode, context: Optional[AlertContext] = None) -> li
         small = c.n_params is not None and c.n_params <= 10_000_000
         size = f" (this model has {c.n_params:,} parameters; small models often need more)" if small else ""
         actions = [
-            f"raise the learning rate: model_args.lr={_fmt(lr * 3)} (now {_fmt(lr)}){size}"
+            f"raise the learning rate: model_args.lr={fmt_number(lr * 3)} (now {fmt_number(lr)}){size}"
             if lr
             else "raise the learning rate (model_args.lr), especially for small models (~10M parameters or fewer)"
         ]
@@ -239,12 +240,12 @@ def next_actions(episode: Episode, context: Optional[AlertContext] = None) -> li
         return [
             "a single spike is usually harmless; if spikes recur or grow, "
             + ("clip gradients: gradient_clip_val=1.0, " if not c.gradient_clip_val else "")
-            + (f"lower model_args.lr (now {_fmt(lr)}), " if lr else "lower model_args.lr, ")
+            + (f"lower model_args.lr (now {fmt_number(lr)}), " if lr else "lower model_args.lr, ")
             + (f"or warm up longer: model_args.warmup_steps={max(2 * warm, 100)}" if warm is not None else "or warm up longer (model_args.warmup_steps)")
         ]
     if episode.kind == "plateau":
         actions = [
-            f"if gradient_norm is small too, raise the learning rate: model_args.lr={_fmt(lr * 3)} (now {_fmt(lr)})"
+            f"if gradient_norm is small too, raise the learning rate: model_args.lr={fmt_number(lr * 3)} (now {fmt_number(lr)})"
             if lr
             else "if gradient_norm is small too, raise the learning rate (model_args.lr)",
             "check that inputs and labels match (a shuffled or constant label gives a flat loss)",
@@ -254,7 +255,7 @@ def next_actions(episode: Episode, context: Optional[AlertContext] = None) -> li
         return actions
     return [
         "re-run from the latest checkpoint: resume_interrupted=true"
-        + (f" with a lower model_args.lr={_fmt(lr / 10)}" if lr else ""),
+        + (f" with a lower model_args.lr={fmt_number(lr / 10)}" if lr else ""),
         "if it reproduces, isolate reduced precision: precision=32-true"
         + (f" (now {precision})" if precision else "")
         if precision not in ("32-true", "64-true")
@@ -285,20 +286,6 @@ def theil_sen_slope(ys: Sequence[float]) -> float:
 
 def _log(v: float) -> float:
     return math.log10(v) if v > 0 else _LOG_FLOOR
-
-
-def _fmt(v: Optional[float]) -> str:
-    if v is None:
-        return "?"
-    if not math.isfinite(v):
-        return str(v)
-    return f"{v:.3g}"
-
-
-def _fmt_factor(f: float) -> str:
-    if not math.isfinite(f):
-        return "far"
-    return f"{f:.3g}x" if f < 1000 else f"{f:.1e}x"
 
 
 # --------------------------------------------------------------------------------- signals

@@ -53,6 +53,7 @@ from torch import Tensor, nn
 
 from stabletrain.errors import StabletrainError
 from stabletrain.utils.io import atomic_write_text
+from stabletrain.utils.text import fmt_column
 
 __all__ = [
     "UnderflowOverflowMonitor",
@@ -898,10 +899,6 @@ def _frames(events: list[_Event]) -> list[_Frame]:
     return frames
 
 
-def _fmt(v: float) -> str:
-    return f"{v:11.3e}"
-
-
 def _render(
     frames: list[_Frame],
     values: dict[tuple[int, int], tuple[float, float]],
@@ -918,7 +915,7 @@ def _render(
         for i, j, label, meta in frame.rows:
             amin, amax = values[(i, j)]
             flag = f"   <-- first non-finite ({_value_kind(amin, amax)})" if mark == (i, j) else ""
-            out.append(f"  {_fmt(amin)} {_fmt(amax)}  {label:<24} {meta}{flag}")
+            out.append(f"  {fmt_column(amin)} {fmt_column(amax)}  {label:<24} {meta}{flag}")
     if extra is not None:
         path, cls, phase, step, micro, explanation = extra
         name = path or "<model>"
