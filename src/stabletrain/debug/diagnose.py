@@ -61,8 +61,6 @@ from stabletrain.debug.replay import (
     ForwardBackwardResult,
     MicrobatchKey,
     NaNCapture,
-    _bitwise_equal,
-    _microbatch_size,
     forward_backward,
     load_nan_capture,
     load_object,
@@ -70,6 +68,7 @@ from stabletrain.debug.replay import (
 )
 from stabletrain.utils.io import atomic_write_text
 from stabletrain.utils.text import fmt_list, fmt_number, json_float, shell_path
+from stabletrain.utils.tree import bitwise_equal, json_ready, named_tensors
 
 __all__ = [
     "diagnose",
@@ -266,7 +265,7 @@ class DataReport:
             "approximate": self.approximate,
             "caveats": self.caveats,
             "nonfinite_inputs": self.nonfinite_inputs,
-            "out_of_range_inputs": _jsonable(self.out_of_range_inputs),
+            "out_of_range_inputs": json_ready(self.out_of_range_inputs),
             "replays": self.replays,
         }
 
@@ -347,7 +346,7 @@ class Diagnosis:
         """The same fields as the report, JSON-ready (non-finite numbers as "nan", "inf", "-inf")."""
         finding = None
         if self.finding is not None:
-            finding = _jsonable(self.finding.to_dict())
+            finding = json_ready(self.finding.to_dict())
             finding["where"] = self.finding.where
         return {
             "path": self.path,
@@ -376,7 +375,7 @@ class Diagnosis:
             "data": self.data.to_dict(),
             "weights": self.weights.to_dict(),
             "next_actions": self.next_actions,
-            "history": _jsonable(self.history),
+            "history": json_ready(self.history),
             "timings": {k: round(v, 3) for k, v in self.timings.items()},
             "files": self.files,
         }
@@ -464,7 +463,7 @@ def diagnose(
     captured_losses = [loss for r in cap.ranks for loss in r.losses]
     matches_capture = None
     if captured_losses and len(captured_losses) == len(first.result.losses):
-        matches_capture = all(_bitwise_equal(a, b) for a, b in zip(first.result.losses, captured_losses))
+        matches_capture = all(bitwise_equal(a, b) for a, b in zip(first.result.losses, captured_losses))
     reproducible = first.outcome.reproduced and again.outcome.reproduced
     fp32_fails = reproduces_in.get("32-true", False)
     if not reproducible:
@@ -587,7 +586,7 @@ def _full_replay(cap: NaNCapture, label: str, precision: str, device: torch.devi
 def _same_outcome(a: _Full, b: _Full) -> bool:
     """Bitwise the same losses and the same non-finite gradients."""
     la, lb = a.outcome._loss_tensors, b.outcome._loss_tensors
-    if len(la) != len(lb) or not all(_bitwise_equal(x, y) for x, y in zip(la, lb)):
+    if len(la) != len(lb) or not all(bitwise_equal(x, y) for x, y in zip(la, lb)):
         return False
     if a.outcome.nan_param_names != b.outcome.nan_param_names:
         return False
@@ -652,7 +651,7 @@ def _isolate(cap: NaNCapture, full: ForwardBackwardResult, precision: str, devic
     culprit = failing[0]
     rank, micro = culprit
     part = cap.rank_capture(rank)
-    n = _microbatch_size(part, micro)
+    n = part.microbatch_size(micro)
     report.microbatches = [culprit]
     report.microbatch_size = n
     forward_only = culprit in loss_bad
@@ -813,9 +812,9 @@ def _flag_inputs(cap: NaNCapture, test: Callable[[Tensor], Tensor], with_abs_max
         for micro, batch in enumerate(part.microbatches):
             if batch is None:
                 continue
-            n = _microbatch_size(part, micro)
+            n = part.microbatch_size(micro)
             ix = part.indices[micro]
-            for name, t in _named_tensors(batch):
+            for name, t in named_tensors(batch):
                 if not (t.is_floating_point() or t.is_complex()) or not t.numel():
                     continue
                 bad = test(t)
@@ -837,17 +836,6 @@ def _flag_inputs(cap: NaNCapture, test: Callable[[Tensor], Tensor], with_abs_max
                     if with_abs_max:
                         found[-1]["abs_max"] = float(t[bad].abs().max())
     return found
-
-
-def _named_tensors(obj: Any, prefix: str = "batch") -> Iterator[tuple[str, Tensor]]:
-    if isinstance(obj, Tensor):
-        yield prefix, obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _named_tensors(v, f"{prefix}[{k!r}]")
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from _named_tensors(v, f"{prefix}[{i}]")
 
 
 # --------------------------------------------------------------------------------------
@@ -1569,16 +1557,6 @@ def _render(d: Diagnosis) -> str:
     lines += ["", "Diagnosed in " + ", ".join(f"{k} {v:.2f}s" for k, v in d.timings.items())
               + f" = {sum(d.timings.values()):.1f}s on {d.device}."]
     return "\n".join(lines)
-
-
-def _jsonable(obj: Any) -> Any:
-    if isinstance(obj, float):
-        return json_float(obj)
-    if isinstance(obj, dict):
-        return {k: _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    return obj
 
 
 def _key_dict(key: MicrobatchKey) -> dict[str, int]:

@@ -75,7 +75,6 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -84,6 +83,7 @@ from stabletrain.errors import StabletrainError
 from stabletrain.utils.io import atomic_torch_save
 from stabletrain.utils.rng import raw_rng_state, storable_rng_state
 from stabletrain.utils.text import MEASURED_DIGITS, fmt_list, fmt_number, fmt_path, shell_path
+from stabletrain.utils.tree import cpu_copy, detached_copy, to_storable
 
 #: The ``format`` entry of every capture file, and the newest ``version`` this code writes and reads.
 FORMAT = "stabletrain.nan_capture"
@@ -325,7 +325,7 @@ class NaNCaptureMonitor:
         """
         if self.step is None:
             raise RuntimeError("NaNCaptureMonitor.collect_batch: call begin_step(step) first")
-        self._batches.append(_device_copy(batch) if self.copy_batches else batch)
+        self._batches.append(detached_copy(batch) if self.copy_batches else batch)
         self._indices.append(indices)
         self._rng.append(raw_rng_state())
 
@@ -472,13 +472,13 @@ class NaNCaptureMonitor:
             "loss_scale": scale,
             "consecutive_skipped_steps": skipped,
             "gradient_accumulation_steps": int(self.gradient_accumulation_steps or len(self._batches)),
-            "params": {n: _to_cpu(p) for n, p in self.model.named_parameters()},
-            "buffers": {n: _to_cpu(b) for n, b in self._buffers},
+            "params": {n: cpu_copy(p) for n, p in self.model.named_parameters()},
+            "buffers": {n: cpu_copy(b) for n, b in self._buffers},
             "microbatches": batches,
             "unstorable": unstorable,
             "indices": [_indices_to_storable(ix) for ix in self._indices],
             "rng": [storable_rng_state(r) for r in self._rng],
-            "losses": [_to_cpu(loss) for loss in self._losses],
+            "losses": [cpu_copy(loss) for loss in self._losses],
             "nan_param_names": list(names),
             # With gradient_norm_overflow: the parameters with the largest |gradient| element.
             "largest_gradients": [{"name": n, "abs_max": v} for n, v in largest],
@@ -707,59 +707,11 @@ def largest_abs_grads(named_parameters: Any, k: int = 5) -> list[tuple[str, floa
     return ranked[:k]
 
 
-def to_storable(obj: Any, where: str = "batch") -> Any:
-    """A copy of ``obj`` that ``torch.load(weights_only=True)`` can read back: CPU tensors,
-    numbers, strings, None, and lists, tuples and dicts of them.
-
-    Named tuples become plain tuples and NumPy arrays become tensors.
-
-    Raises:
-        TypeError: ``obj`` holds something else (a custom class); the message names where.
-    """
-    if isinstance(obj, Tensor):
-        return _to_cpu(obj)
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    if isinstance(obj, np.ndarray):
-        return torch.from_numpy(obj.copy())
-    if isinstance(obj, np.generic):
-        return obj.item()
-    if isinstance(obj, dict):
-        bad = [k for k in obj if not isinstance(k, (str, int))]
-        if bad:
-            raise TypeError(f"{where}: dict keys must be str or int to be stored safely, got {type(bad[0]).__name__}")
-        return {k: to_storable(v, f"{where}[{k!r}]") for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        items = [to_storable(v, f"{where}[{i}]") for i, v in enumerate(obj)]
-        return items if isinstance(obj, list) else tuple(items)
-    raise TypeError(
-        f"{where}: a {type(obj).__module__}.{type(obj).__qualname__} cannot be stored in a capture safely "
-        "(only tensors, numbers, strings, None, lists, tuples and dicts); the capture is written without this microbatch"
-    )
-
-
-def _to_cpu(t: Tensor) -> Tensor:
-    # copy=True: a tensor of its own, never a view that would drag its whole storage into the file.
-    return t.detach().to("cpu", copy=True)
-
-
-def _device_copy(obj: Any) -> Any:
-    if isinstance(obj, Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: _device_copy(v) for k, v in obj.items()}
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_device_copy(v) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_device_copy(v) for v in obj)
-    return obj
-
-
 def _indices_to_storable(indices: Any) -> Optional[Tensor]:
     if indices is None:
         return None
     if isinstance(indices, Tensor):
-        return _to_cpu(indices).long()
+        return cpu_copy(indices).long()
     try:
         return torch.as_tensor(list(indices), dtype=torch.long)
     except (TypeError, ValueError):

@@ -55,6 +55,7 @@ from stabletrain.debug.nan_capture import (
 )
 from stabletrain.utils.rng import get_rng_state, set_rng_state
 from stabletrain.utils.text import MEASURED_DIGITS, fmt_list, fmt_number, json_float, shell_path
+from stabletrain.utils.tree import bitwise_equal, leading_size, select_rows, to_device
 
 if TYPE_CHECKING:
     from stabletrain.debug.diagnose import Diagnosis
@@ -138,6 +139,21 @@ class RankCapture:
     @property
     def num_microbatches(self) -> int:
         return len(self.microbatches)
+
+    def microbatch_size(self, micro: int) -> int:
+        """Samples in microbatch ``micro``: its dataset indices, else the first dimension of its
+        first batched tensor.
+
+        Raises:
+            NaNCaptureError: The microbatch holds no batched tensor.
+        """
+        ix = self.indices[micro]
+        if isinstance(ix, Tensor):
+            return int(ix.numel())
+        size = leading_size(self.microbatches[micro])
+        if size is None:
+            raise NaNCaptureError(f"cannot tell the size of microbatch {micro}: it holds no batched tensor", self.path)
+        return size
 
 
 _REQUIRED: dict[str, Any] = {
@@ -367,7 +383,12 @@ def precision_plugin(precision: str, device_type: str, loss_scale: Optional[floa
     ``"16-mixed"`` the GradScaler starts at ``loss_scale`` (the captured scale); unlike
     ``Fabric(precision="16-mixed")`` this also works on the CPU.
     """
-    from lightning_fabric.plugins import DoublePrecision, HalfPrecision, MixedPrecision, Precision
+    from lightning_fabric.plugins import (
+        DoublePrecision,
+        HalfPrecision,
+        MixedPrecision,
+        Precision,
+    )
 
     precision = normalize_precision(precision)
     if precision == "32-true":
@@ -545,8 +566,8 @@ def forward_backward(
                         reason = "; ".join(part.raw.get("unstorable", [])) or "it could not be stored"
                         raise NaNCaptureError(f"microbatch {micro} of rank {rank} is not in the capture: {reason}", part.path)
                     if (rank, micro) in row_map:
-                        batch = _select_rows(batch, row_map[(rank, micro)], _microbatch_size(part, micro))
-                    batch = _to_device(batch, dev)
+                        batch = select_rows(batch, row_map[(rank, micro)], part.microbatch_size(micro))
+                    batch = to_device(batch, dev)
                     set_rng_state(part.rng[micro])
                     with plugin.forward_context():
                         loss = fn(model, plugin.convert_input(batch))
@@ -645,51 +666,6 @@ def _load_state(model: nn.Module, part: RankCapture, float_dtype: Optional[torch
                 t.data = src.to(device=device, dtype=dtype, copy=True)
     for p in params.values():
         p.grad = None
-
-
-def _microbatch_size(part: RankCapture, micro: int) -> int:
-    ix = part.indices[micro]
-    if isinstance(ix, Tensor):
-        return int(ix.numel())
-    for t in _tensors(part.microbatches[micro]):
-        if t.ndim:
-            return int(t.shape[0])
-    raise NaNCaptureError(f"cannot tell the size of microbatch {micro}: it holds no batched tensor", part.path)
-
-
-def _tensors(obj: Any) -> Iterable[Tensor]:
-    if isinstance(obj, Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
-
-
-def _select_rows(obj: Any, rows: Sequence[int], n: int) -> Any:
-    if isinstance(obj, Tensor):
-        if obj.ndim and obj.shape[0] == n:
-            return obj[torch.as_tensor(list(rows), dtype=torch.long)]
-        return obj
-    if isinstance(obj, dict):
-        return {k: _select_rows(v, rows, n) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        items = [_select_rows(v, rows, n) for v in obj]
-        return items if isinstance(obj, list) else tuple(items)
-    return obj
-
-
-def _to_device(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, Tensor):
-        return obj.to(device)
-    if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        items = [_to_device(v, device) for v in obj]
-        return items if isinstance(obj, list) else tuple(items)
-    return obj
 
 
 # --------------------------------------------------------------------------------------
@@ -861,14 +837,6 @@ class ReplayResult:
                 "backward (a callback or hook that changed gradients, memory corruption)."
             )
         return "\n".join(lines)
-
-
-def _bitwise_equal(a: Tensor, b: Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if bool(torch.isnan(a).all()) and bool(torch.isnan(b).all()):
-        return True
-    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
 class NaNCapture:
@@ -1049,7 +1017,7 @@ class NaNCapture:
         captured = [loss for r in self.ranks for loss in r.losses]
         bitwise: Optional[bool] = None
         if len(captured) == len(full.losses) and captured:
-            bitwise = all(_bitwise_equal(a, b.to(a.device)) for a, b in zip(full.losses, captured))
+            bitwise = all(bitwise_equal(a, b.to(a.device)) for a, b in zip(full.losses, captured))
         indices = []
         for rank, micro in full.microbatches:
             ix = self.rank_capture(rank).indices[micro]

@@ -57,8 +57,8 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from statistics import median
 from pathlib import Path
+from statistics import median
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np

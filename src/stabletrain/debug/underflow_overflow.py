@@ -54,6 +54,7 @@ from torch import Tensor, nn
 from stabletrain.errors import StabletrainError
 from stabletrain.utils.io import atomic_write_text
 from stabletrain.utils.text import fmt_column
+from stabletrain.utils.tree import named_tensors
 
 __all__ = [
     "UnderflowOverflowMonitor",
@@ -263,25 +264,15 @@ class _Event:
         self.site = site
 
 
-def _flatten(obj: Any, prefix: str, depth: int = 0) -> Iterator[tuple[str, Tensor]]:
-    """(label, tensor) for every tensor nested in tuples, lists and dicts."""
-    if isinstance(obj, Tensor):
-        yield prefix, obj
-    elif depth > 4:
-        return
-    elif isinstance(obj, (tuple, list)):
-        for i, item in enumerate(obj):
-            yield from _flatten(item, f"{prefix}[{i}]", depth + 1)
-    elif isinstance(obj, dict):
-        for key, item in obj.items():
-            yield from _flatten(item, f"{prefix}[{key!r}]", depth + 1)
+#: Containers nested deeper than this in a module's inputs or outputs are not looked into.
+_MAX_DEPTH = 4
 
 
-def _outputs(output: Any) -> Iterator[tuple[str, Tensor]]:
-    if isinstance(output, Tensor):
-        yield "output[0]", output
-    else:
-        yield from _flatten(output, "output")
+def _tensors_of(obj: Any, prefix: str) -> Iterator[tuple[str, Tensor]]:
+    """(label, tensor) of a module's inputs or outputs; a lone output tensor is ``output[0]``."""
+    if isinstance(obj, Tensor) and prefix == "output":
+        return iter([("output[0]", obj)])
+    return named_tensors(obj, prefix, max_depth=_MAX_DEPTH)
 
 
 def _value_kind(amin: float, amax: float) -> Optional[str]:
@@ -527,9 +518,9 @@ class UnderflowOverflowMonitor:
                 line = self._line(name, "weight", p)
                 if line is not None:
                     lines.append(line)
-            tensors = list(_flatten(args, "input"))
+            tensors = list(_tensors_of(args, "input"))
             if kwargs:
-                tensors.extend(_flatten(kwargs, "input"))
+                tensors.extend(_tensors_of(kwargs, "input"))
             for label, t in tensors:
                 line = self._line(label, "input", t)
                 if line is not None:
@@ -547,7 +538,7 @@ class UnderflowOverflowMonitor:
         watch = self.include_backward and torch.is_grad_enabled()
         lines = []
         with torch.no_grad():
-            for label, t in _outputs(output):
+            for label, t in _tensors_of(output, "output"):
                 line = self._line(label, "output", t)
                 if line is not None:
                     lines.append(line)

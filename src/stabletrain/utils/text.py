@@ -19,7 +19,7 @@ import math
 import os
 import shlex
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable
 
 __all__ = [
     "NUMBER_DIGITS",
