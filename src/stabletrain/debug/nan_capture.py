@@ -80,6 +80,8 @@ from torch import Tensor, nn
 
 from stabletrain.debug.grad_norm import GradNorm, compute_grad_norm
 from stabletrain.errors import StabletrainError
+from stabletrain.utils.dist import any_rank as dist_any_rank
+from stabletrain.utils.dist import rank_and_world_size
 from stabletrain.utils.io import atomic_torch_save
 from stabletrain.utils.rng import raw_rng_state, storable_rng_state
 from stabletrain.utils.text import MEASURED_DIGITS, fmt_list, fmt_number, fmt_path, shell_path
@@ -264,7 +266,7 @@ class NaNCaptureMonitor:
     ):
         if max_skipped_steps < 1:
             raise ValueError(f"max_skipped_steps must be >= 1, got {max_skipped_steps}")
-        dist_rank, dist_world = _dist_rank_and_world()
+        dist_rank, dist_world = rank_and_world_size()
         self.model = model
         self.out_dir = Path(out_dir)
         self.rank = dist_rank if rank is None else int(rank)
@@ -277,7 +279,7 @@ class NaNCaptureMonitor:
         self.settings = settings
         self.model_meta = model_meta
         self.copy_batches = copy_batches
-        self.any_rank = any_rank or _default_any_rank
+        self.any_rank = any_rank or dist_any_rank
         self.replay_command = replay_command or default_replay_command(
             self.capture_dir if self.world_size == 1 else self.out_dir,
             model=model,
@@ -716,26 +718,6 @@ def _indices_to_storable(indices: Any) -> Optional[Tensor]:
         return torch.as_tensor(list(indices), dtype=torch.long)
     except (TypeError, ValueError):
         return None
-
-
-def _dist_rank_and_world() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _default_any_rank(flag: Tensor) -> bool:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        t = flag.to(torch.float32).reshape(1)
-        if dist.get_backend() == "nccl" and t.device.type != "cuda":
-            t = t.cuda()
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t)
-    return bool(flag)
 
 
 def _stabletrain_version() -> str:

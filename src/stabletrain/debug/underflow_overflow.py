@@ -52,6 +52,7 @@ import torch
 from torch import Tensor, nn
 
 from stabletrain.errors import StabletrainError
+from stabletrain.utils.dist import ranks_with
 from stabletrain.utils.io import atomic_write_text
 from stabletrain.utils.text import fmt_column
 from stabletrain.utils.tree import named_tensors
@@ -1018,7 +1019,7 @@ class UnderflowOverflowCallback:
                 monitor.accept()
                 trainer.log_event({"event": "underflow_overflow_scaler_skip", "step": trainer.step, "in_a_row": self._skipped})
                 return
-        detected = self._ranks_that_found(trainer, code > 0)
+        detected = ranks_with(code > 0, trainer.fabric)
         try:
             monitor.fail(detected_by=detected, phase="forward" if worst == 2 else "backward")
         except UnderflowOverflowError as exc:
@@ -1027,16 +1028,6 @@ class UnderflowOverflowCallback:
                 "tensor": exc.tensor, "value": exc.value, "detected_by": exc.detected_by, "report": str(exc.report_path),
             })
             raise
-
-    @staticmethod
-    def _ranks_that_found(trainer: Any, flag: Tensor) -> list[int]:
-        if trainer.world_size == 1:
-            return [trainer.rank]
-        device = trainer.fabric.device
-        votes = torch.zeros(trainer.world_size, dtype=torch.float32, device=device)
-        votes[trainer.rank] = flag.to(device=device, dtype=torch.float32)
-        votes = trainer.fabric.all_reduce(votes, reduce_op="sum")
-        return [r for r, v in enumerate(votes.tolist()) if v > 0]
 
     def _close(self) -> None:
         if self.monitor is not None:
