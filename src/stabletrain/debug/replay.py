@@ -27,12 +27,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
-import importlib.util
 import json
 import math
 import pickle
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Mapping, Optional, Sequence, Union
@@ -53,6 +50,7 @@ from stabletrain.debug.nan_capture import (
     nonfinite_grad_names,
     persistent_buffers,
 )
+from stabletrain.utils import imports
 from stabletrain.utils.rng import get_rng_state, set_rng_state
 from stabletrain.utils.text import MEASURED_DIGITS, fmt_list, fmt_number, json_float, shell_path
 from stabletrain.utils.tree import bitwise_equal, leading_size, select_rows, to_device
@@ -1073,50 +1071,10 @@ class NaNCapture:
 
 
 def load_object(spec: str) -> Any:
-    """``path/to/file.py:Name`` or ``package.module:Name`` -> the object.
-
-    A file is imported as a module of its own name (its ``if __name__ == "__main__":``
-    block does not run), with its folder on ``sys.path`` for its own imports, once: asked
-    again for the same, unchanged file, the module already imported is used.
-    """
-    target, sep, attr = spec.rpartition(":")
-    if not sep or not target or not attr:
-        raise NaNCaptureError(f"{spec!r}: expected path/to/file.py:Name or package.module:Name")
-    if target.endswith(".py") or "/" in target or "\\" in target:
-        file = Path(target).expanduser().resolve()
-        if not file.is_file():
-            raise NaNCaptureError(f"{spec!r}: no such file {file}")
-        name = f"_stabletrain_user_{file.stem}"
-        if str(file.parent) not in sys.path:
-            sys.path.insert(0, str(file.parent))
-        module = sys.modules.get(name)
-        mtime = file.stat().st_mtime_ns
-        # The same file once (e.g. --model and --step-fn from one file): one module, whose
-        # classes and functions are the very objects the other names refer to. An edited
-        # file is imported again.
-        if (module is None or getattr(module, "__file__", None) != str(file)
-                or getattr(module, "_stabletrain_mtime", None) != mtime):
-            module_spec = importlib.util.spec_from_file_location(name, file)
-            if module_spec is None or module_spec.loader is None:
-                raise NaNCaptureError(f"{spec!r}: cannot import {file}")
-            module = importlib.util.module_from_spec(module_spec)
-            module._stabletrain_mtime = mtime  # type: ignore[attr-defined]
-            sys.modules[name] = module
-            try:
-                module_spec.loader.exec_module(module)
-            except BaseException:
-                del sys.modules[name]
-                raise
-    else:
-        if "" not in sys.path and "." not in sys.path:
-            sys.path.insert(0, "")
-        module = importlib.import_module(target)
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise NaNCaptureError(f"{spec!r}: {target} has no attribute {part!r}")
-        obj = getattr(obj, part)
-    return obj
+    """``path/to/file.py:Name`` or ``package.module:Name`` -> the object, for ``--model`` and
+    ``--step-fn`` and the replay templates of :func:`~stabletrain.debug.nan_capture.default_replay_command`
+    (see :func:`stabletrain.utils.imports.load_object`; errors are :class:`NaNCaptureError`)."""
+    return imports.load_object(spec, error=NaNCaptureError)
 
 
 def replay_main(argv: list[str]) -> int:
