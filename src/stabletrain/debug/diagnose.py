@@ -49,6 +49,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
+from stabletrain.debug import advice
 from stabletrain.debug.nan_capture import (
     REASON_NORM_OVERFLOW,
     REASON_OTHER_RANK,
@@ -98,11 +99,6 @@ _CAUSE_TITLES = {
 #: and well inside every float range, so it flags divergence before it becomes an overflow.
 HUGE_WEIGHT = 1e3
 
-_REDUCED = {"16-mixed", "bf16-mixed", "16-true", "bf16-true"}
-_DTYPE_NAMES = {
-    "16-mixed": "float16", "16-true": "float16", "bf16-mixed": "bfloat16", "bf16-true": "bfloat16",
-    "32-true": "float32", "64-true": "float64",
-}
 _FILE_MD = "diagnosis.md"
 _FILE_JSON = "diagnosis.json"
 
@@ -468,7 +464,7 @@ def diagnose(
     fp32_fails = reproduces_in.get("32-true", False)
     if not reproducible:
         cause = NOT_REPRODUCIBLE
-    elif precision in _REDUCED and not fp32_fails:
+    elif precision in advice.REDUCED_PRECISIONS and not fp32_fails:
         cause = PRECISION_INDUCED
     else:
         cause = DETERMINISTIC_NUMERICAL
@@ -986,7 +982,7 @@ def _history(out: Path, last: int = 5) -> list[dict[str, Any]]:
 
 def _explain_cause(d: Diagnosis, cap: NaNCapture) -> str:
     first, again = d.replays[0], d.replays[1]
-    dtype = _DTYPE_NAMES.get(d.precision, d.precision)
+    dtype = advice.dtype_name(d.precision)
     if d.cause == NOT_REPRODUCIBLE:
         if d.reason == REASON_OTHER_RANK and len(cap.ranks) == 1:
             return (
@@ -1111,12 +1107,12 @@ def _probable_cause(d: Diagnosis, cap: NaNCapture) -> str:
             bad = _bad_input_text(d)
             return f"bad data: {bad}; {f.op_name} in {f.where} is only the first op to use it"
         if d.origin == "precision_conversion":
-            dtype = _DTYPE_NAMES.get(d.precision, d.precision)
+            dtype = advice.dtype_name(d.precision)
             return (f"the batch holds values beyond {dtype}'s range ({_out_of_range_text(d)}): {d.precision} converts "
                     f"the batch to {dtype}, which turns them into Inf before {f.op_name} in {f.where}")
         return f"a non-finite value reached {f.op_name} in {f.where} from outside the traced ops ({d.origin or 'unknown origin'})"
     if d.cause == PRECISION_INDUCED:
-        dtype = _DTYPE_NAMES.get(d.precision, d.precision)
+        dtype = advice.dtype_name(d.precision)
         big = max((s.abs_max for s in f.inputs if math.isfinite(s.abs_max)), default=math.nan)
         if _precision_failure(f) == "rounding":
             zero = any(s.abs_min == 0 for s in f.inputs)
@@ -1229,30 +1225,18 @@ def _largest_text(cap: NaNCapture) -> str:
     return f"|gradient| reached {fmt_number(value)} in {name}"
 
 
-def _lr_text(settings: Optional[dict[str, Any]]) -> tuple[str, Optional[float]]:
-    lr = None
-    if settings and isinstance(settings.get("model_args"), dict):
-        lr = settings["model_args"].get("lr")
-    if isinstance(lr, (int, float)) and lr > 0:
-        return f"model_args.lr={_round(lr / 10)} or lower (was {_round(lr)})", float(lr)
-    return "a 10x lower learning rate (model_args.lr)", None
-
-
-def _clip_text(settings: Optional[dict[str, Any]]) -> str:
-    clip = settings.get("gradient_clip_val") if settings else None
-    if isinstance(clip, (int, float)) and clip > 0:
-        return f"gradient_clip_val={_round(clip / 2)} (was {_round(clip)})"
-    return "gradient_clip_val=1.0 (clipping is off)" if settings else "gradient_clip_val=1.0 (clip the gradient norm)"
-
-
-def _round(x: float) -> str:
-    return f"{float(f'{x:.2g}'):g}"
+def _lr_text(settings: Optional[dict[str, Any]]) -> str:
+    model_args = (settings or {}).get("model_args")
+    lr = advice.positive(model_args.get("lr")) if isinstance(model_args, dict) else None
+    if lr is None:
+        return f"a {advice.LR_DECREASE}x lower learning rate (model_args.lr)"
+    return f"{advice.lower_lr(lr)} or lower (was {advice.setting_value(lr)})"
 
 
 def _next_actions(d: Diagnosis, cap: NaNCapture, out: Optional[Path]) -> list[str]:
     settings = cap.settings
-    lr, _ = _lr_text(settings)
-    clip = _clip_text(settings)
+    lr = _lr_text(settings)
+    clip = advice.clip(settings.get("gradient_clip_val") if settings else None, known=bool(settings))
     resume = "rerun your training command with resume_interrupted=true"
     actions: list[str] = []
     w = d.weights
@@ -1314,7 +1298,7 @@ def _next_actions(d: Diagnosis, cap: NaNCapture, out: Optional[Path]) -> list[st
             )
     elif d.cause == PRECISION_INDUCED:
         f = d.finding
-        dtype = _DTYPE_NAMES.get(d.precision, d.precision)
+        dtype = advice.dtype_name(d.precision)
         failure = _precision_failure(f) if f is not None and not f.inputs_nonfinite else None
         if d.origin == "precision_conversion":
             largest = torch.finfo(torch.float16 if dtype == "float16" else torch.bfloat16).max
@@ -1413,7 +1397,7 @@ def _next_actions(d: Diagnosis, cap: NaNCapture, out: Optional[Path]) -> list[st
         if samples and kind not in ("propagated",) and d.data.status == "isolated":
             actions.append(f"Look at {samples}: what sets {'it' if one else 'them'} apart (an outlier, an "
                            "empty or constant input) is what the guard must handle.")
-        if (settings or {}).get("precision") not in (None, "32-true") and d.precision in _REDUCED:
+        if (settings or {}).get("precision") not in (None, "32-true") and d.precision in advice.REDUCED_PRECISIONS:
             actions.append(f"The failure is independent of precision; keep precision={d.precision}.")
     if d.data.approximate:
         actions.append("Confirm the culprit samples in a full batch: BatchNorm makes their isolation approximate.")
@@ -1487,7 +1471,7 @@ def _render(d: Diagnosis) -> str:
                 "data": f"the data ({_bad_input_text(d)})",
                 "weights": "the weights, non-finite at the start of the step",
                 "buffers": f"buffers ({', '.join(d.weights.nonfinite_buffers[:3])})",
-                "precision_conversion": f"the conversion of the batch to {_DTYPE_NAMES.get(d.precision, d.precision)} "
+                "precision_conversion": f"the conversion of the batch to {advice.dtype_name(d.precision)} "
                                         f"({_out_of_range_text(d)})",
             }.get(d.origin, d.origin)
             lines.append(f"- its input was already non-finite: it came from {origin}")

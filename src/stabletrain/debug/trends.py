@@ -64,6 +64,7 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 
 from stabletrain.config import TrendAlertArgs
+from stabletrain.debug import advice
 from stabletrain.utils.text import fmt_factor, fmt_number
 
 KINDS = ("exploding", "vanishing", "spike", "plateau", "nonfinite")
@@ -199,30 +200,32 @@ class AlertContext:
 
 
 def next_actions(episode: Episode, context: Optional[AlertContext] = None) -> list[str]:
-    """The spec's next actions for an episode, with values from ``context`` filled in."""
+    """The spec's next actions for an episode, with values from ``context`` filled in
+    (:mod:`stabletrain.debug.advice` proposes them)."""
     c = context or AlertContext()
-    lr = c.lr
+    lr = advice.positive(c.lr)
+    now = f" (now {advice.setting_value(lr)})" if lr else ""
     precision = c.precision
     if episode.kind == "exploding":
         actions = [
-            f"lower the learning rate: model_args.lr={fmt_number(lr / 10)} (now {fmt_number(lr)})"
+            f"lower the learning rate: {advice.lower_lr(lr)}{now}"
             if lr
-            else "lower the learning rate (model_args.lr), e.g. by 10x"
+            else f"lower the learning rate (model_args.lr), e.g. by {advice.LR_DECREASE}x"
         ]
-        if precision in ("16-mixed", "16-true"):
-            actions.append(f"switch to a more stable precision: precision=bf16-mixed or 32-true (now {precision})")
-        elif precision in ("bf16-mixed", "bf16-true"):
-            actions.append(f"rule out reduced precision: precision=32-true (now {precision})")
-        elif precision is None:
-            actions.append("switch to a more stable precision: precision=bf16-mixed or precision=32-true")
-        if not c.gradient_clip_val:
-            actions.append("clip gradients: gradient_clip_val=1.0")
+        switch = advice.switch_precision(precision)
+        current = f" (now {precision})" if precision else ""
+        if precision in ("16-mixed", "16-true") or precision is None:
+            actions.append(f"switch to a more stable precision: {switch}{current}")
+        elif switch:
+            actions.append(f"rule out reduced precision: {switch} (now {precision})")
+        if not advice.positive(c.gradient_clip_val):
+            actions.append(f"clip gradients: gradient_clip_val={advice.CLIP_VALUE}")
         return actions
     if episode.kind == "vanishing":
         small = c.n_params is not None and c.n_params <= 10_000_000
         size = f" (this model has {c.n_params:,} parameters; small models often need more)" if small else ""
         actions = [
-            f"raise the learning rate: model_args.lr={fmt_number(lr * 3)} (now {fmt_number(lr)}){size}"
+            f"raise the learning rate: {advice.raise_lr(lr)}{now}{size}"
             if lr
             else "raise the learning rate (model_args.lr), especially for small models (~10M parameters or fewer)"
         ]
@@ -239,13 +242,17 @@ def next_actions(episode: Episode, context: Optional[AlertContext] = None) -> li
         warm = c.warmup_steps
         return [
             "a single spike is usually harmless; if spikes recur or grow, "
-            + ("clip gradients: gradient_clip_val=1.0, " if not c.gradient_clip_val else "")
-            + (f"lower model_args.lr (now {fmt_number(lr)}), " if lr else "lower model_args.lr, ")
-            + (f"or warm up longer: model_args.warmup_steps={max(2 * warm, 100)}" if warm is not None else "or warm up longer (model_args.warmup_steps)")
+            + (
+                "" if advice.positive(c.gradient_clip_val)
+                else f"clip gradients: gradient_clip_val={advice.CLIP_VALUE}, "
+            )
+            + (f"lower model_args.lr{now}, " if lr else "lower model_args.lr, ")
+            + (f"or warm up longer: model_args.warmup_steps={max(2 * warm, 100)}" if warm is not None
+               else "or warm up longer (model_args.warmup_steps)")
         ]
     if episode.kind == "plateau":
         actions = [
-            f"if gradient_norm is small too, raise the learning rate: model_args.lr={fmt_number(lr * 3)} (now {fmt_number(lr)})"
+            f"if gradient_norm is small too, raise the learning rate: {advice.raise_lr(lr)}{now}"
             if lr
             else "if gradient_norm is small too, raise the learning rate (model_args.lr)",
             "check that inputs and labels match (a shuffled or constant label gives a flat loss)",
@@ -255,9 +262,8 @@ def next_actions(episode: Episode, context: Optional[AlertContext] = None) -> li
         return actions
     return [
         "re-run from the latest checkpoint: resume_interrupted=true"
-        + (f" with a lower model_args.lr={fmt_number(lr / 10)}" if lr else ""),
-        "if it reproduces, isolate reduced precision: precision=32-true"
-        + (f" (now {precision})" if precision else "")
+        + (f" with a lower {advice.lower_lr(lr)}" if lr else ""),
+        "if it reproduces, isolate reduced precision: precision=32-true" + (f" (now {precision})" if precision else "")
         if precision not in ("32-true", "64-true")
         else f"precision is already {precision}: reduced precision is not the cause",
         "localise it: debug_args.underflow_overflow.enabled=true, then debug_args.nancapture.enabled=true",
