@@ -29,15 +29,11 @@ written by nancapture and answers, offline:
    ``precision``, ``gradient_clip_val``, ``transform_args``), written next to the capture
    as ``diagnosis.md`` and ``diagnosis.json``.
 
-Command line::
-
-    stabletrain diagnose out/boom/debug/nan_capture/rank0
-    stabletrain diagnose out/mine/debug/nan_capture/rank0 --model train.py:MyModel --json
+On the command line: ``stabletrain diagnose PATH`` (:mod:`stabletrain.cli.diagnose`).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
@@ -64,7 +60,6 @@ from stabletrain.debug.replay import (
     NaNCapture,
     forward_backward,
     load_nan_capture,
-    load_object,
     normalize_precision,
 )
 from stabletrain.utils.io import atomic_write_text
@@ -377,9 +372,9 @@ class Diagnosis:
         }
 
     def __str__(self) -> str:
-        return self.report()
+        return self.to_markdown()
 
-    def report(self) -> str:
+    def to_markdown(self) -> str:
         """The human-readable account (Markdown), as written to ``diagnosis.md``."""
         return _render(self)
 
@@ -534,7 +529,7 @@ def diagnose(
         folder = _output_folder(cap)
         md, js = folder / _FILE_MD, folder / _FILE_JSON
         diag.files = [str(md), str(js)]
-        atomic_write_text(diag.report() + "\n", md)
+        atomic_write_text(diag.to_markdown() + "\n", md)
         atomic_write_text(json.dumps(diag.to_dict(), indent=2) + "\n", js)
     return diag
 
@@ -1551,54 +1546,3 @@ def _output_folder(cap: NaNCapture) -> Path:
     """Next to the capture: the rank folder, or for several ranks the folder holding them."""
     first = cap.ranks[0].path.parent
     return first if len(cap.ranks) == 1 else first.parent
-
-
-# --------------------------------------------------------------------------------------
-# Command line
-# --------------------------------------------------------------------------------------
-
-
-def diagnose_main(argv: list[str]) -> int:
-    """``stabletrain diagnose PATH [--json] [--device D] [--model SPEC] [--step-fn SPEC] [--no-write]``."""
-    parser = argparse.ArgumentParser(
-        prog="stabletrain diagnose",
-        description="From a NaN capture to a verdict: the first non-finite op (module, phase, dtype, source line), "
-        "the cause (precision-induced, deterministic numerical, not reproducible), the samples that trigger it, "
-        "whether the weights were already bad, and what to change. Writes diagnosis.md and diagnosis.json next "
-        "to the capture.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=(
-            "examples:\n"
-            "  stabletrain diagnose out/boom/debug/nan_capture/rank0\n"
-            "  stabletrain diagnose out/boom/debug/nan_capture/rank0 --json\n"
-            "  stabletrain diagnose out/mine/debug/nan_capture/rank0 --model train.py:MyModel   # your own model\n"
-        ),
-    )
-    parser.add_argument("path", help="rank folder, nan_capture.pt, the folder of all ranks, or the run folder")
-    parser.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
-    parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: the captured device type when available)")
-    parser.add_argument("--model", metavar="FILE.py:NAME",
-                        help="your own model: a class (or function) that builds it without arguments")
-    parser.add_argument("--step-fn", metavar="FILE.py:NAME", help="step_fn(model, batch) -> loss, if the model has no training_step")
-    parser.add_argument("--no-write", action="store_true", help="do not write diagnosis.md and diagnosis.json")
-    ns = parser.parse_args(argv)
-    model = None
-    if ns.model:
-        factory = load_object(ns.model)
-        model = factory() if callable(factory) and not isinstance(factory, nn.Module) else factory
-        if not isinstance(model, nn.Module):
-            raise NaNCaptureError(f"--model {ns.model}: built a {type(model).__name__}, not a torch.nn.Module")
-    step_fn = load_object(ns.step_fn) if ns.step_fn else None
-    try:
-        result = diagnose(ns.path, model=model, step_fn=step_fn, device=ns.device, write=not ns.no_write)
-    except NaNCaptureError as exc:
-        # The loader's hints name the replay command; the same options work here.
-        raise NaNCaptureError(str(exc).replace("stabletrain replay ", "stabletrain diagnose "), exc.path) from None
-    if ns.json:
-        print(json.dumps(result.to_dict(), indent=2))
-    else:
-        print(result.report())
-        if result.files:
-            print(f"\nWritten: {', '.join(result.files)}")
-    return 0
-

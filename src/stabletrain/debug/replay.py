@@ -17,26 +17,22 @@ within them, in any precision (``"64-true"`` included), inside a context manager
 caller's (e.g. a ``TorchDispatchMode``), returning losses and per-parameter gradient
 finiteness with the model and its gradients.
 
-Command line::
-
-    stabletrain replay out/boom/debug/nan_capture/rank0          # one rank
-    stabletrain replay out/boom/debug/nan_capture --json         # all ranks, for machines
+On the command line: ``stabletrain replay PATH`` (:mod:`stabletrain.cli.replay`).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import math
 import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, ContextManager, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
 
+import stabletrain
 from stabletrain.debug.grad_norm import compute_grad_norm
 from stabletrain.debug.nan_capture import (
     FILE_NAME,
@@ -54,9 +50,6 @@ from stabletrain.utils import imports
 from stabletrain.utils.rng import get_rng_state, set_rng_state
 from stabletrain.utils.text import MEASURED_DIGITS, fmt_list, fmt_number, json_float, shell_path
 from stabletrain.utils.tree import bitwise_equal, leading_size, select_rows, to_device
-
-if TYPE_CHECKING:
-    from stabletrain.debug.diagnose import Diagnosis
 
 __all__ = [
     "load_nan_capture",
@@ -769,10 +762,10 @@ class ReplayResult:
         }
 
     def __str__(self) -> str:
-        return self.report()
+        return self.to_text()
 
-    def report(self) -> str:
-        """The human-readable summary ``stabletrain replay`` prints."""
+    def to_text(self) -> str:
+        """The human-readable account ``stabletrain replay`` prints."""
         ranks = f"rank {self.ranks[0]}" if len(self.ranks) == 1 else f"ranks {', '.join(map(str, self.ranks))}"
         prec = self.precision + (" (as captured)" if self.precision == self.captured_precision else f" (captured in {self.captured_precision})")
         lines = [
@@ -1045,18 +1038,16 @@ class NaNCapture:
             largest_gradients=full.largest_gradients,
         )
 
-    def diagnose(self, **kwargs: Any) -> "Diagnosis":
-        """:func:`stabletrain.debug.diagnose.diagnose` on this capture: which op, module and
-        sample, and why. Writes ``diagnosis.md`` and ``diagnosis.json`` next to the capture
-        unless ``write=False``.
+    def diagnose(self, **kwargs: Any) -> stabletrain.Diagnosis:
+        """:func:`stabletrain.diagnose` on this capture: which op, module and sample, and why.
+        Writes ``diagnosis.md`` and ``diagnosis.json`` next to the capture unless ``write=False``.
 
         Example::
 
             print(stabletrain.load_nan_capture("out/boom/debug/nan_capture/rank0").diagnose())
         """
-        from stabletrain.debug.diagnose import diagnose
-
-        return diagnose(self, **kwargs)
+        # Through the package's public name: replay sits below diagnose and never imports it.
+        return stabletrain.diagnose(self, **kwargs)
 
     def __repr__(self) -> str:
         return (
@@ -1065,55 +1056,8 @@ class NaNCapture:
         )
 
 
-# --------------------------------------------------------------------------------------
-# Command line
-# --------------------------------------------------------------------------------------
-
-
 def load_object(spec: str) -> Any:
     """``path/to/file.py:Name`` or ``package.module:Name`` -> the object, for ``--model`` and
     ``--step-fn`` and the replay templates of :func:`~stabletrain.debug.nan_capture.default_replay_command`
     (see :func:`stabletrain.utils.imports.load_object`; errors are :class:`NaNCaptureError`)."""
     return imports.load_object(spec, error=NaNCaptureError)
-
-
-def replay_main(argv: list[str]) -> int:
-    """``stabletrain replay PATH [--json] [--precision P] [--device D] [--model SPEC] [--step-fn SPEC]``."""
-    parser = argparse.ArgumentParser(
-        prog="stabletrain replay",
-        description="Rerun a captured failing step offline (forward and backward, no optimizer step) and say "
-        "whether it reproduces. PATH is a rank folder, its nan_capture.pt, or the folder of all ranks.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=(
-            "examples:\n"
-            "  stabletrain replay out/boom/debug/nan_capture/rank0\n"
-            "  stabletrain replay out/boom/debug/nan_capture --json            # every rank of a DDP run\n"
-            "  stabletrain replay out/boom/debug/nan_capture/rank0 --precision 64-true\n"
-            "  stabletrain replay out/mine/debug/nan_capture/rank0 --model train.py:MyModel   # your own model\n"
-        ),
-    )
-    parser.add_argument("path", help="rank folder, nan_capture.pt, or the folder of all ranks")
-    parser.add_argument("--json", action="store_true", help="print the result as JSON")
-    parser.add_argument("--precision", choices=REPLAY_PRECISIONS, help="replay in this precision (default: as captured)")
-    parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: the captured device type when available)")
-    parser.add_argument(
-        "--model",
-        metavar="FILE.py:NAME",
-        help="your own model: a class (or function) that builds it without arguments, as file.py:Name or module:Name",
-    )
-    parser.add_argument("--step-fn", metavar="FILE.py:NAME", help="step_fn(model, batch) -> loss, if the model has no training_step")
-    ns = parser.parse_args(argv)
-    model = None
-    if ns.model:
-        factory = load_object(ns.model)
-        model = factory() if callable(factory) and not isinstance(factory, nn.Module) else factory
-        if not isinstance(model, nn.Module):
-            raise NaNCaptureError(f"--model {ns.model}: built a {type(model).__name__}, not a torch.nn.Module")
-    step_fn = load_object(ns.step_fn) if ns.step_fn else None
-    cap = load_nan_capture(ns.path, model=model, step_fn=step_fn)
-    result = cap.replay(precision=ns.precision, device=ns.device)
-    if ns.json:
-        print(json.dumps(result.to_dict(), indent=2))
-    else:
-        print(result.report())
-    return 0
