@@ -11,8 +11,12 @@ from stabletrain.debug.trends import AlertContext, Episode, next_actions
 
 @pytest.mark.parametrize(
     "lr,lower,higher",
-    [(3e-3, "model_args.lr=0.0003", "model_args.lr=0.009"), (1000, "model_args.lr=100", "model_args.lr=3e+03"),
-     (1.2345e-3, "model_args.lr=0.000123", "model_args.lr=0.0037"), (1e20, "model_args.lr=1e+19", "model_args.lr=3e+20")],
+    [
+        (3e-3, "model_args.lr=0.0003", "model_args.lr=0.009"),
+        (1000, "model_args.lr=100", "model_args.lr=3e+03"),
+        (1.2345e-3, "model_args.lr=0.000123", "model_args.lr=0.0037"),
+        (1e20, "model_args.lr=1e+19", "model_args.lr=3e+20"),
+    ],
 )
 def test_learning_rate_proposals(lr, lower, higher):
     assert advice.lower_lr(lr) == lower
@@ -40,7 +44,8 @@ def test_stabler_precisions(precision, stabler):
 
 
 def test_positive_takes_only_usable_numbers():
-    assert [advice.positive(v) for v in (0.1, 3, 0, -1.0, None, "0.1", True)] == [0.1, 3.0, None, None, None, None, None]
+    values = (0.1, 3, 0, -1.0, None, "0.1", True)
+    assert [advice.positive(v) for v in values] == [0.1, 3.0, None, None, None, None, None]
 
 
 def test_trends_and_diagnose_round_the_same_way():
