@@ -482,7 +482,7 @@ class Trainer:
             f"precision {self.precision} | microbatch {self.microbatch_size} x "
             f"{self.settings.gradient_accumulation_steps} accumulation x {self.world_size} devices"
         )
-        self.console._to_log("resolved settings:\n" + text)
+        self.console.log_only("resolved settings:\n" + text)
 
     # ------------------------------------------------------------------------------ loop
 

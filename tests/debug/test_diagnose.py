@@ -552,6 +552,17 @@ def test_diagnose_command_as_a_user_runs_it(tmp_path):
     assert bad.returncode == 1 and "no such file or folder: nowhere" in bad.stderr
 
 
+def test_subset_search_stops_at_its_budget_and_keeps_only_what_replays_decided(tmp_path):
+    path, victim = _fault_capture(tmp_path, "log0")
+    d = stabletrain.diagnose(path.parent, model=FaultNet("log0"), write=False, max_subset_replays=2)
+    assert d.data.replays == 2
+    assert "stopped after 2 subset replays (max_subset_replays)" in d.data.caveats
+    # The halving search was cut short: its half-decided answer is dropped, the whole microbatch stays.
+    assert d.data.row_sets == [list(range(8))] and victim in d.data.index_sets[0]
+    full = stabletrain.diagnose(path.parent, model=FaultNet("log0"), write=False)
+    assert full.data.row_sets == [[3]] and full.data.replays > 2 and not full.data.caveats
+
+
 def test_ddmin_finds_one_minimal_culprit_set():
     calls = []
 

@@ -420,7 +420,7 @@ def diagnose(
         print(d.cause, d.finding.op, d.finding.module, d.data.dataset_indices)
     """
     timings: dict[str, float] = {}
-    clock = _Clock(timings)
+    clock = _PhaseTimer(timings)
     with clock("load"):
         if isinstance(capture, NaNCapture):
             cap = capture
@@ -534,7 +534,9 @@ def diagnose(
     return diag
 
 
-class _Clock:
+class _PhaseTimer:
+    """``with timer("phase"):`` adds the seconds spent inside to ``timings["phase"]``."""
+
     def __init__(self, timings: dict[str, float]):
         self.timings = timings
 
@@ -553,12 +555,14 @@ class _Clock:
 
 
 @dataclass
-class _Full:
+class _FullReplay:
+    """One replay of the whole step: its summary for the report, and what it computed."""
+
     outcome: ReplayOutcome
     result: ForwardBackwardResult
 
 
-def _full_replay(cap: NaNCapture, label: str, precision: str, device: torch.device) -> _Full:
+def _full_replay(cap: NaNCapture, label: str, precision: str, device: torch.device) -> _FullReplay:
     start = time.perf_counter()
     res = forward_backward(cap, precision=precision, device=device)
     outcome = ReplayOutcome(
@@ -571,10 +575,10 @@ def _full_replay(cap: NaNCapture, label: str, precision: str, device: torch.devi
         seconds=time.perf_counter() - start,
         _loss_tensors=list(res.losses),
     )
-    return _Full(outcome, res)
+    return _FullReplay(outcome, res)
 
 
-def _same_outcome(a: _Full, b: _Full) -> bool:
+def _same_outcome(a: _FullReplay, b: _FullReplay) -> bool:
     """Bitwise the same losses and the same non-finite gradients."""
     la, lb = a.outcome._loss_tensors, b.outcome._loss_tensors
     if len(la) != len(lb) or not all(bitwise_equal(x, y) for x, y in zip(la, lb)):
@@ -590,20 +594,38 @@ def _same_outcome(a: _Full, b: _Full) -> bool:
 # --------------------------------------------------------------------------------------
 
 
-class _Budget(Exception):
-    """The subset-replay budget is spent."""
+class _ReplayBudget:
+    """The subset replays the search may run. A replay asked for past the limit is not run:
+    it counts as not failing and marks the budget ``refused``, so that the search can discard
+    what it decided without replays."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.used = 0
+        self.refused = False
+
+    def take(self) -> bool:
+        """Use one replay; False (and ``refused``) when none is left."""
+        if self.used >= self.limit:
+            self.refused = True
+            return False
+        self.used += 1
+        return True
 
 
-def _isolate(cap: NaNCapture, full: ForwardBackwardResult, precision: str, device: torch.device, budget: int) -> DataReport:
+def _isolate(cap: NaNCapture, full: ForwardBackwardResult, precision: str, device: torch.device,
+             max_replays: int) -> DataReport:
     keys = list(full.microbatches)
     loss_bad = [k for k, v in zip(keys, full.loss_values) if not math.isfinite(v)]
     report = DataReport(status="isolated", check="forward" if loss_bad else "forward+backward")
     errors: list[str] = []
+    budget = _ReplayBudget(max_replays)
 
-    def fails(mbs: Sequence[MicrobatchKey], rows: Optional[dict[MicrobatchKey, list[int]]] = None, forward_only: bool = False) -> bool:
-        if report.replays >= budget:
-            raise _Budget
-        report.replays += 1
+    def fails(mbs: Sequence[MicrobatchKey], rows: Optional[dict[MicrobatchKey, list[int]]] = None,
+              forward_only: bool = False) -> bool:
+        if not budget.take():
+            return False
+        report.replays = budget.used
         try:
             res = forward_backward(cap, microbatches=list(mbs), rows=rows, precision=precision, device=device,
                                    backward=not forward_only)
@@ -621,15 +643,13 @@ def _isolate(cap: NaNCapture, full: ForwardBackwardResult, precision: str, devic
     elif len(keys) == 1:
         failing = keys
     else:
-        try:
-            failing = [k for k in keys if fails([k])]
-        except _Budget:
+        failing = [k for k in keys if fails([k])]
+        if budget.refused:
             failing = []
     report.failing_microbatches = failing
     if not failing:
-        try:
-            combo = _ddmin(keys, lambda s: fails(s))
-        except _Budget:
+        combo = _ddmin(keys, lambda s: fails(s))
+        if budget.refused:
             combo = keys
         report.status = "combination"
         report.microbatches = combo
@@ -651,31 +671,39 @@ def _isolate(cap: NaNCapture, full: ForwardBackwardResult, precision: str, devic
     remaining = list(range(n))
     rest_fails = False
     probes: list[int] = []
-    try:
-        if n == 1:
-            sets = [[0]]
-            remaining = []
-        else:
-            # Up to 3 disjoint culprit sets: a second bad sample is found, and a model that
-            # fails on any data shows itself by its complement still failing after three.
-            for round_ in range(3):
-                found = _ddmin(remaining, check)
-                sets.append(found)
-                remaining = [r for r in remaining if r not in found]
-                if not remaining:
+    if n == 1:
+        sets = [[0]]
+        remaining = []
+    else:
+        # Up to 3 disjoint culprit sets: a second bad sample is found, and a model that
+        # fails on any data shows itself by its complement still failing after three.
+        # Whatever was decided after the budget ran out is discarded.
+        for round_ in range(3):
+            found = _ddmin(remaining, check)
+            if budget.refused:
+                break
+            sets.append(found)
+            remaining = [r for r in remaining if r not in found]
+            if not remaining:
+                break
+            rest = check(remaining)
+            if budget.refused:
+                break
+            rest_fails = rest
+            if not rest_fails:
+                break
+            if round_ == 0 and len(found) == 1 and len(remaining) >= 3:
+                # The rest fails too. Before searching it, probe three single samples spread
+                # over it: when they all fail alone, any sample does (cheaper than two searches).
+                picks = [remaining[0], remaining[len(remaining) // 2], remaining[-1]]
+                alone = all(check([r]) for r in picks)
+                if budget.refused:
                     break
-                rest_fails = check(remaining)
-                if not rest_fails:
+                if alone:
+                    probes = picks
                     break
-                if round_ == 0 and len(found) == 1 and len(remaining) >= 3:
-                    # The rest fails too. Before searching it, probe three single samples spread
-                    # over it: when they all fail alone, any sample does (cheaper than two searches).
-                    picks = [remaining[0], remaining[len(remaining) // 2], remaining[-1]]
-                    if all(check([r]) for r in picks):
-                        probes = picks
-                        break
-    except _Budget:
-        report.caveats.append(f"stopped after {budget} subset replays (max_subset_replays)")
+    if budget.refused:
+        report.caveats.append(f"stopped after {max_replays} subset replays (max_subset_replays)")
     if not sets:
         sets = [list(range(n))]
     report.row_sets = sets
@@ -1160,20 +1188,20 @@ def _culprit_inputs(d: Diagnosis, entries: list[dict[str, Any]]) -> list[dict[st
     return [e for e in entries if (e["rank"], e["micro_step"]) in keys and (e["row"] is None or e["row"] in rows)]
 
 
-def _who(entry: dict[str, Any]) -> str:
+def _sample_label(entry: dict[str, Any]) -> str:
     if entry["index"] is not None:
         return f"sample {entry['index']}"
     return f"row {entry['row']}" if entry["row"] is not None else f"microbatch {entry['micro_step']}"
 
 
 def _bad_input_text(d: Diagnosis) -> str:
-    parts = [f"{bad['field']} of {_who(bad)} holds {bad['count']} non-finite value{'s' if bad['count'] > 1 else ''}"
+    parts = [f"{bad['field']} of {_sample_label(bad)} holds {bad['count']} non-finite value{'s' if bad['count'] > 1 else ''}"
              for bad in _culprit_inputs(d, d.data.nonfinite_inputs)]
     return ", ".join(parts[:3]) or "the input"
 
 
 def _out_of_range_text(d: Diagnosis) -> str:
-    parts = [f"{e['field']} of {_who(e)} reaches {fmt_number(e['abs_max'])} in magnitude"
+    parts = [f"{e['field']} of {_sample_label(e)} reaches {fmt_number(e['abs_max'])} in magnitude"
              for e in _culprit_inputs(d, d.data.out_of_range_inputs)]
     return ", ".join(parts[:3]) or "the data"
 

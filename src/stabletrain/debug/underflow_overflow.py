@@ -62,7 +62,7 @@ __all__ = [
     "UnderflowOverflowError",
     "UnderflowOverflowAbort",
     "UnderflowOverflowCallback",
-    "report_path",
+    "log_path",
     "tensor_stats",
 ]
 
@@ -85,7 +85,7 @@ def _any_nonfinite(amaxes: list[Tensor]) -> Tensor:
     return flag
 
 
-def report_path(out_dir: str | Path, rank: int) -> Path:
+def log_path(out_dir: str | Path, rank: int) -> Path:
     """``<out_dir>/underflow_overflow_rank{rank}.log``."""
     return Path(out_dir) / f"underflow_overflow_rank{rank}.log"
 
@@ -148,7 +148,7 @@ class UnderflowOverflowError(StabletrainError):
             modules, ``grad of ...`` in backward, or ``loss``.
         value: ``"nan"``, or ``"inf"`` for an infinity of either sign.
         explanation: One sentence on how the culprit was chosen.
-        report_path: This rank's report.
+        log_path: This rank's log, ``underflow_overflow_rank{rank}.log`` (also ``report_path``).
     """
 
     def __init__(
@@ -157,7 +157,7 @@ class UnderflowOverflowError(StabletrainError):
         step: int,
         rank: int,
         detected_by: Sequence[int],
-        report_path: Path,
+        log_path: Path,
         phase: Optional[str] = None,
         module: Optional[str] = None,
         module_type: Optional[str] = None,
@@ -168,7 +168,7 @@ class UnderflowOverflowError(StabletrainError):
         self.step = step
         self.rank = rank
         self.detected_by = list(detected_by)
-        self.report_path = Path(report_path)
+        self.log_path = Path(log_path)
         self.phase = phase
         self.module = module
         self.module_type = module_type
@@ -179,7 +179,7 @@ class UnderflowOverflowError(StabletrainError):
             where = _display(module, module_type)
             msg = (
                 f"step {step}, rank {rank}, {phase}: the first non-finite value ({value}) is in {where}, "
-                f"tensor {tensor}. {explanation} The last frames, culprit last: {self.report_path}"
+                f"tensor {tensor}. {explanation} The last frames, culprit last: {self.log_path}"
             )
         else:
             others = ", ".join(str(r) for r in self.detected_by)
@@ -187,9 +187,14 @@ class UnderflowOverflowError(StabletrainError):
                 f"step {step}: rank {others} found a non-finite value"
                 f"{f' in the {phase} pass' if phase else ''} (see underflow_overflow_rank{self.detected_by[0]}.log "
                 f"beside this rank's report); rank {rank} found none and stopped with it. "
-                f"This rank's last frames: {self.report_path}"
+                f"This rank's last frames: {self.log_path}"
             )
         super().__init__(msg)
+
+    @property
+    def report_path(self) -> Path:
+        """The same as :attr:`log_path` (the name the README uses)."""
+        return self.log_path
 
 
 class UnderflowOverflowAbort(StabletrainError):
@@ -197,15 +202,15 @@ class UnderflowOverflowAbort(StabletrainError):
 
     Attributes:
         step: The last step that ran.
-        report_path: The report holding the traced steps.
+        log_path: The log holding the traced steps.
     """
 
-    def __init__(self, step: int, report_path: Path):
+    def __init__(self, step: int, log_path: Path):
         self.step = step
-        self.report_path = Path(report_path)
+        self.log_path = Path(log_path)
         super().__init__(
             f"abort_after_batch_num={step}: stopped after step {step} as asked; "
-            f"traced steps are in {self.report_path}"
+            f"traced steps are in {self.log_path}"
         )
 
 
@@ -246,8 +251,9 @@ class _GradSite:
         self.dtype = dtype
 
 
-# A line: (label, role, abs min, abs max, shape, dtype); role is weight|input|output|loss|grad.
-_Line = tuple
+#: What one hook records of one tensor: (label, role, abs min, abs max, shape, dtype), the
+#: statistics as device scalars; role is weight|input|output|loss|grad.
+_StatsRow = tuple
 
 
 class _Event:
@@ -363,7 +369,7 @@ class UnderflowOverflowMonitor:
         self.abort_after_batch_num = abort_after_batch_num
         self.include_backward = include_backward
         self.auto_check = auto_check
-        self.report_path = report_path(out_dir, rank)
+        self.log_path = log_path(out_dir, rank)
         self.step = 0
         self.micro_step = 0
         self.tracing = 0 in self.trace_batch_nums
@@ -380,7 +386,7 @@ class UnderflowOverflowMonitor:
         self._grad_sites: dict[int, _GradSite] = {}
         self._weight_cache: dict[int, tuple] = {}
         self._bw_queued = False
-        self._report_text: Optional[str] = None
+        self._log_text: Optional[str] = None
         self._local = threading.local()  # per-thread scratch buffers of tensor_stats
         self._attach()
 
@@ -438,6 +444,24 @@ class UnderflowOverflowMonitor:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    # ------------------------------------------------------------------------ accessors
+
+    @property
+    def num_watched_modules(self) -> int:
+        """Modules with hooks: every module of the model, the model itself included."""
+        return len(self._info)
+
+    @property
+    def has_records(self) -> bool:
+        """Whether the hooks recorded values since the last decision (:meth:`accept`,
+        :meth:`fail`) or the last trace written (:meth:`write_trace`)."""
+        return bool(self._events)
+
+    @property
+    def log_written(self) -> bool:
+        """Whether this monitor has written its log (:attr:`log_path`) yet."""
+        return self._log_text is not None
+
     # ---------------------------------------------------------------------- step control
 
     def set_step(self, step: int) -> None:
@@ -451,7 +475,7 @@ class UnderflowOverflowMonitor:
         if self.tracing and self._events:
             self.write_trace()
         if self.abort_after_batch_num is not None and step > self.abort_after_batch_num:
-            raise UnderflowOverflowAbort(self.abort_after_batch_num, self.report_path)
+            raise UnderflowOverflowAbort(self.abort_after_batch_num, self.log_path)
         self._stepped = True
         self.step = step
         self.micro_step = 0
@@ -484,7 +508,7 @@ class UnderflowOverflowMonitor:
         self._weight_cache[id(p)] = (key, stats)
         return stats
 
-    def _line(self, label: str, role: str, t: Tensor) -> Optional[_Line]:
+    def _stats_row(self, label: str, role: str, t: Tensor) -> Optional[_StatsRow]:
         if not t.is_floating_point() or t.numel() == 0 or t.is_sparse:
             return None
         amin, amax = self._measure(t) if role != "weight" else self._weight_stats(t)
@@ -516,14 +540,14 @@ class UnderflowOverflowMonitor:
         lines = []
         with torch.no_grad():
             for name, p in params:
-                line = self._line(name, "weight", p)
+                line = self._stats_row(name, "weight", p)
                 if line is not None:
                     lines.append(line)
             tensors = list(_tensors_of(args, "input"))
             if kwargs:
                 tensors.extend(_tensors_of(kwargs, "input"))
             for label, t in tensors:
-                line = self._line(label, "input", t)
+                line = self._stats_row(label, "input", t)
                 if line is not None:
                     lines.append(line)
                     if watch and t.requires_grad:
@@ -540,7 +564,7 @@ class UnderflowOverflowMonitor:
         lines = []
         with torch.no_grad():
             for label, t in _tensors_of(output, "output"):
-                line = self._line(label, "output", t)
+                line = self._stats_row(label, "output", t)
                 if line is not None:
                     lines.append(line)
                     if watch and t.requires_grad:
@@ -561,7 +585,7 @@ class UnderflowOverflowMonitor:
         if self._closed or not isinstance(loss, Tensor):
             return
         with torch.no_grad():
-            line = self._line("loss", "loss", loss.detach())
+            line = self._stats_row("loss", "loss", loss.detach())
         if line is not None:
             call = _Call("", self._root_cls, None, id(self.model))
             self._events.append(_Event("forward", self.step, self.micro_step, "loss", call, [line]))
@@ -653,21 +677,21 @@ class UnderflowOverflowMonitor:
         self._history.clear()
         if first is None:
             text = self._other_rank_section(events, values, detected, phase)
-            path = self._append_report(text)
+            path = self._append_log(text)
             raise UnderflowOverflowError(
-                step=self.step, rank=self.rank, detected_by=detected, report_path=path, phase=phase
+                step=self.step, rank=self.rank, detected_by=detected, log_path=path, phase=phase
             )
         i, j = first
         blame = _blame(events[i], j, self._root_cls)
         value = _value_kind(*values[(i, j)])
         text = self._failure_section(events[: i + 1], values, first, blame, value)
-        path = self._append_report(text)
+        path = self._append_log(text)
         culprit_path, culprit_cls, tensor, explanation = blame
         raise UnderflowOverflowError(
             step=events[i].step,
             rank=self.rank,
             detected_by=detected,
-            report_path=path,
+            log_path=path,
             phase=events[i].phase,
             module=culprit_path,
             module_type=culprit_cls,
@@ -711,7 +735,7 @@ class UnderflowOverflowMonitor:
                 f"{blame[2]} ({events[first[0]].phase}). Not aborting: the step is traced."
             )
         lines.extend(_render(frames, values, first, None))
-        path = self._append_report("\n".join(lines) + "\n")
+        path = self._append_log("\n".join(lines) + "\n")
         self._history.clear()
         self.accept()
         return path
@@ -755,9 +779,9 @@ class UnderflowOverflowMonitor:
         lines.extend(_render(frames, values, None, None))
         return "\n".join(lines) + "\n"
 
-    def _append_report(self, section: str) -> Path:
-        if self._report_text is None:
-            self._report_text = (
+    def _append_log(self, section: str) -> Path:
+        if self._log_text is None:
+            self._log_text = (
                 f"stabletrain underflow/overflow report, rank {self.rank}\n"
                 f"model: {self._root_cls}, {len(self._info)} modules watched, "
                 f"backward {'included' if self.include_backward else 'not included'}\n"
@@ -765,8 +789,8 @@ class UnderflowOverflowMonitor:
                 "its dtype and shape\n"
                 "frames are in execution order; [forward]/[backward], step and microbatch in each header\n\n"
             )
-        self._report_text += section + "\n"
-        return atomic_write_text(self._report_text, self.report_path)
+        self._log_text += section + "\n"
+        return atomic_write_text(self._log_text, self.log_path)
 
 
 # --------------------------------------------------------------------------------------
@@ -960,9 +984,9 @@ class UnderflowOverflowCallback:
             auto_check=False,
         )
         trainer.console.info(
-            f"underflow_overflow: watching {len(self.monitor._info)} modules"
+            f"underflow_overflow: watching {self.monitor.num_watched_modules} modules"
             f"{' forward and backward' if a.include_backward else ' (forward only)'}; "
-            f"report: {self.monitor.report_path}"
+            f"report: {self.monitor.log_path}"
         )
 
     def on_step_start(self, trainer: Any, *, step: int) -> None:
@@ -984,7 +1008,7 @@ class UnderflowOverflowCallback:
         monitor = self.monitor
         assert monitor is not None
         if monitor.tracing:
-            if monitor._events:
+            if monitor.has_records:
                 monitor.write_trace()
         elif monitor.include_backward:
             self._decide(trainer, "backward")
@@ -993,7 +1017,7 @@ class UnderflowOverflowCallback:
         stop = self.args.abort_after_batch_num
         if stop is not None and step >= stop:
             assert self.monitor is not None
-            where = f"; traced steps are in {self.monitor.report_path}" if self.monitor._report_text else ""
+            where = f"; traced steps are in {self.monitor.log_path}" if self.monitor.log_written else ""
             trainer.request_stop(
                 f"debug_args.underflow_overflow.abort_after_batch_num={stop} reached{where}"
             )
@@ -1025,7 +1049,7 @@ class UnderflowOverflowCallback:
         except UnderflowOverflowError as exc:
             trainer.log_event({
                 "event": "underflow_overflow", "step": exc.step, "phase": exc.phase or phase, "module": exc.module,
-                "tensor": exc.tensor, "value": exc.value, "detected_by": exc.detected_by, "report": str(exc.report_path),
+                "tensor": exc.tensor, "value": exc.value, "detected_by": exc.detected_by, "report": str(exc.log_path),
             })
             raise
 
