@@ -33,7 +33,9 @@ def run(argv: list[str]) -> int:
     )
     parser.add_argument("path", help="rank folder, nan_capture.pt, or the folder of all ranks")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
-    parser.add_argument("--precision", choices=REPLAY_PRECISIONS, help="replay in this precision (default: as captured)")
+    parser.add_argument(
+        "--precision", choices=REPLAY_PRECISIONS, help="replay in this precision (default: as captured)"
+    )
     parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: the captured device type when available)")
     user_code.add_options(parser)
     ns = parser.parse_args(argv)

@@ -132,7 +132,8 @@ def to_storable(obj: Any, where: str = "batch") -> Any:
         return items if isinstance(obj, list) else tuple(items)
     raise TypeError(
         f"{where}: a {type(obj).__module__}.{type(obj).__qualname__} cannot be stored in a capture safely "
-        "(only tensors, numbers, strings, None, lists, tuples and dicts); the capture is written without this microbatch"
+        "(only tensors, numbers, strings, None, lists, tuples and dicts); "
+        "the capture is written without this microbatch"
     )
 
 
