@@ -152,10 +152,11 @@ class _TrainingStep(nn.Module):
 class Trainer:
     """Runs one training job; see :mod:`stabletrain.events` for the loop it runs.
 
-    Attributes useful to callbacks: ``fabric``, ``settings``, ``model`` (the user's module,
-    unwrapped), ``optimizer``, ``scaler`` (fp16 GradScaler or None), ``precision`` (resolved),
-    ``out``, ``rank``, ``world_size``, ``step``, ``task``, ``console``, ``loggers``; methods
-    ``any_rank``, ``max_over_ranks``, ``request_stop``, ``log_event``, ``resolved_settings``, ``checkpoint_state``.
+    What callbacks may use of it is :class:`stabletrain.events.TrainerLike`: ``fabric``,
+    ``settings``, ``model`` (the user's module, unwrapped), ``optimizer``, ``scaler`` (fp16
+    GradScaler or None), ``precision`` (resolved), ``out``, ``rank``, ``world_size``, ``step``,
+    ``task``, ``console``, ``loggers``; methods ``any_rank``, ``max_over_ranks``,
+    ``request_stop``, ``log_event``, ``resolved_settings``, ``checkpoint_state``.
     """
 
     def __init__(self, settings: TrainSettings, fabric: Any = None):

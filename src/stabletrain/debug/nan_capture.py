@@ -80,6 +80,7 @@ from torch import Tensor, nn
 
 from stabletrain.debug.grad_norm import GradNorm, compute_grad_norm
 from stabletrain.errors import StabletrainError
+from stabletrain.events import TrainerLike
 from stabletrain.utils.dist import any_rank as dist_any_rank
 from stabletrain.utils.dist import rank_and_world_size
 from stabletrain.utils.io import atomic_torch_save
@@ -579,10 +580,10 @@ class NaNCaptureCallback:
         self.monitor: Optional[NaNCaptureMonitor] = None
         self._checkpoint_step: Optional[int] = None
 
-    def on_checkpoint_load(self, trainer: Any, *, state: dict[str, Any]) -> None:
+    def on_checkpoint_load(self, trainer: TrainerLike, *, state: dict[str, Any]) -> None:
         self._checkpoint_step = int(state["step"])
 
-    def on_train_start(self, trainer: Any) -> None:
+    def on_train_start(self, trainer: TrainerLike) -> None:
         settings = trainer.resolved_settings()
         custom = settings.get("task") == "custom"
         folder = trainer.out / "debug" / "nan_capture"
@@ -607,30 +608,30 @@ class NaNCaptureCallback:
         )
         self.monitor.advice = lambda step: self._advice(trainer, step)
 
-    def on_step_start(self, trainer: Any, *, step: int) -> None:
+    def on_step_start(self, trainer: TrainerLike, *, step: int) -> None:
         assert self.monitor is not None
         self.monitor.begin_step(step)
 
-    def on_microbatch(self, trainer: Any, *, step: int, micro_step: int, batch: Any, indices: Any) -> None:
+    def on_microbatch(self, trainer: TrainerLike, *, step: int, micro_step: int, batch: Any, indices: Any) -> None:
         assert self.monitor is not None
         self.monitor.collect_batch(batch, indices)
 
-    def on_after_microbatch(self, trainer: Any, *, step: int, micro_step: int, loss: Tensor) -> None:
+    def on_after_microbatch(self, trainer: TrainerLike, *, step: int, micro_step: int, loss: Tensor) -> None:
         assert self.monitor is not None
         self.monitor.collect_loss(loss)
 
-    def on_after_backward(self, trainer: Any, *, step: int, grad_norm: GradNorm) -> None:
+    def on_after_backward(self, trainer: TrainerLike, *, step: int, grad_norm: GradNorm) -> None:
         assert self.monitor is not None
         self.monitor.check_and_capture(grad_norm)
 
-    def on_checkpoint_save(self, trainer: Any, *, step: int, state: dict[str, Any]) -> None:
+    def on_checkpoint_save(self, trainer: TrainerLike, *, step: int, state: dict[str, Any]) -> None:
         self._checkpoint_step = int(step)
 
-    def on_train_end(self, trainer: Any) -> None:
+    def on_train_end(self, trainer: TrainerLike) -> None:
         if self.monitor is not None:
             self.monitor.close()
 
-    def on_exception(self, trainer: Any, *, exception: BaseException) -> None:
+    def on_exception(self, trainer: TrainerLike, *, exception: BaseException) -> None:
         if isinstance(exception, NaNDetectedError):
             # An event row in metrics.jsonl (and the other loggers), next to the last logged step.
             trainer.log_event({
@@ -643,7 +644,7 @@ class NaNCaptureCallback:
         if self.monitor is not None:
             self.monitor.close()
 
-    def _advice(self, trainer: Any, step: int) -> str:
+    def _advice(self, trainer: TrainerLike, step: int) -> str:
         last = trainer.out / "checkpoints" / "last.ckpt"
         every = trainer.settings.checkpoint_every_num_steps
         if self._checkpoint_step is None:

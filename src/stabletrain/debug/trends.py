@@ -65,6 +65,7 @@ import numpy as np
 
 from stabletrain.config import TrendAlertArgs
 from stabletrain.debug import advice
+from stabletrain.events import TrainerLike
 from stabletrain.utils.text import fmt_factor, fmt_number
 
 KINDS = ("exploding", "vanishing", "spike", "plateau", "nonfinite")
@@ -697,7 +698,7 @@ class TrendAlerts:
         self.context: Optional[AlertContext] = None
         self.alerts: list[dict[str, Any]] = []
 
-    def on_train_start(self, trainer: Any) -> None:
+    def on_train_start(self, trainer: TrainerLike) -> None:
         s = trainer.settings
         self.detector = TrendDetector(self._settings or s.trend_alerts, warmup_steps=s.model_args.warmup_steps)
         self.context = AlertContext(
@@ -723,7 +724,7 @@ class TrendAlerts:
             if isinstance(step, int) and step < before_step:
                 self.detector.update(step, row)
 
-    def on_log(self, trainer: Any, *, step: int, metrics: dict[str, float]) -> None:
+    def on_log(self, trainer: TrainerLike, *, step: int, metrics: dict[str, float]) -> None:
         if self.detector is None:
             self.on_train_start(trainer)
         assert self.detector is not None
@@ -736,7 +737,7 @@ class TrendAlerts:
             trainer.log_event(event)
         trainer.console.info(format_alerts(opened, self.context))
 
-    def on_train_end(self, trainer: Any) -> None:
+    def on_train_end(self, trainer: TrainerLike) -> None:
         if self.detector is not None:
             self.detector.finish()
 

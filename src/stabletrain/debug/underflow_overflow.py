@@ -52,6 +52,7 @@ import torch
 from torch import Tensor, nn
 
 from stabletrain.errors import StabletrainError
+from stabletrain.events import TrainerLike
 from stabletrain.utils.dist import ranks_with
 from stabletrain.utils.io import atomic_write_text
 from stabletrain.utils.text import fmt_column
@@ -972,7 +973,7 @@ class UnderflowOverflowCallback:
         self.monitor: Optional[UnderflowOverflowMonitor] = None
         self._skipped = 0
 
-    def on_train_start(self, trainer: Any) -> None:
+    def on_train_start(self, trainer: TrainerLike) -> None:
         a = self.args
         self.monitor = UnderflowOverflowMonitor(
             trainer.model,
@@ -989,22 +990,22 @@ class UnderflowOverflowCallback:
             f"report: {self.monitor.log_path}"
         )
 
-    def on_step_start(self, trainer: Any, *, step: int) -> None:
+    def on_step_start(self, trainer: TrainerLike, *, step: int) -> None:
         assert self.monitor is not None
         self.monitor.set_step(step)
 
-    def on_microbatch(self, trainer: Any, *, step: int, micro_step: int, batch: Any, indices: Any) -> None:
+    def on_microbatch(self, trainer: TrainerLike, *, step: int, micro_step: int, batch: Any, indices: Any) -> None:
         assert self.monitor is not None
         self.monitor.micro_step = micro_step
 
-    def on_before_backward(self, trainer: Any, *, step: int, micro_step: int, loss: Tensor) -> None:
+    def on_before_backward(self, trainer: TrainerLike, *, step: int, micro_step: int, loss: Tensor) -> None:
         monitor = self.monitor
         assert monitor is not None
         monitor.record_loss(loss)
         if micro_step == trainer.settings.gradient_accumulation_steps - 1 and not monitor.tracing:
             self._decide(trainer, "forward")
 
-    def on_after_backward(self, trainer: Any, *, step: int, grad_norm: Any) -> None:
+    def on_after_backward(self, trainer: TrainerLike, *, step: int, grad_norm: Any) -> None:
         monitor = self.monitor
         assert monitor is not None
         if monitor.tracing:
@@ -1013,7 +1014,7 @@ class UnderflowOverflowCallback:
         elif monitor.include_backward:
             self._decide(trainer, "backward")
 
-    def on_after_optimizer_step(self, trainer: Any, *, step: int) -> None:
+    def on_after_optimizer_step(self, trainer: TrainerLike, *, step: int) -> None:
         stop = self.args.abort_after_batch_num
         if stop is not None and step >= stop:
             assert self.monitor is not None
@@ -1022,7 +1023,7 @@ class UnderflowOverflowCallback:
                 f"debug_args.underflow_overflow.abort_after_batch_num={stop} reached{where}"
             )
 
-    def _decide(self, trainer: Any, phase: str) -> None:
+    def _decide(self, trainer: TrainerLike, phase: str) -> None:
         monitor = self.monitor
         assert monitor is not None
         code = monitor.nonfinite_code()
@@ -1057,10 +1058,10 @@ class UnderflowOverflowCallback:
         if self.monitor is not None:
             self.monitor.close()
 
-    def on_train_end(self, trainer: Any) -> None:
+    def on_train_end(self, trainer: TrainerLike) -> None:
         self._close()
 
-    def on_exception(self, trainer: Any, *, exception: BaseException) -> None:
+    def on_exception(self, trainer: TrainerLike, *, exception: BaseException) -> None:
         self._close()
 
 
