@@ -13,7 +13,7 @@ from stabletrain.debug.trends import AlertContext, Episode, next_actions
     "lr,lower,higher",
     [
         (3e-3, "model_args.lr=0.0003", "model_args.lr=0.009"),
-        (1000, "model_args.lr=100", "model_args.lr=3e+03"),
+        (1000, "model_args.lr=100", "model_args.lr=3000"),
         (1.2345e-3, "model_args.lr=0.000123", "model_args.lr=0.0037"),
         (1e20, "model_args.lr=1e+19", "model_args.lr=3e+20"),
     ],
@@ -41,6 +41,11 @@ def test_clipping_proposals(current, known, text):
 def test_stabler_precisions(precision, stabler):
     assert advice.stabler_precisions(precision) == stabler
     assert advice.switch_precision(precision) == (" or ".join(f"precision={p}" for p in stabler) or None)
+
+
+def test_setting_values_read_as_typed():
+    values = [1000, 1e20, 3e-4, 3e-5, 1 / 3, 123456, 1.0]
+    assert [advice.setting_value(v) for v in values] == ["1000", "1e+20", "0.0003", "3e-05", "0.333", "123000", "1"]
 
 
 def test_positive_takes_only_usable_numbers():

@@ -2,7 +2,7 @@
 
 Trend alerts (:mod:`stabletrain.debug.trends`), ``stabletrain report`` and ``stabletrain
 diagnose`` all advise from here, so that they propose the same values written the same way
-(:func:`setting_value`: 3 significant digits).
+(:func:`setting_value`: 3 significant digits, written as one would type them).
 
 Example::
 
@@ -48,8 +48,9 @@ _DTYPE_NAMES = {
 
 
 def setting_value(x: float) -> str:
-    """A number proposed for, or read from, a setting: 3 significant digits (``0.0003``, ``1e+03``)."""
-    return fmt_number(x)
+    """A number proposed for, or read from, a setting, as one would type it: rounded to 3
+    significant digits, without an exponent below a million (``0.0003``, ``1000``, ``1e+20``)."""
+    return f"{float(fmt_number(x)):g}"
 
 
 def positive(value: Any) -> Optional[float]:
