@@ -36,6 +36,7 @@ from stabletrain.events import CallbackList
 from stabletrain.loggers import Logger, build_loggers, check_loggers
 from stabletrain.loggers.console import Console, format_duration, progress_line
 from stabletrain.tasks import build_task, check_task, num_samples, resolve_task_name
+from stabletrain.utils.dist import any_rank, max_over_ranks
 from stabletrain.utils.io import atomic_write_text
 from stabletrain.utils.rng import get_rng_state, seed_everything, set_rng_state
 
@@ -151,10 +152,11 @@ class _TrainingStep(nn.Module):
 class Trainer:
     """Runs one training job; see :mod:`stabletrain.events` for the loop it runs.
 
-    Attributes useful to callbacks: ``fabric``, ``settings``, ``model`` (the user's module,
-    unwrapped), ``optimizer``, ``scaler`` (fp16 GradScaler or None), ``precision`` (resolved),
-    ``out``, ``rank``, ``world_size``, ``step``, ``task``, ``console``, ``loggers``; methods
-    ``any_rank``, ``max_over_ranks``, ``request_stop``, ``log_event``, ``resolved_settings``, ``checkpoint_state``.
+    What callbacks may use of it is :class:`stabletrain.events.TrainerLike`: ``fabric``,
+    ``settings``, ``model`` (the user's module, unwrapped), ``optimizer``, ``scaler`` (fp16
+    GradScaler or None), ``precision`` (resolved), ``out``, ``rank``, ``world_size``, ``step``,
+    ``task``, ``console``, ``loggers``; methods ``any_rank``, ``max_over_ranks``,
+    ``request_stop``, ``log_event``, ``resolved_settings``, ``checkpoint_state``.
     """
 
     def __init__(self, settings: TrainSettings, fabric: Any = None):
@@ -481,7 +483,7 @@ class Trainer:
             f"precision {self.precision} | microbatch {self.microbatch_size} x "
             f"{self.settings.gradient_accumulation_steps} accumulation x {self.world_size} devices"
         )
-        self.console._to_log("resolved settings:\n" + text)
+        self.console.log_only("resolved settings:\n" + text)
 
     # ------------------------------------------------------------------------------ loop
 
@@ -631,7 +633,7 @@ class Trainer:
 
         Every rank must call it at the same point of the step.
         """
-        return bool(self.max_over_ranks(flag))
+        return any_rank(flag, self.fabric)
 
     def max_over_ranks(self, value: float | torch.Tensor) -> float:
         """The largest ``value`` (a number or a scalar tensor) over all ranks, on every rank:
@@ -639,11 +641,7 @@ class Trainer:
 
         Every rank must call it at the same point of the step.
         """
-        if self.world_size == 1:
-            return float(value)
-        # A copy: the all-reduce works in place and must not change the caller's tensor.
-        t = torch.as_tensor(value, dtype=torch.float32, device=self.fabric.device).clone().reshape(())
-        return float(self.fabric.all_reduce(t, reduce_op="max"))
+        return max_over_ranks(value, self.fabric)
 
     def request_stop(self, reason: str) -> None:
         """Finish the current step (log it, checkpoint it), then stop training."""

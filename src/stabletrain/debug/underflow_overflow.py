@@ -52,14 +52,18 @@ import torch
 from torch import Tensor, nn
 
 from stabletrain.errors import StabletrainError
+from stabletrain.events import TrainerLike
+from stabletrain.utils.dist import ranks_with
 from stabletrain.utils.io import atomic_write_text
+from stabletrain.utils.text import fmt_column
+from stabletrain.utils.tree import named_tensors
 
 __all__ = [
     "UnderflowOverflowMonitor",
     "UnderflowOverflowError",
     "UnderflowOverflowAbort",
     "UnderflowOverflowCallback",
-    "report_path",
+    "log_path",
     "tensor_stats",
 ]
 
@@ -82,7 +86,7 @@ def _any_nonfinite(amaxes: list[Tensor]) -> Tensor:
     return flag
 
 
-def report_path(out_dir: str | Path, rank: int) -> Path:
+def log_path(out_dir: str | Path, rank: int) -> Path:
     """``<out_dir>/underflow_overflow_rank{rank}.log``."""
     return Path(out_dir) / f"underflow_overflow_rank{rank}.log"
 
@@ -145,7 +149,7 @@ class UnderflowOverflowError(StabletrainError):
             modules, ``grad of ...`` in backward, or ``loss``.
         value: ``"nan"``, or ``"inf"`` for an infinity of either sign.
         explanation: One sentence on how the culprit was chosen.
-        report_path: This rank's report.
+        log_path: This rank's log, ``underflow_overflow_rank{rank}.log`` (also ``report_path``).
     """
 
     def __init__(
@@ -154,7 +158,7 @@ class UnderflowOverflowError(StabletrainError):
         step: int,
         rank: int,
         detected_by: Sequence[int],
-        report_path: Path,
+        log_path: Path,
         phase: Optional[str] = None,
         module: Optional[str] = None,
         module_type: Optional[str] = None,
@@ -165,7 +169,7 @@ class UnderflowOverflowError(StabletrainError):
         self.step = step
         self.rank = rank
         self.detected_by = list(detected_by)
-        self.report_path = Path(report_path)
+        self.log_path = Path(log_path)
         self.phase = phase
         self.module = module
         self.module_type = module_type
@@ -176,7 +180,7 @@ class UnderflowOverflowError(StabletrainError):
             where = _display(module, module_type)
             msg = (
                 f"step {step}, rank {rank}, {phase}: the first non-finite value ({value}) is in {where}, "
-                f"tensor {tensor}. {explanation} The last frames, culprit last: {self.report_path}"
+                f"tensor {tensor}. {explanation} The last frames, culprit last: {self.log_path}"
             )
         else:
             others = ", ".join(str(r) for r in self.detected_by)
@@ -184,9 +188,14 @@ class UnderflowOverflowError(StabletrainError):
                 f"step {step}: rank {others} found a non-finite value"
                 f"{f' in the {phase} pass' if phase else ''} (see underflow_overflow_rank{self.detected_by[0]}.log "
                 f"beside this rank's report); rank {rank} found none and stopped with it. "
-                f"This rank's last frames: {self.report_path}"
+                f"This rank's last frames: {self.log_path}"
             )
         super().__init__(msg)
+
+    @property
+    def report_path(self) -> Path:
+        """The same as :attr:`log_path` (the name the README uses)."""
+        return self.log_path
 
 
 class UnderflowOverflowAbort(StabletrainError):
@@ -194,15 +203,15 @@ class UnderflowOverflowAbort(StabletrainError):
 
     Attributes:
         step: The last step that ran.
-        report_path: The report holding the traced steps.
+        log_path: The log holding the traced steps.
     """
 
-    def __init__(self, step: int, report_path: Path):
+    def __init__(self, step: int, log_path: Path):
         self.step = step
-        self.report_path = Path(report_path)
+        self.log_path = Path(log_path)
         super().__init__(
             f"abort_after_batch_num={step}: stopped after step {step} as asked; "
-            f"traced steps are in {self.report_path}"
+            f"traced steps are in {self.log_path}"
         )
 
 
@@ -243,8 +252,9 @@ class _GradSite:
         self.dtype = dtype
 
 
-# A line: (label, role, abs min, abs max, shape, dtype); role is weight|input|output|loss|grad.
-_Line = tuple
+#: What one hook records of one tensor: (label, role, abs min, abs max, shape, dtype), the
+#: statistics as device scalars; role is weight|input|output|loss|grad.
+_StatsRow = tuple
 
 
 class _Event:
@@ -262,25 +272,15 @@ class _Event:
         self.site = site
 
 
-def _flatten(obj: Any, prefix: str, depth: int = 0) -> Iterator[tuple[str, Tensor]]:
-    """(label, tensor) for every tensor nested in tuples, lists and dicts."""
-    if isinstance(obj, Tensor):
-        yield prefix, obj
-    elif depth > 4:
-        return
-    elif isinstance(obj, (tuple, list)):
-        for i, item in enumerate(obj):
-            yield from _flatten(item, f"{prefix}[{i}]", depth + 1)
-    elif isinstance(obj, dict):
-        for key, item in obj.items():
-            yield from _flatten(item, f"{prefix}[{key!r}]", depth + 1)
+#: Containers nested deeper than this in a module's inputs or outputs are not looked into.
+_MAX_DEPTH = 4
 
 
-def _outputs(output: Any) -> Iterator[tuple[str, Tensor]]:
-    if isinstance(output, Tensor):
-        yield "output[0]", output
-    else:
-        yield from _flatten(output, "output")
+def _tensors_of(obj: Any, prefix: str) -> Iterator[tuple[str, Tensor]]:
+    """(label, tensor) of a module's inputs or outputs; a lone output tensor is ``output[0]``."""
+    if isinstance(obj, Tensor) and prefix == "output":
+        return iter([("output[0]", obj)])
+    return named_tensors(obj, prefix, max_depth=_MAX_DEPTH)
 
 
 def _value_kind(amin: float, amax: float) -> Optional[str]:
@@ -370,7 +370,7 @@ class UnderflowOverflowMonitor:
         self.abort_after_batch_num = abort_after_batch_num
         self.include_backward = include_backward
         self.auto_check = auto_check
-        self.report_path = report_path(out_dir, rank)
+        self.log_path = log_path(out_dir, rank)
         self.step = 0
         self.micro_step = 0
         self.tracing = 0 in self.trace_batch_nums
@@ -387,7 +387,7 @@ class UnderflowOverflowMonitor:
         self._grad_sites: dict[int, _GradSite] = {}
         self._weight_cache: dict[int, tuple] = {}
         self._bw_queued = False
-        self._report_text: Optional[str] = None
+        self._log_text: Optional[str] = None
         self._local = threading.local()  # per-thread scratch buffers of tensor_stats
         self._attach()
 
@@ -445,6 +445,24 @@ class UnderflowOverflowMonitor:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    # ------------------------------------------------------------------------ accessors
+
+    @property
+    def num_watched_modules(self) -> int:
+        """Modules with hooks: every module of the model, the model itself included."""
+        return len(self._info)
+
+    @property
+    def has_records(self) -> bool:
+        """Whether the hooks recorded values since the last decision (:meth:`accept`,
+        :meth:`fail`) or the last trace written (:meth:`write_trace`)."""
+        return bool(self._events)
+
+    @property
+    def log_written(self) -> bool:
+        """Whether this monitor has written its log (:attr:`log_path`) yet."""
+        return self._log_text is not None
+
     # ---------------------------------------------------------------------- step control
 
     def set_step(self, step: int) -> None:
@@ -458,7 +476,7 @@ class UnderflowOverflowMonitor:
         if self.tracing and self._events:
             self.write_trace()
         if self.abort_after_batch_num is not None and step > self.abort_after_batch_num:
-            raise UnderflowOverflowAbort(self.abort_after_batch_num, self.report_path)
+            raise UnderflowOverflowAbort(self.abort_after_batch_num, self.log_path)
         self._stepped = True
         self.step = step
         self.micro_step = 0
@@ -491,7 +509,7 @@ class UnderflowOverflowMonitor:
         self._weight_cache[id(p)] = (key, stats)
         return stats
 
-    def _line(self, label: str, role: str, t: Tensor) -> Optional[_Line]:
+    def _stats_row(self, label: str, role: str, t: Tensor) -> Optional[_StatsRow]:
         if not t.is_floating_point() or t.numel() == 0 or t.is_sparse:
             return None
         amin, amax = self._measure(t) if role != "weight" else self._weight_stats(t)
@@ -523,14 +541,14 @@ class UnderflowOverflowMonitor:
         lines = []
         with torch.no_grad():
             for name, p in params:
-                line = self._line(name, "weight", p)
+                line = self._stats_row(name, "weight", p)
                 if line is not None:
                     lines.append(line)
-            tensors = list(_flatten(args, "input"))
+            tensors = list(_tensors_of(args, "input"))
             if kwargs:
-                tensors.extend(_flatten(kwargs, "input"))
+                tensors.extend(_tensors_of(kwargs, "input"))
             for label, t in tensors:
-                line = self._line(label, "input", t)
+                line = self._stats_row(label, "input", t)
                 if line is not None:
                     lines.append(line)
                     if watch and t.requires_grad:
@@ -546,8 +564,8 @@ class UnderflowOverflowMonitor:
         watch = self.include_backward and torch.is_grad_enabled()
         lines = []
         with torch.no_grad():
-            for label, t in _outputs(output):
-                line = self._line(label, "output", t)
+            for label, t in _tensors_of(output, "output"):
+                line = self._stats_row(label, "output", t)
                 if line is not None:
                     lines.append(line)
                     if watch and t.requires_grad:
@@ -568,7 +586,7 @@ class UnderflowOverflowMonitor:
         if self._closed or not isinstance(loss, Tensor):
             return
         with torch.no_grad():
-            line = self._line("loss", "loss", loss.detach())
+            line = self._stats_row("loss", "loss", loss.detach())
         if line is not None:
             call = _Call("", self._root_cls, None, id(self.model))
             self._events.append(_Event("forward", self.step, self.micro_step, "loss", call, [line]))
@@ -660,21 +678,21 @@ class UnderflowOverflowMonitor:
         self._history.clear()
         if first is None:
             text = self._other_rank_section(events, values, detected, phase)
-            path = self._append_report(text)
+            path = self._append_log(text)
             raise UnderflowOverflowError(
-                step=self.step, rank=self.rank, detected_by=detected, report_path=path, phase=phase
+                step=self.step, rank=self.rank, detected_by=detected, log_path=path, phase=phase
             )
         i, j = first
         blame = _blame(events[i], j, self._root_cls)
         value = _value_kind(*values[(i, j)])
         text = self._failure_section(events[: i + 1], values, first, blame, value)
-        path = self._append_report(text)
+        path = self._append_log(text)
         culprit_path, culprit_cls, tensor, explanation = blame
         raise UnderflowOverflowError(
             step=events[i].step,
             rank=self.rank,
             detected_by=detected,
-            report_path=path,
+            log_path=path,
             phase=events[i].phase,
             module=culprit_path,
             module_type=culprit_cls,
@@ -718,7 +736,7 @@ class UnderflowOverflowMonitor:
                 f"{blame[2]} ({events[first[0]].phase}). Not aborting: the step is traced."
             )
         lines.extend(_render(frames, values, first, None))
-        path = self._append_report("\n".join(lines) + "\n")
+        path = self._append_log("\n".join(lines) + "\n")
         self._history.clear()
         self.accept()
         return path
@@ -762,9 +780,9 @@ class UnderflowOverflowMonitor:
         lines.extend(_render(frames, values, None, None))
         return "\n".join(lines) + "\n"
 
-    def _append_report(self, section: str) -> Path:
-        if self._report_text is None:
-            self._report_text = (
+    def _append_log(self, section: str) -> Path:
+        if self._log_text is None:
+            self._log_text = (
                 f"stabletrain underflow/overflow report, rank {self.rank}\n"
                 f"model: {self._root_cls}, {len(self._info)} modules watched, "
                 f"backward {'included' if self.include_backward else 'not included'}\n"
@@ -772,8 +790,8 @@ class UnderflowOverflowMonitor:
                 "its dtype and shape\n"
                 "frames are in execution order; [forward]/[backward], step and microbatch in each header\n\n"
             )
-        self._report_text += section + "\n"
-        return atomic_write_text(self._report_text, self.report_path)
+        self._log_text += section + "\n"
+        return atomic_write_text(self._log_text, self.log_path)
 
 
 # --------------------------------------------------------------------------------------
@@ -898,10 +916,6 @@ def _frames(events: list[_Event]) -> list[_Frame]:
     return frames
 
 
-def _fmt(v: float) -> str:
-    return f"{v:11.3e}"
-
-
 def _render(
     frames: list[_Frame],
     values: dict[tuple[int, int], tuple[float, float]],
@@ -918,7 +932,7 @@ def _render(
         for i, j, label, meta in frame.rows:
             amin, amax = values[(i, j)]
             flag = f"   <-- first non-finite ({_value_kind(amin, amax)})" if mark == (i, j) else ""
-            out.append(f"  {_fmt(amin)} {_fmt(amax)}  {label:<24} {meta}{flag}")
+            out.append(f"  {fmt_column(amin)} {fmt_column(amax)}  {label:<24} {meta}{flag}")
     if extra is not None:
         path, cls, phase, step, micro, explanation = extra
         name = path or "<model>"
@@ -959,7 +973,7 @@ class UnderflowOverflowCallback:
         self.monitor: Optional[UnderflowOverflowMonitor] = None
         self._skipped = 0
 
-    def on_train_start(self, trainer: Any) -> None:
+    def on_train_start(self, trainer: TrainerLike) -> None:
         a = self.args
         self.monitor = UnderflowOverflowMonitor(
             trainer.model,
@@ -971,45 +985,45 @@ class UnderflowOverflowCallback:
             auto_check=False,
         )
         trainer.console.info(
-            f"underflow_overflow: watching {len(self.monitor._info)} modules"
+            f"underflow_overflow: watching {self.monitor.num_watched_modules} modules"
             f"{' forward and backward' if a.include_backward else ' (forward only)'}; "
-            f"report: {self.monitor.report_path}"
+            f"report: {self.monitor.log_path}"
         )
 
-    def on_step_start(self, trainer: Any, *, step: int) -> None:
+    def on_step_start(self, trainer: TrainerLike, *, step: int) -> None:
         assert self.monitor is not None
         self.monitor.set_step(step)
 
-    def on_microbatch(self, trainer: Any, *, step: int, micro_step: int, batch: Any, indices: Any) -> None:
+    def on_microbatch(self, trainer: TrainerLike, *, step: int, micro_step: int, batch: Any, indices: Any) -> None:
         assert self.monitor is not None
         self.monitor.micro_step = micro_step
 
-    def on_before_backward(self, trainer: Any, *, step: int, micro_step: int, loss: Tensor) -> None:
+    def on_before_backward(self, trainer: TrainerLike, *, step: int, micro_step: int, loss: Tensor) -> None:
         monitor = self.monitor
         assert monitor is not None
         monitor.record_loss(loss)
         if micro_step == trainer.settings.gradient_accumulation_steps - 1 and not monitor.tracing:
             self._decide(trainer, "forward")
 
-    def on_after_backward(self, trainer: Any, *, step: int, grad_norm: Any) -> None:
+    def on_after_backward(self, trainer: TrainerLike, *, step: int, grad_norm: Any) -> None:
         monitor = self.monitor
         assert monitor is not None
         if monitor.tracing:
-            if monitor._events:
+            if monitor.has_records:
                 monitor.write_trace()
         elif monitor.include_backward:
             self._decide(trainer, "backward")
 
-    def on_after_optimizer_step(self, trainer: Any, *, step: int) -> None:
+    def on_after_optimizer_step(self, trainer: TrainerLike, *, step: int) -> None:
         stop = self.args.abort_after_batch_num
         if stop is not None and step >= stop:
             assert self.monitor is not None
-            where = f"; traced steps are in {self.monitor.report_path}" if self.monitor._report_text else ""
+            where = f"; traced steps are in {self.monitor.log_path}" if self.monitor.log_written else ""
             trainer.request_stop(
                 f"debug_args.underflow_overflow.abort_after_batch_num={stop} reached{where}"
             )
 
-    def _decide(self, trainer: Any, phase: str) -> None:
+    def _decide(self, trainer: TrainerLike, phase: str) -> None:
         monitor = self.monitor
         assert monitor is not None
         code = monitor.nonfinite_code()
@@ -1030,34 +1044,24 @@ class UnderflowOverflowCallback:
                 monitor.accept()
                 trainer.log_event({"event": "underflow_overflow_scaler_skip", "step": trainer.step, "in_a_row": self._skipped})
                 return
-        detected = self._ranks_that_found(trainer, code > 0)
+        detected = ranks_with(code > 0, trainer.fabric)
         try:
             monitor.fail(detected_by=detected, phase="forward" if worst == 2 else "backward")
         except UnderflowOverflowError as exc:
             trainer.log_event({
                 "event": "underflow_overflow", "step": exc.step, "phase": exc.phase or phase, "module": exc.module,
-                "tensor": exc.tensor, "value": exc.value, "detected_by": exc.detected_by, "report": str(exc.report_path),
+                "tensor": exc.tensor, "value": exc.value, "detected_by": exc.detected_by, "report": str(exc.log_path),
             })
             raise
-
-    @staticmethod
-    def _ranks_that_found(trainer: Any, flag: Tensor) -> list[int]:
-        if trainer.world_size == 1:
-            return [trainer.rank]
-        device = trainer.fabric.device
-        votes = torch.zeros(trainer.world_size, dtype=torch.float32, device=device)
-        votes[trainer.rank] = flag.to(device=device, dtype=torch.float32)
-        votes = trainer.fabric.all_reduce(votes, reduce_op="sum")
-        return [r for r, v in enumerate(votes.tolist()) if v > 0]
 
     def _close(self) -> None:
         if self.monitor is not None:
             self.monitor.close()
 
-    def on_train_end(self, trainer: Any) -> None:
+    def on_train_end(self, trainer: TrainerLike) -> None:
         self._close()
 
-    def on_exception(self, trainer: Any, *, exception: BaseException) -> None:
+    def on_exception(self, trainer: TrainerLike, *, exception: BaseException) -> None:
         self._close()
 
 

@@ -56,16 +56,16 @@ class SyncsPerStep:
             self.counts[self._step] = self._mode.count
             self._mode = None
 
-    def on_step_start(self, trainer: Any, *, step: int) -> None:
+    def on_step_start(self, trainer: object, *, step: int) -> None:
         self._close()
         self._step, self._mode = step, CountSyncs()
         self._mode.__enter__()
 
-    def on_checkpoint_save(self, trainer: Any, *, step: int, state: Any) -> None:
+    def on_checkpoint_save(self, trainer: object, *, step: int, state: Any) -> None:
         self._close()
 
-    def on_train_end(self, trainer: Any) -> None:
+    def on_train_end(self, trainer: object) -> None:
         self._close()
 
-    def on_exception(self, trainer: Any, *, exception: BaseException) -> None:
+    def on_exception(self, trainer: object, *, exception: BaseException) -> None:
         self._close()
