@@ -11,8 +11,9 @@ rank  modules                                                      why there
                                                                    nothing, so anyone may import it (``replay`` reaches
                                                                    ``stabletrain.diagnose`` through it)
 1     ``errors``                                                   the exceptions every layer raises
-2     ``utils.*``                                                  text, tree, dist, imports, io, rng, sync: no
-                                                                   knowledge of training or of the tools
+2     ``utils.*``, ``distributed.*``                               text, tree, dist, imports, io, rng, sync; FSDP2
+                                                                   norms and shards: no knowledge of training or of
+                                                                   the tools
 3     ``config``                                                   the settings
 4     ``checkpoint``, ``data.*``                                   files and datasets
 5     ``tasks.*``, ``loggers.*``                                   models and metric sinks, built from settings
@@ -61,6 +62,7 @@ RANKS: dict[str, int] = {
     "": 0,
     "errors": 1,
     "utils": 2,
+    "distributed": 2,  # sharding helpers (FSDP2 norms, shards): torch and errors only, like utils
     "config": 3,
     "checkpoint": 4,
     "data": 4,
