@@ -1132,7 +1132,7 @@ def _chain_text(d: Diagnosis, f: OpFinding) -> str:
         ix = d.traced_on.get("dataset_indices") if d.traced_on else None
         rows = (d.traced_on or {}).get("rows") or []
         indices = [ix[rows.index(r)] for r in f.rows if r in rows] if ix and rows else None
-        text += " on " + _samples_text([f.rows], [indices] if indices and len(indices) == len(f.rows) else None)
+        text += ", on " + _samples_text([f.rows], [indices] if indices and len(indices) == len(f.rows) else None)
     return text
 
 
@@ -1200,7 +1200,7 @@ def _probable_cause(d: Diagnosis, cap: NaNCapture) -> str:
         what = ("a softmax over a row that is masked everywhere has nothing left to normalise (an all-padding "
                 "sample, a query with no allowed key)" if f.op_name in _SOFTMAX_OPS else
                 "arithmetic turns a deliberate Inf into NaN (inf - inf, 0 * inf)")
-        return f"NaN from a masking -Inf: {_chain_text(d, f)}: {what}{data_text}"
+        return f"NaN from a masking -Inf: {_chain_text(d, f)}: {what}" + ("" if f.rows else data_text)
     if d.cause == PRECISION_INDUCED:
         dtype = _DTYPE_NAMES.get(d.precision, d.precision)
         big = max((s.abs_max for s in f.inputs if math.isfinite(s.abs_max)), default=math.nan)

@@ -471,7 +471,8 @@ class _Op:
             **self.common(), dtype=str(bad.dtype).replace("torch.", ""), output=tensor_stat(bad),
             inputs_nonfinite=passed_on, kind=kind, origin=origin, input_name=input_name, cause=cause,
             written=written, deliberate=deliberate and kind != NAN,
-            rows=self.tracer._rows(rows_of if rows_of is not None else bad, kind),
+            # Where the op made them: all its non-finite rows, or the positions given.
+            rows=self.tracer._rows(rows_of, kind) if rows_of is not None else self.tracer._rows(bad),
         )
 
 

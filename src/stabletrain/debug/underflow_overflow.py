@@ -226,7 +226,7 @@ def _display(path: str, cls: Optional[str]) -> str:
 class _Call:
     """One call of a module's forward."""
 
-    __slots__ = ("path", "cls", "parent", "depth", "mid")
+    __slots__ = ("path", "cls", "parent", "depth", "mid", "batch")
 
     def __init__(self, path: str, cls: str, parent: Optional["_Call"], mid: int):
         self.path = path
@@ -234,6 +234,8 @@ class _Call:
         self.parent = parent
         self.depth = 0 if parent is None else parent.depth + 1
         self.mid = mid
+        #: The outermost call's batch size (first dimension of its first input), for sample rows.
+        self.batch: Optional[int] = parent.batch if parent is not None else None
 
 
 class _GradSite:
@@ -540,6 +542,9 @@ class UnderflowOverflowMonitor:
             return None
         path, cls, params = self._info[id(module)]
         call = _Call(path, cls, self._stack[-1] if self._stack else None, id(module))
+        if call.parent is None:
+            first = next((t for t in _flatten((args, kwargs), "") if t[1].ndim), None)
+            call.batch = int(first[1].shape[0]) if first is not None else None
         self._stack.append(call)
         watch = self.include_backward and torch.is_grad_enabled()
         lines = []
@@ -693,7 +698,7 @@ class UnderflowOverflowMonitor:
                 "this call made NaN from that Inf (a softmax over a row that is masked everywhere, inf - inf).",
             )
         value = _value_kind(*values[(i, j)])
-        rows = _rows(events, n_history, events[i].lines[j])
+        rows = _rows(events, values, i, j)
         text = self._failure_section(events[: i + 1], values, first, blame, value)
         path = self._append_report(text)
         culprit_path, culprit_cls, tensor, explanation = blame
@@ -895,20 +900,30 @@ def _identity(line: _Line) -> tuple:
     return (line[7], line[4], line[5])
 
 
-def _rows(events: list[_Event], start: int, line: _Line) -> Optional[list[int]]:
-    """Rows of the batch whose values in ``line``'s tensor are non-finite, when the tensor is
-    still held, unchanged, with the batch as its first dimension."""
-    ref, ident = line[6], line[7]
-    t = ref() if ref is not None else None
-    if t is None or (ident is not None and t._version != ident[1]) or t.ndim == 0:
+def _rows(
+    events: list[_Event], values: dict[tuple[int, int], tuple[float, float]], i: int, j: int
+) -> Optional[list[int]]:
+    """Rows of the batch whose values are non-finite in line ``j`` of event ``i``: read from its
+    tensor when still held unchanged with the batch as first dimension; when it was freed, from
+    the first later tensor of the same pass that is (the bad rows travel with the samples,
+    except through layers that mix samples, such as BatchNorm in training)."""
+    call = events[i].call
+    batch = call.batch if call is not None else None
+    if batch is None:
+        batch = next((ev.call.batch for ev in events[: i + 1] if ev.call is not None and ev.call.batch), None)
+    if batch is None:
         return None
-    batch = next((ln[4][0] for ev in events[start:] if ev.kind == "enter" and ev.call is not None
-                  and ev.call.parent is None for ln in ev.lines if ln[1] == "input" and ln[4]), None)
-    if batch is None or t.shape[0] != batch:
-        return None
-    with torch.no_grad():
-        bad = ~torch.isfinite(t.detach()).reshape(batch, -1).all(1)
-        return torch.nonzero(bad).flatten().tolist()
+    candidates = [(i, j)] + [(k, m) for k in range(i + 1, len(events)) if events[k].phase == events[i].phase
+                             for m in range(len(events[k].lines)) if _value_kind(*values[(k, m)])]
+    for k, m in candidates:
+        ref, ident = events[k].lines[m][6], events[k].lines[m][7]
+        t = ref() if ref is not None else None
+        if t is None or (ident is not None and t._version != ident[1]) or t.ndim == 0 or t.shape[0] != batch:
+            continue
+        with torch.no_grad():
+            bad = ~torch.isfinite(t.detach()).reshape(batch, -1).all(1)
+            return torch.nonzero(bad).flatten().tolist()
+    return None
 
 
 def _innermost(roles: list[tuple[_Call, str, str]], role: str) -> Optional[tuple[_Call, str, str]]:
