@@ -819,6 +819,7 @@ def trace_first_nonfinite(
     model: nn.Module,
     forward: Callable[[], torch.Tensor],
     backward: bool = True,
+    batch: Any = None,
 ) -> tuple[Optional[OpFinding], Optional[torch.Tensor]]:
     """Run ``forward()`` (which returns a scalar loss), then its backward, under op tracing.
 
@@ -826,12 +827,16 @@ def trace_first_nonfinite(
         model: The model whose module names are reported.
         forward: Runs the forward pass and returns the loss.
         backward: Also run and trace ``loss.backward()``.
+        batch: The batch ``forward`` uses, if any: NaN/Inf in it are named as the data, and its
+            first dimension gives the rows (samples) of findings (see :meth:`OpTracer.watch_batch`).
 
     Returns:
         ``(finding or None, loss)``: the origin of a non-finite loss, else of the first
         non-finite value in the backward pass.
     """
     with OpTracer(model, check_backward=backward) as tracer:
+        if batch is not None:
+            tracer.watch_batch(batch)
         loss = forward()
         tracer.check_loss(loss)
         if backward and isinstance(loss, torch.Tensor) and loss.requires_grad:
