@@ -100,11 +100,14 @@ def compute_grad_norm(named_parameters: Iterable[tuple[str, Tensor]]) -> GradNor
     for i, g in enumerate(grads):
         groups[(g.device, g.dtype)].append(i)
     per_param: list[Tensor] = [None] * len(grads)  # type: ignore[list-item]
-    for (device, _), idx in groups.items():
+    for (device, dtype), idx in groups.items():
         tensors = [grads[i].to_dense() if grads[i].is_sparse else grads[i] for i in idx]
-        norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
+        # float32 accumulation for float16/bfloat16/float32; float64 gradients (64-true) keep float64.
+        norms = torch._foreach_norm(tensors, 2, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
         for i, n in zip(idx, norms):
             per_param[i] = n
+    if len({n.dtype for n in per_param}) > 1:
+        per_param = [n.double() for n in per_param]
     devices = {n.device for n in per_param}
     if len(devices) == 1:
         total = torch.linalg.vector_norm(torch.stack(per_param), 2)
