@@ -217,8 +217,8 @@ class NaNCaptureMonitor:
             Default: "16-mixed" with a scaler; else what the loop is seen to use when the step
             is captured: parameters in float16, bfloat16 or float64 make "16-true",
             "bf16-true" or "64-true"; float32 parameters under ``torch.autocast`` during the
-            step (seen at the model's forward calls) make "16-mixed" or "bf16-mixed"; else
-            "32-true".
+            step (seen when the model or one of its children is called) make "16-mixed" or
+            "bf16-mixed"; else "32-true".
         gradient_accumulation_steps: Microbatches per optimizer step; default: the number
             of :meth:`collect_batch` calls in the step. Replay divides each loss by it.
         step_fn: ``step_fn(model, batch) -> loss``, if the model has no ``training_step``.
@@ -277,7 +277,9 @@ class NaNCaptureMonitor:
         self._precision = str(precision) if precision is not None else ("16-mixed" if self.scaler is not None else None)
         #: The autocast dtype seen at the model's forward calls in this step (None: autocast off).
         self._autocast: Optional[torch.dtype] = None
-        self._hook = model.register_forward_pre_hook(self._see_autocast) if self._precision is None else None
+        # The model's forward, and its children's for a training_step that calls them directly.
+        watched = [model, *model.children()] if self._precision is None else []
+        self._hooks = [m.register_forward_pre_hook(self._see_autocast) for m in watched]
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.step_fn = step_fn
         self.settings = settings
@@ -308,7 +310,7 @@ class NaNCaptureMonitor:
         return infer_precision(self.model, self._autocast)
 
     def _see_autocast(self, module: nn.Module, args: Any) -> None:
-        device = next((p.device.type for p in module.parameters()), "cpu")
+        device = next((p.device.type for p in self.model.parameters()), "cpu")
         if torch.is_autocast_enabled(device):
             self._autocast = torch.get_autocast_dtype(device)
 
@@ -378,9 +380,9 @@ class NaNCaptureMonitor:
         """Let go of everything held and remove the monitor's hook (idempotent)."""
         self._release()
         self._buffers = []
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
     def __enter__(self) -> "NaNCaptureMonitor":
         return self
