@@ -19,9 +19,12 @@ written by nancapture and answers, offline:
    forward passes only; a failure only in the gradients with forward and backward. The
    complement is checked too, to tell a bad sample from a model that fails on any data.
 3. **Where exactly**: the culprit subset alone is replayed under op-level tracing
-   (:class:`~stabletrain.debug.op_trace.OpTracer`) to find the first aten op whose output
-   is non-finite: op, module path, phase, dtype, abs min/max of its inputs, the source line,
-   and for backward ops the forward op and module they differentiate.
+   (:class:`~stabletrain.debug.op_trace.OpTracer`), which follows where every NaN/Inf comes
+   from and reports where the first harmful one (at the loss or in a gradient) was born:
+   op, module path, phase, dtype, abs min/max of its inputs, the source line, for backward
+   ops the forward op and module they differentiate, and for a NaN made from a masking
+   -Inf the op that wrote the -Inf. An Inf that something neutralises (a masked softmax)
+   is never reported.
 4. **Before or during the step**: were the weights already huge or non-finite when the
    step began (then earlier steps did the damage, and the checkpoints are searched for
    the last healthy one) or healthy (the step itself failed)?
@@ -302,7 +305,8 @@ class Diagnosis:
             (each unless it is the captured precision).
         reproduces_in: Precision -> whether the failure came back in it (for the captured
             precision: in both replays).
-        finding: The first non-finite op (None when not reproducible or not found).
+        finding: Where the first harmful non-finite value was born (see :mod:`~stabletrain.debug.op_trace`;
+            None when not reproducible or not found).
         traced_on: The subset that was traced: ``{"microbatches", "rows", "dataset_indices"}``.
         origin: Where a non-finite *input* of the first op came from ("data", "weights",
             "buffers", "precision_conversion"), when the op only passed one on.
@@ -1562,7 +1566,7 @@ def _render(d: Diagnosis) -> str:
     ]
     f = d.finding
     if f is not None:
-        lines.append(f"First non-finite op: {_finding_text(f)}.")
+        lines.append(f"First harmful non-finite op: {_finding_text(f)}.")
         lines.append("")
         for s in f.inputs:
             counts = ", ".join(f"{n} {k}" for k, n in (("NaN", s.nan), ("+Inf", s.posinf), ("-Inf", s.neginf)) if n)
@@ -1598,7 +1602,7 @@ def _render(d: Diagnosis) -> str:
     elif d.cause == NOT_REPRODUCIBLE:
         lines.append("Not traced: the failure does not come back when the step is replayed.")
     else:
-        lines.append("No op produced a non-finite value when the culprit subset was traced.")
+        lines.append("No non-finite value reached the loss or a gradient when the culprit subset was traced.")
     lines += ["", "## Why", ""]
     lines.append("| replay | precision | result | losses | gradient_norm |")
     lines.append("|---|---|---|---|---|")
@@ -1711,7 +1715,8 @@ def diagnose_main(argv: list[str]) -> int:
     """``stabletrain diagnose PATH [--json] [--device D] [--model SPEC] [--step-fn SPEC] [--no-write]``."""
     parser = argparse.ArgumentParser(
         prog="stabletrain diagnose",
-        description="From a NaN capture to a verdict: the first non-finite op (module, phase, dtype, source line), "
+        description="From a NaN capture to a verdict: the op where the harmful NaN/Inf was born (module, phase, dtype, "
+        "source line), "
         "the cause (precision-induced, deterministic numerical, not reproducible), the samples that trigger it, "
         "whether the weights were already bad, and what to change. Writes diagnosis.md and diagnosis.json next "
         "to the capture.",
