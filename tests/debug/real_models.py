@@ -423,6 +423,31 @@ def render_markdown() -> str:
         "`__init__`, the data's additive key-padding mask, the boolean mask `nn.MultiheadAttention` turns into "
         "-inf with `masked_fill_`. None of them is reported unless it does harm.",
         "",
+        "## How the tools decide what to report",
+        "",
+        "A NaN or an Inf is a failure only if it does harm: it reaches the loss or a gradient. An attention mask "
+        "puts -inf into the scores on purpose and the softmax turns it back into 0; such a value is never "
+        "reported, however it was built.",
+        "",
+        "- **diagnose** (`stabletrain.debug.op_trace`) follows every NaN/Inf back to where it was born, per tensor "
+        "storage and per kind (NaN, +Inf, -Inf): an op that makes it from finite inputs (log(0), an overflow, "
+        "`masked_fill(-inf)`), an op that makes a NaN from an Inf (a softmax over a row masked everywhere), or a "
+        "tensor that no traced op made (the data, a weight, a buffer registered in `__init__`). Ops that pass "
+        "values on keep their origin, element by element for elementwise ops; an op whose output is finite "
+        "neutralised what it received, and nothing is kept. What reaches the loss, or appears in the backward "
+        "pass, is reported at its origin. A NaN made from a deliberate -Inf (written from an infinite constant, "
+        "or an additive mask of 0 and -inf in the data or a buffer) is reported where the NaN was made, naming "
+        "the op that wrote the -Inf; a NaN made from any other Inf (an overflow, log(0)) is reported at that Inf. "
+        "The rows (samples) that hold the bad values are given where the tensor has a batch dimension.",
+        "- **underflow_overflow** sees module boundaries only. It decides on what the model returns, the loss, "
+        "the gradients, the weights, and data given to the model that holds NaN/Inf other than an additive "
+        "mask; when one of them is non-finite it blames, in execution order, the first module output that "
+        "was not neutralised (a later module that took it returned finite values), or where a NaN/Inf it "
+        "passed on entered: the model's input (the data) or the own ops of the calling module. A NaN a module "
+        "made from an Inf it was given (a masked softmax) is that module's.",
+        "",
+        "## The table",
+        "",
         "| model | fault | underflow_overflow: module, tensor, phase, samples | "
         "diagnose: op, module, phase, samples, cause |",
         "|---|---|---|---|",
