@@ -335,7 +335,11 @@ def test_hugging_face_gpt2_gradients_are_unchanged_and_a_bad_weight_is_found(tmp
     assert (info.value.module, info.value.module_type, info.value.tensor) == ("transformer.h.1.mlp.c_fc", "Conv1D", "weight")
 
 
-def test_tuple_and_dict_outputs_are_named_by_position_and_key(tmp_path):
+@pytest.mark.parametrize("used", [True, False])
+def test_tuple_and_dict_outputs_are_named_by_position_and_key(tmp_path, used):
+    """A -inf in a nested output is named by position and key when it reaches the model's
+    output; one that nothing uses does no harm and stops nothing."""
+
     class Split(nn.Module):
         def forward(self, x):
             return {"a": x * 2, "b": (x, torch.log(x - x))}  # log(0)
@@ -349,9 +353,17 @@ def test_tuple_and_dict_outputs_are_named_by_position_and_key(tmp_path):
 
         def forward(self, x):
             out = self.split(self.fc(x))
-            return self.head(out["a"] + out["b"][0])  # the bad tensor is not even used
+            h = out["a"] + out["b"][0]
+            return self.head(h + out["b"][1] if used else h)
 
-    with pytest.raises(UnderflowOverflowError) as info, UnderflowOverflowMonitor(Net(), out_dir=tmp_path) as m:
+    monitor = UnderflowOverflowMonitor(Net(), out_dir=tmp_path)
+    if not used:
+        with monitor as m:
+            out = m.model(torch.randn(3, 8))
+            out.sum().backward()
+        assert torch.isfinite(out).all() and not (tmp_path / "underflow_overflow_rank0.log").exists()
+        return
+    with pytest.raises(UnderflowOverflowError) as info, monitor as m:
         m.model(torch.randn(3, 8))
     assert (info.value.module, info.value.tensor, info.value.value) == ("split", "output['b'][1]", "inf")
 

@@ -22,7 +22,8 @@ def run(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(
         prog="stabletrain diagnose",
-        description="From a NaN capture to a verdict: the first non-finite op (module, phase, dtype, source line), "
+        description="From a NaN capture to a verdict: the op where the harmful NaN/Inf was born (module, phase, dtype, "
+        "source line), "
         "the cause (precision-induced, deterministic numerical, not reproducible), the samples that trigger it, "
         "whether the weights were already bad, and what to change. Writes diagnosis.md and diagnosis.json next "
         "to the capture.",

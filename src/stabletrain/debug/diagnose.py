@@ -19,9 +19,12 @@ written by nancapture and answers, offline:
    forward passes only; a failure only in the gradients with forward and backward. The
    complement is checked too, to tell a bad sample from a model that fails on any data.
 3. **Where exactly**: the culprit subset alone is replayed under op-level tracing
-   (:class:`~stabletrain.debug.op_trace.OpTracer`) to find the first aten op whose output
-   is non-finite: op, module path, phase, dtype, abs min/max of its inputs, the source line,
-   and for backward ops the forward op and module they differentiate.
+   (:class:`~stabletrain.debug.op_trace.OpTracer`), which follows where every NaN/Inf comes
+   from and reports where the first harmful one (at the loss or in a gradient) was born:
+   op, module path, phase, dtype, abs min/max of its inputs, the source line, for backward
+   ops the forward op and module they differentiate, and for a NaN made from a masking
+   -Inf the op that wrote the -Inf. An Inf that something neutralises (a masked softmax)
+   is never reported.
 4. **Before or during the step**: were the weights already huge or non-finite when the
    step began (then earlier steps did the damage, and the checkpoints are searched for
    the last healthy one) or healthy (the step itself failed)?
@@ -35,6 +38,7 @@ On the command line: ``stabletrain diagnose PATH`` (:mod:`stabletrain.cli.diagno
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import time
@@ -53,7 +57,7 @@ from stabletrain.debug.nan_capture import (
     NaNCaptureError,
     default_step_fn,
 )
-from stabletrain.debug.op_trace import OpFinding, OpTracer
+from stabletrain.debug.op_trace import OpFinding, OpTracer, is_additive_mask
 from stabletrain.debug.replay import (
     ForwardBackwardResult,
     MicrobatchKey,
@@ -204,8 +208,12 @@ class DataReport:
         failing_microbatches: Microbatches that fail on their own, as (rank, micro_step).
         microbatches: The culprit microbatch(es) the samples belong to.
         row_sets: Disjoint sets of rows (positions in the culprit microbatch) that each
-            trigger the failure; usually one set of one sample.
+            trigger the failure; usually one set of one sample. Empty unless "isolated":
+            when any data fails there is no culprit to name.
         index_sets: The same as dataset indices, when the capture holds them.
+        examples: For "not_data_specific": sets of rows that fail on their own, found while
+            searching (the first is the one traced); they are examples, not culprits.
+        example_indices: The same as dataset indices, when the capture holds them.
         microbatch_size: Samples in the culprit microbatch.
         approximate: True when batch-dependent layers make the isolation of single samples approximate.
         caveats: Why the isolation may be approximate.
@@ -224,6 +232,8 @@ class DataReport:
     microbatches: list[MicrobatchKey] = field(default_factory=list)
     row_sets: list[list[int]] = field(default_factory=list)
     index_sets: Optional[list[list[int]]] = None
+    examples: list[list[int]] = field(default_factory=list)
+    example_indices: Optional[list[list[int]]] = None
     microbatch_size: int = 0
     approximate: bool = False
     caveats: list[str] = field(default_factory=list)
@@ -252,6 +262,8 @@ class DataReport:
             "dataset_indices": self.dataset_indices,
             "row_sets": self.row_sets,
             "index_sets": self.index_sets,
+            "examples": self.examples,
+            "example_indices": self.example_indices,
             "microbatch_size": self.microbatch_size,
             "approximate": self.approximate,
             "caveats": self.caveats,
@@ -283,7 +295,8 @@ class Diagnosis:
             (each unless it is the captured precision).
         reproduces_in: Precision -> whether the failure came back in it (for the captured
             precision: in both replays).
-        finding: The first non-finite op (None when not reproducible or not found).
+        finding: Where the first harmful non-finite value was born (see :mod:`~stabletrain.debug.op_trace`;
+            None when not reproducible or not found).
         traced_on: The subset that was traced: ``{"microbatches", "rows", "dataset_indices"}``.
         origin: Where a non-finite *input* of the first op came from ("data", "weights",
             "buffers", "precision_conversion"), when the op only passed one on.
@@ -475,12 +488,14 @@ def diagnose(
         data.approximate = any("batch-dependent" in c for c in data.caveats)
         with clock("trace"):
             keys = data.microbatches
-            rows = {keys[0]: data.rows} if data.row_sets and len(keys) == 1 else None
+            sample_rows = data.rows or (data.examples[0] if data.examples else [])
+            rows = {keys[0]: sample_rows} if sample_rows and len(keys) == 1 else None
             finding = _trace(cap, replay_model, keys, rows, precision, dev)
+            index_sets = data.index_sets if data.row_sets else data.example_indices
             traced_on = {
                 "microbatches": keys,
-                "rows": data.rows if rows else None,
-                "dataset_indices": data.dataset_indices if rows else None,
+                "rows": sample_rows if rows else None,
+                "dataset_indices": index_sets[0] if rows and index_sets else None,
             }
     else:
         data = DataReport(status="not_searched", nonfinite_inputs=bad_inputs, out_of_range_inputs=out_of_range,
@@ -492,7 +507,7 @@ def diagnose(
             _scan_checkpoints(out / "checkpoints", weights, set(cap.ranks[0].params), set(cap.ranks[0].buffers))
         history = _history(out) if out is not None else []
 
-    origin = _origin(finding, data, weights, precision)
+    origin = _origin(finding, data, weights, precision, traced_on)
     diag = Diagnosis(
         path=str(cap.path),
         step=cap.step,
@@ -706,14 +721,16 @@ def _isolate(cap: NaNCapture, full: ForwardBackwardResult, precision: str, devic
         report.caveats.append(f"stopped after {max_replays} subset replays (max_subset_replays)")
     if not sets:
         sets = [list(range(n))]
-    report.row_sets = sets
     ix = part.indices[micro]
-    if isinstance(ix, Tensor):
-        report.index_sets = [[int(ix[r]) for r in s] for s in sets]
+    index_sets = [[int(ix[r]) for r in s] for s in sets] if isinstance(ix, Tensor) else None
     where = f"microbatch {micro}" + (f" of rank {rank}" if len(cap.ranks) > 1 else "")
     every = not remaining and n > 1 and all(len(s) == 1 for s in sets) and len(sets) == n
     if rest_fails or every:
+        # No culprit: what failed on its own are examples (one is traced), not samples to blame.
         report.status = "not_data_specific"
+        report.examples = sets + [[r] for r in probes]
+        if isinstance(ix, Tensor):
+            report.example_indices = [[int(ix[r]) for r in s] for s in report.examples]
         if every:
             report.note = f"every sample of {where} fails on its own: the failure does not depend on particular data"
         elif probes:
@@ -729,6 +746,7 @@ def _isolate(cap: NaNCapture, full: ForwardBackwardResult, precision: str, devic
         if len(failing) > 1:
             report.note += f" ({len(failing)} of {len(keys)} microbatches fail alone)"
     else:
+        report.row_sets, report.index_sets = sets, index_sets
         names = _samples_text(sets, report.index_sets)
         together = any(len(s) > 1 for s in sets)
         if len(sets) == 1:
@@ -804,8 +822,21 @@ def _isolation_caveats(model: nn.Module, data: DataReport) -> list[str]:
 
 
 def _nonfinite_inputs(cap: NaNCapture) -> list[dict[str, Any]]:
-    """Non-finite values already in the captured batches, per sample and tensor."""
-    return _flag_inputs(cap, lambda t: ~torch.isfinite(t))
+    """Non-finite values already in the captured batches, per sample and tensor; a sample's
+    additive mask (only 0 and -inf) holds them on purpose and is left out."""
+
+    def bad(t: Tensor) -> Tensor:
+        flags = ~torch.isfinite(t)
+        if t.is_complex() or not bool(flags.any()):
+            return flags
+        masks = (t == 0) | torch.isneginf(t)
+        if t.ndim:
+            masks = masks.reshape(len(t), -1).all(1).reshape([len(t)] + [1] * (t.ndim - 1))
+        else:
+            masks = masks.all()
+        return flags & ~masks
+
+    return _flag_inputs(cap, bad)
 
 
 def _out_of_range_inputs(cap: NaNCapture, precision: str) -> list[dict[str, Any]]:
@@ -880,19 +911,40 @@ def _trace(
             # Armed once the captured state is loaded and the batch is on the device: restoring
             # non-finite weights is not the failing op; what the model does with them is.
             tracer.arm()
-            return base(m, batch)
+            tracer.watch_batch(batch)
+            loss = base(m, batch)
+            tracer.check_loss(loss)  # a non-finite loss is the harm: its origin is the finding
+            return loss
 
         forward_backward(cap, microbatches=keys, rows=rows, precision=precision, device=device, context=tracer,
                          step_fn=traced_step, backward=backward)
         if tracer.finding is not None:
-            return tracer.finding
+            # Rows of the traced subset -> rows of the microbatch (unknown over several microbatches).
+            subset = rows[keys[0]] if rows and len(keys) == 1 else None
+            return _microbatch_rows(tracer.finding, subset, len(keys) == 1)
     return None
 
 
-def _origin(finding: Optional[OpFinding], data: DataReport, weights: WeightsReport, precision: str) -> Optional[str]:
+def _microbatch_rows(f: OpFinding, subset: Optional[list[int]], one_microbatch: bool) -> OpFinding:
+    def convert(r: Optional[list[int]]) -> Optional[list[int]]:
+        if r is None or not one_microbatch:
+            return None
+        return r if subset is None else [subset[i] for i in r if i < len(subset)]
+
+    cause = dataclasses.replace(f.cause, rows=convert(f.cause.rows)) if f.cause is not None else None
+    return dataclasses.replace(f, rows=convert(f.rows), cause=cause)
+
+
+def _origin(finding: Optional[OpFinding], data: DataReport, weights: WeightsReport, precision: str,
+            traced_on: Optional[dict[str, Any]] = None) -> Optional[str]:
     if finding is None or not finding.inputs_nonfinite:
         return None
-    rows = set(data.rows)
+    # The tracer knows which tensor held it; the data scan tells bad data from a conversion.
+    if finding.origin == "weight" and weights.nonfinite:
+        return "weights"
+    if finding.origin == "buffer" and weights.nonfinite_buffers:
+        return "buffers"
+    rows = set(data.rows or ((traced_on or {}).get("rows") or []))
     keys = set(data.microbatches)
     for bad in data.nonfinite_inputs:
         if (bad["rank"], bad["micro_step"]) in keys and (bad["row"] is None or bad["row"] in rows):
@@ -919,14 +971,18 @@ def _weights_report(cap: NaNCapture, threshold: float) -> WeightsReport:
     nonfinite = [s for s in stats if s.nonfinite]
     largest = sorted(stats, key=lambda s: -s.abs_max if math.isfinite(s.abs_max) else 0.0)[:5]
     buffers = sorted({
-        name for part in cap.ranks for name, b in part.buffers.items()
-        if b.is_floating_point() and b.numel() and not bool(torch.isfinite(b).all())
+        name for part in cap.ranks for name, b in part.buffers.items() if _bad_buffer(b)
     })
     top = max((s.abs_max for s in stats if math.isfinite(s.abs_max)), default=0.0)
     # A NaN in a buffer (running statistics) at the start of the step is damage from earlier
     # steps just as much as a NaN in a weight: the forward pass that updated it did it.
     status = "nonfinite" if (nonfinite or buffers) else ("huge" if top >= threshold else "healthy")
     return WeightsReport(status, float(threshold), largest, nonfinite, buffers)
+
+
+def _bad_buffer(b: Tensor) -> bool:
+    """A buffer holding NaN/Inf that is not there on purpose (an additive mask of 0 and -inf is)."""
+    return b.is_floating_point() and b.numel() > 0 and not bool(torch.isfinite(b).all()) and not is_additive_mask(b)
 
 
 def _param_stat(name: str, p: Tensor) -> ParamStat:
@@ -972,7 +1028,7 @@ def _scan_checkpoints(folder: Path, weights: WeightsReport, names: set[str], buf
         buffers = [t for n, t in model.items() if n in buffer_names and isinstance(t, Tensor) and t.is_floating_point()]
         finite = all(bool(torch.isfinite(t).all()) for t in values)
         top = max((float(t.detach().abs().max()) for t in values if t.numel()), default=0.0) if finite else math.inf
-        buffers_finite = all(bool(torch.isfinite(t).all()) for t in buffers)
+        buffers_finite = not any(_bad_buffer(t) for t in buffers)
         seen[step] = {"path": str(path), "step": step, "abs_max": top,
                       "healthy": finite and buffers_finite and top < weights.threshold}
     weights.checkpoints = [seen[s] for s in sorted(seen)]
@@ -1061,6 +1117,8 @@ def _op_kind(f: OpFinding) -> str:
     name = f.op_name
     if f.inputs_nonfinite:
         return "propagated"
+    if f.origin == "inf":
+        return "nan_from_inf"  # a NaN made from a deliberate Inf (a mask): see f.cause
     if f.phase == "backward" and f.forward_op and f.forward_op.startswith(("Sqrt", "Rsqrt", "Pow")):
         return "sqrt_grad"
     if name in ("log", "log2", "log10", "log1p", "xlogy", "_log_softmax", "log_softmax"):
@@ -1072,6 +1130,21 @@ def _op_kind(f: OpFinding) -> str:
     if f.output.posinf or f.output.neginf:
         return "overflow"
     return "other"
+
+
+#: Ops that normalise over a row: a row that is -inf everywhere makes them NaN.
+_SOFTMAX_OPS = {"_softmax", "softmax", "_log_softmax", "log_softmax", "_safe_softmax", "logsumexp"}
+
+
+def _chain_text(d: Diagnosis, f: OpFinding) -> str:
+    """Where the value was born and what it came from, with the samples it was born on."""
+    text = f.chain(rows=False)
+    if f.rows:
+        ix = d.traced_on.get("dataset_indices") if d.traced_on else None
+        rows = (d.traced_on or {}).get("rows") or []
+        indices = [ix[rows.index(r)] for r in f.rows if r in rows] if ix and rows else None
+        text += ", on " + _samples_text([f.rows], [indices] if indices and len(indices) == len(f.rows) else None)
+    return text
 
 
 def _finding_text(f: OpFinding) -> str:
@@ -1134,6 +1207,11 @@ def _probable_cause(d: Diagnosis, cap: NaNCapture) -> str:
             return (f"the batch holds values beyond {dtype}'s range ({_out_of_range_text(d)}): {d.precision} converts "
                     f"the batch to {dtype}, which turns them into Inf before {f.op_name} in {f.where}")
         return f"a non-finite value reached {f.op_name} in {f.where} from outside the traced ops ({d.origin or 'unknown origin'})"
+    if kind == "nan_from_inf":
+        what = ("a softmax over a row that is masked everywhere has nothing left to normalise (an all-padding "
+                "sample, a query with no allowed key)" if f.op_name in _SOFTMAX_OPS else
+                "arithmetic turns a deliberate Inf into NaN (inf - inf, 0 * inf)")
+        return f"NaN from a masking -Inf: {_chain_text(d, f)}: {what}" + ("" if f.rows else data_text)
     if d.cause == PRECISION_INDUCED:
         dtype = advice.dtype_name(d.precision)
         big = max((s.abs_max for s in f.inputs if math.isfinite(s.abs_max)), default=math.nan)
@@ -1183,7 +1261,7 @@ def _precision_failure(f: OpFinding) -> str:
 
 def _culprit_inputs(d: Diagnosis, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The entries of a data scan that belong to the culprit samples."""
-    rows = set(d.data.rows)
+    rows = set(d.data.rows or ((d.traced_on or {}).get("rows") or []))
     keys = set(d.data.microbatches)
     return [e for e in entries if (e["rank"], e["micro_step"]) in keys and (e["row"] is None or e["row"] in rows)]
 
@@ -1415,6 +1493,16 @@ def _next_actions(d: Diagnosis, cap: NaNCapture, out: Optional[Path]) -> list[st
                            f"1/(2 sqrt(x)) is infinite at x = 0, where {samples or 'the data'} {verb('put')} it.")
         elif kind == "overflow":
             actions.append(f"Activations overflow{src}: lower the learning rate ({lr}) and bound updates ({clip}).")
+        elif kind == "nan_from_inf" and f is not None and f.op_name in _SOFTMAX_OPS:
+            actions.append(
+                f"Keep at least one unmasked position in every row{src}: {samples or 'some samples'} "
+                f"{verb('leave')} a row masked everywhere (an all-padding sequence, a key_padding_mask row that is all "
+                "True). Drop such samples, or make fully masked rows finite before the softmax (mask with "
+                "torch.finfo(dtype).min instead of -inf, or scores.masked_fill(mask.all(-1, keepdim=True), 0))."
+            )
+        elif kind == "nan_from_inf" and f is not None:
+            actions.append(f"Keep the masking -Inf out of arithmetic{src}: {f.chain(rows=False)}. Mask with "
+                           "torch.finfo(dtype).min instead of -inf, or apply the mask after this op.")
         else:
             actions.append(f"Inspect {f.op_name if f else 'the failing op'}{src}; lower the learning rate ({lr}) if values grow over steps.")
         if samples and kind not in ("propagated",) and d.data.status == "isolated":
@@ -1474,7 +1562,7 @@ def _render(d: Diagnosis) -> str:
     ]
     f = d.finding
     if f is not None:
-        lines.append(f"First non-finite op: {_finding_text(f)}.")
+        lines.append(f"First harmful non-finite op: {_finding_text(f)}.")
         lines.append("")
         for s in f.inputs:
             counts = ", ".join(f"{n} {k}" for k, n in (("NaN", s.nan), ("+Inf", s.posinf), ("-Inf", s.neginf)) if n)
@@ -1489,6 +1577,9 @@ def _render(d: Diagnosis) -> str:
         if f.phase == "backward" and f.forward_op:
             lines.append(f"- differentiates `{f.forward_op}`, created in the forward pass"
                          + ("" if f.outside_forward else f" of {f.where}"))
+        if f.origin == "inf" or (f.reached == "gradient" and f.phase == "forward"):
+            reached = f"; it reached the {f.reached}" + (" in the backward pass" if f.reached == "gradient" else "")
+            lines.append(f"- origin: {_chain_text(d, f)}{reached if f.reached else ''}")
         if d.origin:
             origin = {
                 "data": f"the data ({_bad_input_text(d)})",
@@ -1507,7 +1598,7 @@ def _render(d: Diagnosis) -> str:
     elif d.cause == NOT_REPRODUCIBLE:
         lines.append("Not traced: the failure does not come back when the step is replayed.")
     else:
-        lines.append("No op produced a non-finite value when the culprit subset was traced.")
+        lines.append("No non-finite value reached the loss or a gradient when the culprit subset was traced.")
     lines += ["", "## Why", ""]
     lines.append("| replay | precision | result | losses | gradient_norm |")
     lines.append("|---|---|---|---|---|")

@@ -218,7 +218,11 @@ class NaNCaptureMonitor:
         max_skipped_steps: With a scaler: capture after this many consecutive skipped steps.
         precision: The precision the loop runs in, as a Lightning Fabric name ("32-true",
             "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true"); replay uses it.
-            Default: "16-mixed" with a scaler, else "32-true".
+            Default: "16-mixed" with a scaler; else what the loop is seen to use when the step
+            is captured: parameters in float16, bfloat16 or float64 make "16-true",
+            "bf16-true" or "64-true"; float32 parameters under ``torch.autocast`` during the
+            step (seen when the model or one of its children is called) make "16-mixed" or
+            "bf16-mixed"; else "32-true".
         gradient_accumulation_steps: Microbatches per optimizer step; default: the number
             of :meth:`collect_batch` calls in the step. Replay divides each loss by it.
         step_fn: ``step_fn(model, batch) -> loss``, if the model has no ``training_step``.
@@ -274,7 +278,12 @@ class NaNCaptureMonitor:
         self.world_size = dist_world if world_size is None else int(world_size)
         self.scaler = scaler if (scaler is not None and getattr(scaler, "is_enabled", lambda: True)()) else None
         self.max_skipped_steps = int(max_skipped_steps)
-        self.precision = str(precision) if precision is not None else ("16-mixed" if self.scaler is not None else "32-true")
+        self._precision = str(precision) if precision is not None else ("16-mixed" if self.scaler is not None else None)
+        #: The autocast dtype seen at the model's forward calls in this step (None: autocast off).
+        self._autocast: Optional[torch.dtype] = None
+        # The model's forward, and its children's for a training_step that calls them directly.
+        watched = [model, *model.children()] if self._precision is None else []
+        self._hooks = [m.register_forward_pre_hook(self._see_autocast) for m in watched]
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.step_fn = step_fn
         self.settings = settings
@@ -298,6 +307,18 @@ class NaNCaptureMonitor:
         self._skipped: Optional[Tensor] = None
 
     @property
+    def precision(self) -> str:
+        """The precision written into a capture (see ``precision`` in the class docstring)."""
+        if self._precision is not None:
+            return self._precision
+        return infer_precision(self.model, self._autocast)
+
+    def _see_autocast(self, module: nn.Module, args: Any) -> None:
+        device = next((p.device.type for p in self.model.parameters()), "cpu")
+        if torch.is_autocast_enabled(device):
+            self._autocast = torch.get_autocast_dtype(device)
+
+    @property
     def capture_dir(self) -> Path:
         """This rank's capture folder, ``out_dir/rank{rank}``."""
         return self.out_dir / f"rank{self.rank}"
@@ -316,6 +337,7 @@ class NaNCaptureMonitor:
         """
         self.step = int(step)
         self._batches, self._indices, self._rng, self._losses = [], [], [], []
+        self._autocast = None
         # A device-side copy, no host transfer; empty for models without persistent buffers.
         self._buffers = [(name, b.detach().clone()) for name, b in persistent_buffers(self.model)]
 
@@ -359,9 +381,12 @@ class NaNCaptureMonitor:
         self._raise(gn)
 
     def close(self) -> None:
-        """Let go of everything held (idempotent)."""
+        """Let go of everything held and remove the monitor's hook (idempotent)."""
         self._release()
         self._buffers = []
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
     def __enter__(self) -> "NaNCaptureMonitor":
         return self
@@ -668,6 +693,24 @@ class NaNCaptureCallback:
 # --------------------------------------------------------------------------------------
 # Helpers shared with replay
 # --------------------------------------------------------------------------------------
+
+
+_TRUE_PRECISIONS = {torch.float16: "16-true", torch.bfloat16: "bf16-true", torch.float64: "64-true"}
+_MIXED_PRECISIONS = {torch.float16: "16-mixed", torch.bfloat16: "bf16-mixed"}
+
+
+def infer_precision(model: nn.Module, autocast_dtype: Optional[torch.dtype] = None) -> str:
+    """The Lightning Fabric precision a plain loop runs ``model`` in: the dtype holding most of
+    its floating-point parameters ("16-true", "bf16-true", "64-true"), else, for float32
+    parameters, the autocast dtype seen during the step ("16-mixed", "bf16-mixed"), else "32-true"."""
+    sizes: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        if p.is_floating_point():
+            sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+    dtype = max(sizes, key=lambda d: sizes[d]) if sizes else torch.float32
+    if dtype in _TRUE_PRECISIONS:
+        return _TRUE_PRECISIONS[dtype]
+    return _MIXED_PRECISIONS.get(autocast_dtype, "32-true") if autocast_dtype is not None else "32-true"
 
 
 def persistent_buffers(model: nn.Module) -> list[tuple[str, Tensor]]:

@@ -541,7 +541,7 @@ def forward_backward(
     saved_rng = get_rng_state()
     try:
         model.to(dev)
-        if float_dtype is not None and prec in _TRUE_DTYPES:
+        if float_dtype is not None:  # e.g. the float32 replay of a .half() model runs in float32
             model.to(float_dtype)
         model.train()
         summed: dict[str, Tensor] = {}
@@ -621,6 +621,8 @@ def _float_dtype(target: str, captured: str) -> Optional[torch.dtype]:
     """The dtype floating parameters get for a replay in ``target``; None keeps the captured dtypes."""
     if target in _TRUE_DTYPES:
         return _TRUE_DTYPES[target]
+    if target == "32-true":  # whatever the parameters were stored in: 32-true computes in float32
+        return torch.float32
     if captured in _TRUE_DTYPES:  # a half/double run replayed in 32-bit or mixed precision
         return torch.float32
     return None

@@ -150,6 +150,9 @@ class UnderflowOverflowError(StabletrainError):
         value: ``"nan"``, or ``"inf"`` for an infinity of either sign.
         explanation: One sentence on how the culprit was chosen.
         log_path: This rank's log, ``underflow_overflow_rank{rank}.log`` (also ``report_path``).
+        rows: Rows of the batch (samples of the microbatch) whose values in that tensor are
+            non-finite, when it has the batch as first dimension and was still held when the
+            decision was made; None when unknown.
     """
 
     def __init__(
@@ -165,6 +168,7 @@ class UnderflowOverflowError(StabletrainError):
         tensor: Optional[str] = None,
         value: Optional[str] = None,
         explanation: str = "",
+        rows: Optional[list[int]] = None,
     ):
         self.step = step
         self.rank = rank
@@ -176,11 +180,13 @@ class UnderflowOverflowError(StabletrainError):
         self.tensor = tensor
         self.value = value
         self.explanation = explanation
+        self.rows = rows
         if module is not None:
             where = _display(module, module_type)
+            samples = f" Samples (rows of the batch) holding it: {rows}." if rows else ""
             msg = (
                 f"step {step}, rank {rank}, {phase}: the first non-finite value ({value}) is in {where}, "
-                f"tensor {tensor}. {explanation} The last frames, culprit last: {self.log_path}"
+                f"tensor {tensor}. {explanation}{samples} The last frames, culprit last: {self.log_path}"
             )
         else:
             others = ", ".join(str(r) for r in self.detected_by)
@@ -229,7 +235,7 @@ def _display(path: str, cls: Optional[str]) -> str:
 class _Call:
     """One call of a module's forward."""
 
-    __slots__ = ("path", "cls", "parent", "depth", "mid")
+    __slots__ = ("path", "cls", "parent", "depth", "mid", "batch")
 
     def __init__(self, path: str, cls: str, parent: Optional["_Call"], mid: int):
         self.path = path
@@ -237,6 +243,8 @@ class _Call:
         self.parent = parent
         self.depth = 0 if parent is None else parent.depth + 1
         self.mid = mid
+        #: The outermost call's batch size (first dimension of its first input), for sample rows.
+        self.batch: Optional[int] = parent.batch if parent is not None else None
 
 
 class _GradSite:
@@ -484,19 +492,21 @@ class UnderflowOverflowMonitor:
 
     # --------------------------------------------------------------------------- forward
 
-    def _measure(self, t: Tensor) -> tuple[Tensor, Tensor]:
+    def _measure(self, t: Tensor) -> tuple[Tensor, Tensor, Any]:
+        """``(abs min, abs max, weak reference)`` of ``t``."""
         # A tensor is often the output of one module and the input of the next, and of the
         # parents of both: measure each (tensor, version) once per forward.
         if t.is_inference():
-            return self._stats(t)
+            return (*self._stats(t), None)
         key = id(t)
         version = t._version
         hit = self._seen.get(key)
         if hit is not None and hit[0]() is t and hit[1] == version:
-            return hit[2]
+            return (*hit[2], hit[0])
         stats = self._stats(t)
-        self._seen[key] = (weakref.ref(t), version, stats)
-        return stats
+        ref = weakref.ref(t)
+        self._seen[key] = (ref, version, stats)
+        return (*stats, ref)
 
     def _weight_stats(self, p: Tensor) -> tuple[Tensor, Tensor]:
         # Weights change at the optimizer step only (which bumps their version): measure them
@@ -509,12 +519,26 @@ class UnderflowOverflowMonitor:
         self._weight_cache[id(p)] = (key, stats)
         return stats
 
-    def _stats_row(self, label: str, role: str, t: Tensor) -> Optional[_StatsRow]:
+    def _stats_row(self, label: str, role: str, t: Tensor, decisive: bool = True) -> Optional[_StatsRow]:
+        """A row of the log for ``t``; a ``decisive`` one takes part in the decision."""
         if not t.is_floating_point() or t.numel() == 0 or t.is_sparse:
             return None
-        amin, amax = self._measure(t) if role != "weight" else self._weight_stats(t)
-        self._pending.append(amax)
-        return (label, role, amin, amax, tuple(t.shape), t.dtype)
+        if role == "weight":
+            amin, amax = self._weight_stats(t)
+            ref = None
+        else:
+            amin, amax, ref = self._measure(t)
+        if decisive:
+            self._pending.append(amax)
+        # The reference and (id, version) let a report find the samples and who consumed the tensor.
+        return (label, role, amin, amax, tuple(t.shape), t.dtype, ref, (id(t), t._version))
+
+    def _data_flag(self, t: Tensor) -> Tensor:
+        """A device bool: does the model's input ``t`` hold a NaN/Inf that is not an additive
+        mask (a tensor of only 0 and -inf)? It takes part in the decision, without a sync."""
+        flag = ~torch.isfinite(t).all() & ~((t == 0) | torch.isneginf(t)).all()
+        self._pending.append(torch.where(flag, float("inf"), 0.0).to(torch.float32))
+        return flag
 
     def _watch_grad(self, t: Tensor, call: _Call, role: str, label: str) -> None:
         key = id(t)
@@ -536,6 +560,9 @@ class UnderflowOverflowMonitor:
             return None
         path, cls, params = self._info[id(module)]
         call = _Call(path, cls, self._stack[-1] if self._stack else None, id(module))
+        if call.parent is None:
+            first = next((t for t in named_tensors((args, kwargs), "", max_depth=_MAX_DEPTH) if t[1].ndim), None)
+            call.batch = int(first[1].shape[0]) if first is not None else None
         self._stack.append(call)
         watch = self.include_backward and torch.is_grad_enabled()
         lines = []
@@ -548,8 +575,12 @@ class UnderflowOverflowMonitor:
             if kwargs:
                 tensors.extend(_tensors_of(kwargs, "input"))
             for label, t in tensors:
-                line = self._stats_row(label, "input", t)
+                # Inputs do not decide: an Inf handed to a module (an attention mask) is harmful
+                # only if it comes out of it, which its outputs show. Except in the data.
+                line = self._stats_row(label, "input", t, decisive=False)
                 if line is not None:
+                    if call.parent is None:
+                        line = line + (self._data_flag(t),)
                     lines.append(line)
                     if watch and t.requires_grad:
                         self._watch_grad(t, call, "input", label)
@@ -565,7 +596,9 @@ class UnderflowOverflowMonitor:
         lines = []
         with torch.no_grad():
             for label, t in _tensors_of(output, "output"):
-                line = self._stats_row(label, "output", t)
+                # What the model returns decides: a NaN/Inf inside that never reaches it was
+                # neutralised (a masked softmax). The log still finds where it began.
+                line = self._stats_row(label, "output", t, decisive=call.parent is None)
                 if line is not None:
                     lines.append(line)
                     if watch and t.requires_grad:
@@ -606,7 +639,7 @@ class UnderflowOverflowMonitor:
             return None
         with torch.no_grad():
             amin, amax = self._stats(grad)
-        line = ("grad", "grad", amin, amax, tuple(grad.shape), grad.dtype)
+        line = ("grad", "grad", amin, amax, tuple(grad.shape), grad.dtype, weakref.ref(grad), None)
         self._backward_event(_Event("backward", self.step, self.micro_step, "grad", None, [line], site), amax)
         return None
 
@@ -615,7 +648,7 @@ class UnderflowOverflowMonitor:
             return None
         with torch.no_grad():
             amin, amax = self._stats(grad)
-        line = (f"grad of {name}", "grad", amin, amax, tuple(grad.shape), grad.dtype)
+        line = (f"grad of {name}", "grad", amin, amax, tuple(grad.shape), grad.dtype, None, None)
         self._backward_event(_Event("backward", self.step, self.micro_step, "param", owner, [line]), amax)
         return None
 
@@ -664,15 +697,8 @@ class UnderflowOverflowMonitor:
         events = list(self._history) + self._events
         n_history = len(self._history)
         values = self._host_values(events)
-        first = None
-        if self.rank in detected:
-            for i in range(n_history, len(events)):
-                for j, line in enumerate(events[i].lines):
-                    if _value_kind(*values[(i, j)]) is not None:
-                        first = (i, j)
-                        break
-                if first is not None:
-                    break
+        found = _culprit(events, values, n_history) if self.rank in detected else None
+        first = found[:2] if found else None
         # Leave a clean state behind in case the caller catches the error and goes on.
         self._events, self._pending, self._pending_bw = [], [], []
         self._history.clear()
@@ -684,7 +710,13 @@ class UnderflowOverflowMonitor:
             )
         i, j = first
         blame = _blame(events[i], j, self._root_cls)
+        if found[2]:  # an output made NaN from an Inf that came in (a fully masked softmax row)
+            blame = blame[:3] + (
+                f"Its {found[2]} held Inf (an attention mask, say) and its inputs held no NaN: an operation of "
+                "this call made NaN from that Inf (a softmax over a row that is masked everywhere, inf - inf).",
+            )
         value = _value_kind(*values[(i, j)])
+        rows = _rows(events, values, i, j)
         text = self._failure_section(events[: i + 1], values, first, blame, value)
         path = self._append_log(text)
         culprit_path, culprit_cls, tensor, explanation = blame
@@ -699,6 +731,7 @@ class UnderflowOverflowMonitor:
             tensor=tensor,
             value=value,
             explanation=explanation,
+            rows=rows,
         )
 
     # --------------------------------------------------------------------------- reports
@@ -718,14 +751,16 @@ class UnderflowOverflowMonitor:
         affect later steps."""
         events = self._events
         values = self._host_values(events)
-        first = None
-        for i, ev in enumerate(events):
-            for j, line in enumerate(ev.lines):
-                if _value_kind(*values[(i, j)]) is not None:
-                    first = (i, j)
-                    break
-            if first is not None:
-                break
+        found = _culprit(events, values, 0)
+        first = found[:2] if found else None
+        harmless = ""
+        if first is None:
+            # Nothing harmful, but say what was seen: the first non-finite output (an input
+            # that is only an attention mask is not worth a line).
+            first = next(((i, j) for i, ev in enumerate(events) for j, line in enumerate(ev.lines)
+                          if line[1] != "input" and _value_kind(*values[(i, j)])), None)
+            harmless = (" It did no harm: the model's outputs, the loss and the gradients stayed finite."
+                        if first is not None else "")
         frames = _frames(events)
         head = f"=== step {self.step}: trace (trace_batch_nums), every frame, {len(frames)} frames ==="
         lines = [head]
@@ -733,7 +768,7 @@ class UnderflowOverflowMonitor:
             blame = _blame(events[first[0]], first[1], self._root_cls)
             lines.append(
                 f"non-finite values seen in this step; the first: {_display(blame[0], blame[1])}, "
-                f"{blame[2]} ({events[first[0]].phase}). Not aborting: the step is traced."
+                f"{blame[2]} ({events[first[0]].phase}). Not aborting: the step is traced.{harmless}"
             )
         lines.extend(_render(frames, values, first, None))
         path = self._append_log("\n".join(lines) + "\n")
@@ -797,6 +832,116 @@ class UnderflowOverflowMonitor:
 # --------------------------------------------------------------------------------------
 # Attribution and rendering
 # --------------------------------------------------------------------------------------
+
+
+def _decisive(ev: _Event, line: _StatsRow) -> bool:
+    """Whether a non-finite value in ``line`` does harm by itself: a weight, the loss, a
+    gradient, or what the model returns."""
+    role = line[1]
+    if role in ("weight", "loss", "grad"):
+        return True
+    if role == "input":
+        return len(line) > 8 and bool(line[8])  # the model's input data, unless a mask
+    return role == "output" and ev.call is not None and ev.call.parent is None
+
+
+def _culprit(
+    events: list[_Event], values: dict[tuple[int, int], tuple[float, float]], start: int
+) -> Optional[tuple[int, int, str]]:
+    """``(event, line, inf_label)``: the line to blame among ``events[start:]``, or None when no
+    value that does harm (see :func:`_decisive`) is non-finite. ``inf_label`` names the Inf
+    input an output made NaN from (else "").
+
+    In execution order: a non-finite weight, loss or gradient; a NaN given to the model; or the
+    first non-finite module output that was not neutralised (every later module that took it
+    returned finite values). For that output: a NaN (or Inf) that came in with the same kind is
+    passed on, and blamed where it first appeared (the model's input: the data; else an input
+    no module returned: the caller's own ops); a NaN made from an Inf input is the call's own.
+    """
+    def kind(i: int, j: int) -> Optional[str]:
+        return _value_kind(*values[(i, j)])
+
+    bad = [(i, j) for i in range(start, len(events)) for j in range(len(events[i].lines)) if kind(i, j)]
+    if not any(_decisive(events[i], events[i].lines[j]) for i, j in bad):
+        return None
+    enters: dict[int, int] = {}
+    exits: dict[int, int] = {}
+    takers: dict[tuple, list[int]] = {}  # (id, version, shape, dtype) -> events that took it as input
+    for i in range(start, len(events)):
+        ev = events[i]
+        if ev.call is not None and ev.kind in ("enter", "exit"):
+            (enters if ev.kind == "enter" else exits)[id(ev.call)] = i
+        if ev.kind == "enter":
+            for line in ev.lines:
+                if line[1] == "input":
+                    takers.setdefault(_identity(line), []).append(i)
+
+    def finite_exit(i_enter: int) -> bool:
+        k = exits.get(id(events[i_enter].call))
+        return k is not None and all(not kind(k, j) for j in range(len(events[k].lines)))
+
+    def first_seen(i: int, j: int) -> tuple[int, int]:
+        """The earliest input line carrying the same tensor (the model's own input, say)."""
+        key = _identity(events[i].lines[j])
+        for i2 in range(start, i + 1):
+            for j2, line in enumerate(events[i2].lines):
+                if line[1] == "input" and _identity(line) == key:
+                    return i2, j2
+        return i, j
+
+    for i, j in bad:
+        ev, line = events[i], events[i].lines[j]
+        role = line[1]
+        if role in ("weight", "loss", "grad"):
+            return i, j, ""
+        if role == "input":
+            if len(line) > 8 and bool(line[8]):
+                return i, j, ""  # a NaN/Inf in the data that is not a mask is never there on purpose
+            continue
+        # An output: neutralised when every later module that took it returned finite values.
+        later = [k for k in takers.get(_identity(line), []) if k > i]
+        if not _decisive(ev, line) and later and all(finite_exit(k) for k in later):
+            continue
+        k_in = enters.get(id(ev.call))
+        ins = [] if k_in is None else [(k_in, jj) for jj, ln in enumerate(events[k_in].lines)
+                                        if ln[1] == "input" and kind(k_in, jj)]
+        same = [(a, b) for a, b in ins if kind(a, b) == kind(i, j)]
+        if same:
+            return (*first_seen(*same[0]), "")
+        if kind(i, j) == "nan" and ins:
+            return i, j, events[ins[0][0]].lines[ins[0][1]][0]
+        return i, j, ""
+    return None
+
+
+def _identity(line: _StatsRow) -> tuple:
+    return (line[7], line[4], line[5])
+
+
+def _rows(
+    events: list[_Event], values: dict[tuple[int, int], tuple[float, float]], i: int, j: int
+) -> Optional[list[int]]:
+    """Rows of the batch whose values are non-finite in line ``j`` of event ``i``: read from its
+    tensor when still held unchanged with the batch as first dimension; when it was freed, from
+    the first later tensor of the same pass that is (the bad rows travel with the samples,
+    except through layers that mix samples, such as BatchNorm in training)."""
+    call = events[i].call
+    batch = call.batch if call is not None else None
+    if batch is None:
+        batch = next((ev.call.batch for ev in events[: i + 1] if ev.call is not None and ev.call.batch), None)
+    if batch is None:
+        return None
+    candidates = [(i, j)] + [(k, m) for k in range(i + 1, len(events)) if events[k].phase == events[i].phase
+                             for m in range(len(events[k].lines)) if _value_kind(*values[(k, m)])]
+    for k, m in candidates:
+        ref, ident = events[k].lines[m][6], events[k].lines[m][7]
+        t = ref() if ref is not None else None
+        if t is None or (ident is not None and t._version != ident[1]) or t.ndim == 0 or t.shape[0] != batch:
+            continue
+        with torch.no_grad():
+            bad = ~torch.isfinite(t.detach()).reshape(batch, -1).all(1)
+            return torch.nonzero(bad).flatten().tolist()
+    return None
 
 
 def _innermost(roles: list[tuple[_Call, str, str]], role: str) -> Optional[tuple[_Call, str, str]]:
