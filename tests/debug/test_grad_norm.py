@@ -172,6 +172,23 @@ def test_clip_never_makes_a_nan_or_inf_gradient_finite():
         assert not torch.isfinite(b.grad).all(), f"{bad}: the non-finite gradient stays non-finite"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gradients_below_the_clip_value_come_back_bitwise_unchanged(dtype):
+    """Clipping only ever scales down: a norm below gradient_clip_val leaves every gradient's bits
+    as they were (a coefficient above 1 would scale small gradients up)."""
+    torch.manual_seed(0)
+    ps = [nn.Parameter(torch.randn(4, 4).to(dtype)) for _ in range(3)]
+    for p in ps:
+        p.grad = (torch.randn(4, 4) * 1e-3).to(dtype)
+    before = [p.grad.clone() for p in ps]
+    gn = compute_grad_norm([(str(i), p) for i, p in enumerate(ps)])
+    assert 0 < float(gn.total) < 0.1
+    clip_grad_norm_with_total(gn.params, 1.0, gn.total)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    for p, b in zip(ps, before):
+        assert p.grad.dtype == dtype and torch.equal(p.grad.view(bits), b.view(bits))
+
+
 def test_clip_with_precomputed_norm_matches_torch():
     torch.manual_seed(0)
     ps = [nn.Parameter(torch.randn(5, 5)) for _ in range(3)]
