@@ -171,11 +171,20 @@ def pick(*patterns: str, sections: tuple[str, ...] = (), last: tuple[str, ...] =
             if i in keep:
                 if line.strip() or (out and out[-1].strip()):
                     out.append(line)
-            elif out and out[-1] != "...":
+            elif line.strip() and out[-1:] != ["..."]:  # a left-out blank line is no gap worth a "..."
                 out.append("...")
-        if len(keep) < len(lines) and 0 not in keep:
-            out.insert(0, "...")
         return out
+
+    return trim
+
+
+def chain(*trims: Trim) -> Trim:
+    """The trims one after the other."""
+
+    def trim(lines: list[str]) -> list[str]:
+        for t in trims:
+            lines = t(lines)
+        return lines
 
     return trim
 
@@ -197,18 +206,19 @@ def underflow_report(frames: int, summary: bool = True) -> Trim:
         if not summary:
             return lines[first:]
         start = next(i for i, line in enumerate(lines) if line.startswith("=== "))
-        table = next(i for i, line in enumerate(lines) if "abs min" in line)
+        table = next(i for i, line in enumerate(lines) if i > start and re.match(r"\s+abs min\s+abs max", line))
         return [*lines[start:table + 1], *(["..."] if first > table + 1 else []), *lines[first:]]
 
     return trim
 
 
 def json_line(row: dict, keys: Optional[list[str]] = None, digits: Optional[int] = None) -> str:
-    """One metrics row as JSON; with ``keys``, only those (in row order) and ``...`` for the gaps."""
+    """One metrics row as JSON; with ``keys``, only those (in row order) and ``...`` for the gaps;
+    with ``digits``, floats to that many significant digits."""
 
     def value(v: object) -> str:
         if digits is not None and isinstance(v, float):
-            v = round(v, digits)
+            v = float(f"{v:.{digits}g}")  # significant digits: an lr of 2e-05 stays 2e-05
         return json.dumps(v)
 
     if keys is None:
@@ -248,7 +258,7 @@ def console(*runs: str, trim: Optional[Trim] = None, exact: bool = False) -> Blo
             for command, output in ws.outputs[run]:
                 text.append(f"$ {command}")
                 lines = output.splitlines()
-                text.extend(trim(lines) if trim else lines)
+                text.extend(_rstrip(trim(lines) if trim else lines))
         return fence("console", text)
 
     return Block(runs, render, exact=exact)
@@ -259,7 +269,7 @@ def output_only(run: str, trim: Optional[Trim] = None, exact: bool = False) -> B
 
     def render(ws: "Workspace") -> str:
         lines = ws.outputs[run][-1][1].splitlines()
-        return fence("console", trim(lines) if trim else lines)
+        return fence("console", _rstrip(trim(lines) if trim else lines))
 
     return Block((run,), render, exact=exact)
 
@@ -289,6 +299,13 @@ def metrics_row(run: str, path: str, where: Callable[[dict], bool], command: boo
     return Block((run,), render)
 
 
+def _rstrip(lines: list[str]) -> list[str]:
+    """Without trailing blank lines."""
+    while lines and not lines[-1].strip():
+        lines = lines[:-1]
+    return lines
+
+
 def fence(lang: str, lines: list[str]) -> str:
     return f"```{lang}\n" + "\n".join(lines) + "\n```\n"
 
@@ -307,14 +324,14 @@ BLOCKS: dict[str, Block] = {
                                            last=(r"^step ",))),
     "tour-replay": console("replay", trim=pick(r"reproduced:", r"losses:")),
     "tour-diagnose": console("diagnose", trim=pick(r"^\*\*Verdict", r"^First non-finite op", r"^Checkpoints:",
-                                                   sections=(r"^## Next actions",))),
+                                                   r"^## Next actions", r"^1\. ")),
     "tour-resume": console("resume", trim=head_tail(3, 1)),
     # docs/training.md
     "train-demo": console("demo", trim=head_tail(5, 2)),
     "demo-metrics-row": metrics_row("demo", "out/demo/metrics.jsonl", lambda r: r.get("step") == 10 and "loss" in r),
     "settings-errors": console("settings-errors", "settings-errors-2", exact=True),
     "settings-small-data": console("settings-small-data", exact=True),
-    "own-model": output_only("own-model"),
+    "own-model": output_only("own-model", trim=head_tail(3, 2)),
     # docs/gradient_norm.md
     "layers-row": metrics_row("layers", "out/layers/metrics.jsonl", lambda r: r.get("step") == 0 and "loss" in r,
                               keys=LAYER_KEYS, digits=4, command=True),
