@@ -411,6 +411,21 @@ class Workspace:
         text = text.replace(f"{ROOT / 'src'}/", "")
         return "\n".join(line.rstrip() for line in text.splitlines())
 
+    def _write_files(self, name: str, spec: Run) -> None:
+        for file, content in spec.files.items():
+            if isinstance(content, Example):
+                if content.name not in self.examples:
+                    raise GenError(f"run {name}: no <!-- example:{content.name} --> python block in the docs")
+                content = self.examples[content.name]
+            (self.root / file).write_text(content)
+
+    def _env(self, spec: Run) -> dict[str, str]:
+        env = dict(self.env)
+        if spec.hide:
+            env["PYTHONPATH"] = f"{self.hide_dir}{os.pathsep}{env['PYTHONPATH']}"
+            env["DOCS_HIDE_MODULES"] = ",".join(spec.hide)
+        return env
+
     def run(self, name: str) -> None:
         if name in self.outputs:
             return
@@ -419,16 +434,8 @@ class Workspace:
         spec = RUNS[name]
         for need in spec.needs:
             self.run(need)
-        for file, content in spec.files.items():
-            if isinstance(content, Example):
-                if content.name not in self.examples:
-                    raise GenError(f"run {name}: no <!-- example:{content.name} --> python block in the docs")
-                content = self.examples[content.name]
-            (self.root / file).write_text(content)
-        env = dict(self.env)
-        if spec.hide:
-            env["PYTHONPATH"] = f"{self.hide_dir}{os.pathsep}{env['PYTHONPATH']}"
-            env["DOCS_HIDE_MODULES"] = ",".join(spec.hide)
+        self._write_files(name, spec)
+        env = self._env(spec)
         commands = spec.commands(self) if callable(spec.commands) else spec.commands
         start = time.perf_counter()
         outputs = []

@@ -82,7 +82,8 @@ def test_every_relative_link_in_readme_and_docs_points_to_a_file_and_anchor_that
 
 def test_the_link_checker_sees_a_broken_link_and_anchor(tmp_path):
     assert _mkdocs_slug("Dissecting a step: forward_backward") == "dissecting-a-step-forward_backward"
-    assert _github_slug("A tour: train, blow up, replay, diagnose, resume") == "a-tour-train-blow-up-replay-diagnose-resume"
+    tour = "a-tour-train-blow-up-replay-diagnose-resume"
+    assert _github_slug("A tour: train, blow up, replay, diagnose, resume") == tour
     page = tmp_path / "p.md"
     page.write_text("# Title\n\n[a](p.md#title) [b](p.md#nope) `[c](nowhere.md)`\n```\n[d](nowhere.md)\n```\n")
     links = LINK.findall(_prose(page.read_text()))
