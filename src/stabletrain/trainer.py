@@ -35,6 +35,7 @@ from stabletrain.errors import ConfigError, StabletrainError
 from stabletrain.events import CallbackList
 from stabletrain.loggers import Logger, build_loggers, check_loggers
 from stabletrain.loggers.console import Console, format_duration, progress_line
+from stabletrain.preflight import out_dir_problems, settings_warnings
 from stabletrain.tasks import build_task, check_task, num_samples, resolve_task_name
 from stabletrain.utils.dist import any_rank, max_over_ranks
 from stabletrain.utils.io import atomic_write_text
@@ -285,20 +286,7 @@ class Trainer:
         return [f"data: {what} holds {n} samples{unit}, too few: {need}; {fix}"]
 
     def _check_out_dir(self) -> list[str]:
-        s = self.settings
-        last = checkpoint_dir(self.out) / "last.ckpt"
-        if s.resume_interrupted:
-            if not last.exists():
-                return [f"resume_interrupted: no checkpoint to resume from at {last} (run without resume_interrupted)"]
-            return []
-        if self.out.exists() and not self.out.is_dir():
-            return [f"out: {self.out} exists and is not a folder"]
-        if self.out.is_dir() and any(self.out.iterdir()) and not s.overwrite:
-            return [
-                f"out: {self.out} is not empty; pass overwrite=true to replace its outputs, "
-                "resume_interrupted=true to continue its run, or choose another folder"
-            ]
-        return []
+        return out_dir_problems(self.settings)
 
     def _prepare_out_dir(self) -> None:
         if self.settings.overwrite and not self.settings.resume_interrupted and self.out.is_dir():
@@ -478,11 +466,14 @@ class Trainer:
         n_params = sum(p.numel() for p in self.model.parameters())
         self.console.info(f"stabletrain {__version__} | torch {torch.__version__} | out: {self.out}")
         self.console.info(
-            f"task {resolve_task_name(self.settings)}: {type(self.model).__name__} with {n_params:,} parameters, "
+            f"task {resolve_task_name(self.settings)}: {self.task.model_name or type(self.model).__name__} "
+            f"with {n_params:,} parameters, "
             f"{len(self.task.dataset):,} samples | device {self.fabric.device} x {self.world_size} | "
             f"precision {self.precision} | microbatch {self.microbatch_size} x "
             f"{self.settings.gradient_accumulation_steps} accumulation x {self.world_size} devices"
         )
+        for warning in [*settings_warnings(self.settings), *self.task.warnings]:
+            self.console.info(f"Warning: {warning}")
         self.console.log_only("resolved settings:\n" + text)
 
     # ------------------------------------------------------------------------------ loop

@@ -54,10 +54,14 @@ def run(argv: list[str]) -> int:
         print(usage())
         return 0
     from stabletrain.config import parse_cli_overrides
-    from stabletrain.trainer import train
+    from stabletrain.preflight import check_without_torch
 
     overrides = parse_cli_overrides(argv)
     if "out" not in overrides:
         raise ConfigError("out: required setting is missing; e.g. stabletrain train out=out/demo")
+    # Loading torch takes seconds: what can be checked without it is checked first.
+    check_without_torch(overrides)
+    from stabletrain.trainer import train
+
     train(**overrides)
     return 0

@@ -49,6 +49,10 @@ class Task:
         model_meta: JSON-compatible facts learnt from the data that, together with the
             settings, rebuild the same architecture without the data (e.g. the vocabulary).
         in_memory: True when the dataset is already in memory (worker processes do not help).
+        warnings: What the user should know about the data before training, one sentence each
+            (e.g. the unreadable images left out); the trainer prints them.
+        model_name: How the run's header names the model (e.g. ``torchvision/resnet18``); empty
+            for the model's class name.
     """
 
     name: str
@@ -56,3 +60,5 @@ class Task:
     dataset: Dataset
     model_meta: dict[str, Any] = field(default_factory=dict)
     in_memory: bool = True
+    warnings: list[str] = field(default_factory=list)
+    model_name: str = ""
