@@ -1343,7 +1343,7 @@ def _next_actions(d: Diagnosis, cap: NaNCapture, out: Optional[Path]) -> list[st
     w = d.weights
     if d.cause == NOT_REPRODUCIBLE:
         if d.reason == REASON_OTHER_RANK and len(cap.ranks) == 1:
-            return [f"Diagnose all ranks together: stabletrain diagnose {cap.ranks[0].path.parent.parent}"]
+            return [f"Diagnose all ranks together: stabletrain diagnose {shell_path(cap.ranks[0].path.parent.parent)}"]
         last = f" ({out / 'checkpoints' / 'last.ckpt'} holds no NaN: nancapture stopped before the optimizer step)" if out else ""
         return [
             f"Rerun from the last checkpoint: {resume}{last}. A sporadic failure usually does not recur at the same step.",

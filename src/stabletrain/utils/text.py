@@ -8,7 +8,7 @@
 ``fmt_factor(f)``      a ratio: ``22.7x``, ``1.2e+04x``; ``far`` when it is not finite.
 ``fmt_list(items)``    the first few items, then how many are left out: ``a, b, c, d (+3 more)``.
 ``fmt_path(p)``        relative to the working directory when below it, else absolute.
-``shell_path(p)``      ``fmt_path`` quoted for a POSIX shell.
+``shell_path(p)``      absolute and quoted for a POSIX shell: for commands.
 ``json_float(x)``      a float for JSON: non-finite values as the strings ``"nan"``, ``"inf"``.
 =====================  ==========================================================================
 """
@@ -96,8 +96,9 @@ def fmt_path(path: str | Path) -> str:
 
 
 def shell_path(path: str | Path) -> str:
-    """:func:`fmt_path`, quoted for a POSIX shell (spaces, quotes, ``$`` and all)."""
-    return shlex.quote(fmt_path(path))
+    """``path`` made absolute and quoted for a POSIX shell (spaces, quotes, ``$`` and all): for
+    commands in messages, which must work when pasted in any folder, not only where the run started."""
+    return shlex.quote(os.path.abspath(path))
 
 
 def json_float(x: float) -> Any:
