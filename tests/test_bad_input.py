@@ -392,7 +392,7 @@ def test_empty_out_is_an_error_in_python_and_on_the_command_line(tmp_path, monke
     [
         (10, ("model_args.warmup_steps=10 is not below steps=4: the learning rate rises for the whole run, never "
               "reaches model_args.lr=0.001 (it ends at 40% of it), and the cosine schedule after warmup never "
-              "starts; lower model_args.warmup_steps (e.g. 0, a tenth of steps) or raise steps")),
+              "starts; lower model_args.warmup_steps (e.g. 0, no warmup) or raise steps")),
         (4, ("model_args.warmup_steps=4 is not below steps=4: the learning rate rises for the whole run, reaches "
              "model_args.lr only at the last step, and the cosine schedule")),
     ],

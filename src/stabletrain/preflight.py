@@ -162,13 +162,15 @@ def settings_warnings(settings: TrainSettings) -> list[str]:
     warnings = []
     args = settings.model_args
     if args.warmup_steps >= settings.steps:
+        tenth = settings.steps // 10
+        example = f"e.g. {tenth}, a tenth of steps" if tenth else "e.g. 0, no warmup"
         peak = "reaches model_args.lr only at the last step" if args.warmup_steps == settings.steps else (
             f"never reaches model_args.lr={args.lr:g} (it ends at {settings.steps / args.warmup_steps:.0%} of it)"
         )
         warnings.append(
             f"model_args.warmup_steps={args.warmup_steps} is not below steps={settings.steps}: the learning rate "
             f"rises for the whole run, {peak}, and the {args.lr_schedule} schedule after warmup never starts; "
-            f"lower model_args.warmup_steps (e.g. {max(0, settings.steps // 10)}, a tenth of steps) or raise steps"
+            f"lower model_args.warmup_steps ({example}) or raise steps"
         )
     return warnings
 
