@@ -18,7 +18,11 @@ stabletrain, and every debugging tool works on it::
 The trainer moves each microbatch to the device, runs ``training_step`` under the chosen
 precision (through DDP when distributed), and back-propagates the returned scalar loss.
 Optionally the model may define ``configure_optimizer(model_args) -> torch.optim.Optimizer``;
-otherwise AdamW (or SGD) is built from ``model_args``.
+otherwise AdamW (or SGD) is built from ``model_args``. It may also define
+``training_metrics() -> dict[str, Tensor]``: scalar device tensors that the trainer logs
+with the loss at each logged step (the built-in image models give ``accuracy`` over the
+samples since the previous call). The trainer calls it at logged steps only and reads the
+values with the step's one host read, so it must not read device values itself.
 """
 
 from __future__ import annotations

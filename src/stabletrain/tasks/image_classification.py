@@ -47,7 +47,15 @@ from stabletrain.preflight import IMAGE_DATA_HINT, data_path_problems
 from stabletrain.tasks.base import Task
 from stabletrain.utils.text import fmt_list
 
-__all__ = ["SmallCNN", "TorchvisionClassifier", "build", "build_model", "check", "torchvision_model_names"]
+__all__ = [
+    "SmallCNN",
+    "TorchvisionClassifier",
+    "TrainingAccuracy",
+    "build",
+    "build_model",
+    "check",
+    "torchvision_model_names",
+]
 
 #: Size, count and classes of the built-in generated dataset.
 GENERATED_IMAGE_SIZE = 32
@@ -66,6 +74,31 @@ _BAD_LISTED = 10
 # --------------------------------------------------------------------------------------
 # Models
 # --------------------------------------------------------------------------------------
+
+
+class TrainingAccuracy:
+    """Top-1 training accuracy, counted on the device in ``training_step`` and read by the
+    trainer at logged steps (``training_metrics``): the fraction of the samples since the
+    previous read that the model, in training mode and before that step's update, classified
+    correctly. No host synchronisation: the sample count is known on the host.
+    """
+
+    def __init__(self) -> None:
+        self.correct: torch.Tensor | None = None
+        self.seen = 0
+
+    def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        hits = (logits.detach().argmax(dim=-1) == labels).sum()
+        self.correct = hits if self.correct is None else self.correct + hits
+        self.seen += labels.numel()
+
+    def read(self) -> dict[str, torch.Tensor]:
+        """``{"accuracy": device scalar}`` since the previous read, then starts counting afresh."""
+        if self.correct is None:
+            return {}
+        accuracy = self.correct.double() / self.seen
+        self.correct, self.seen = None, 0
+        return {"accuracy": accuracy}
 
 
 class ConvBlock(nn.Module):
@@ -105,6 +138,7 @@ class SmallCNN(nn.Module):
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.drop = nn.Dropout(dropout)
         self.head = nn.Linear(widths[2], num_classes)
+        self.accuracy = TrainingAccuracy()
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         """Logits ``(B, num_classes)`` for images ``(B, 3, H, W)``; H and W at least 8."""
@@ -113,7 +147,13 @@ class SmallCNN(nn.Module):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Mean cross-entropy of an ``(images, labels)`` batch."""
         images, labels = batch
-        return F.cross_entropy(self(images).float(), labels)
+        logits = self(images)
+        self.accuracy.update(logits, labels)
+        return F.cross_entropy(logits.float(), labels)
+
+    def training_metrics(self) -> dict[str, torch.Tensor]:
+        """``accuracy`` since the previous call (:class:`TrainingAccuracy`)."""
+        return self.accuracy.read()
 
 
 #: Weight of auxiliary classifier losses (GoogLeNet, Inception v3), as in their papers.
@@ -134,6 +174,7 @@ class TorchvisionClassifier(nn.Module):
     def __init__(self, net: nn.Module):
         super().__init__()
         self.net = net
+        self.accuracy = TrainingAccuracy()
 
     def forward(self, images: torch.Tensor) -> Any:
         return self.net(images)
@@ -143,14 +184,21 @@ class TorchvisionClassifier(nn.Module):
         images, labels = batch
         out = self(images)
         if isinstance(out, torch.Tensor):
+            self.accuracy.update(out, labels)
             return F.cross_entropy(out.float(), labels)
         # Named tuples: InceptionOutputs(logits, aux_logits), GoogLeNetOutputs(logits, aux_logits2, aux_logits1).
         outputs = out._asdict()
-        loss = F.cross_entropy(outputs.pop("logits").float(), labels)
+        logits = outputs.pop("logits")
+        self.accuracy.update(logits, labels)
+        loss = F.cross_entropy(logits.float(), labels)
         for aux in outputs.values():
             if aux is not None:
                 loss = loss + AUX_LOSS_WEIGHT * F.cross_entropy(aux.float(), labels)
         return loss
+
+    def training_metrics(self) -> dict[str, torch.Tensor]:
+        """``accuracy`` since the previous call (:class:`TrainingAccuracy`), from the main logits."""
+        return self.accuracy.read()
 
 
 def torchvision_model_names() -> list[str]:
