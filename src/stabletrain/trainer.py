@@ -570,8 +570,11 @@ class Trainer:
 
     def _log_step(self, step: int, losses: list[torch.Tensor], gn: GradNorm, lr: float) -> None:
         loss = torch.stack(losses).float().mean()
+        task_names, task_values = _training_metrics(self.model, loss.device)
         if self.world_size > 1:
-            loss = self.fabric.all_reduce(loss, reduce_op="mean")
+            # Every rank saw as many samples: the mean over ranks is the metric over all of them.
+            reduced = self.fabric.all_reduce(torch.cat([loss.reshape(1), task_values]), reduce_op="mean")
+            loss, task_values = reduced[0], reduced[1:]
         values = [loss, gn.total.to(loss.device)]
         if self.scaler is not None:
             values.append(_scale_tensor(self.scaler, loss.device))
@@ -580,6 +583,7 @@ class Trainer:
         if self.settings.gradient_norm_per_layer:
             layer_names, layer_norms = layer_grad_norms(gn)
             flat = torch.cat([flat, layer_norms.to(loss.device)])
+        flat = torch.cat([flat, task_values])
         host = flat.tolist()  # the step's one sync
         now = time.perf_counter()
         steps_since = max(1, step + 1 - self._steps_at_last_log)
@@ -601,6 +605,7 @@ class Trainer:
         if layer_names:
             offset = len(values)
             metrics.update({f"gradient_norm/{n}": host[offset + i] for i, n in enumerate(layer_names)})
+        metrics.update(zip(task_names, host[len(host) - len(task_names) :]))
         if self.fabric.device.type == "cuda":
             metrics["max_memory_gb"] = torch.cuda.max_memory_allocated(self.fabric.device) / 2**30
         self._t_last, self._steps_at_last_log = now, step + 1
@@ -688,6 +693,15 @@ def _scale_tensor(scaler: Any, device: torch.device) -> torch.Tensor:
     if isinstance(scale, torch.Tensor):
         return scale.to(device)
     return torch.tensor(float(scaler.get_scale()), device=device)
+
+
+def _training_metrics(model: nn.Module, device: torch.device) -> tuple[list[str], torch.Tensor]:
+    """The model's ``training_metrics()`` (see :mod:`stabletrain.tasks.base`) as names and one
+    float32 device vector, read later with the step's other values."""
+    read = getattr(model, "training_metrics", None)
+    metrics = read() if callable(read) else {}
+    values = [v.detach().float().reshape(()).to(device) for v in metrics.values()]
+    return list(metrics), torch.stack(values) if values else torch.zeros(0, device=device)
 
 
 def _available_accelerators() -> list[str]:
