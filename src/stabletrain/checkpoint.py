@@ -9,7 +9,11 @@ Files under ``out/checkpoints/``:
 
 * ``last.ckpt``: the newest state, rewritten at every checkpoint and at the end of training;
 * ``step_000100.ckpt``: the state after 100 optimizer steps (training resumes at step 100);
-  the newest ``max_checkpoints_to_keep`` of these are kept.
+  the newest ``max_checkpoints_to_keep`` of these are kept, and also the newest healthy one
+  while newer checkpoints are not healthy (see :mod:`stabletrain.checkpoint_health`).
+
+Every checkpoint is verified finite before it is written and records its ``health``; a state
+that is not finite is never written (the trainer stops instead).
 """
 
 from __future__ import annotations
@@ -74,6 +78,8 @@ def save_checkpoint(state: dict[str, Any], out: Path, periodic: bool, keep: int)
         **state,
     }
     last = folder / "last.ckpt"
+    if (state.get("health") or {}).get("healthy") is False:
+        _keep_newest_healthy(folder)
     if periodic:
         target = folder / periodic_name(int(state["step"]))
         atomic_torch_save(state, target)
@@ -82,6 +88,16 @@ def save_checkpoint(state: dict[str, Any], out: Path, periodic: bool, keep: int)
     else:
         atomic_torch_save(state, last)
     return last
+
+
+def _keep_newest_healthy(folder: Path) -> None:
+    """Before an unhealthy state overwrites last.ckpt: if last.ckpt holds the only copy of the
+    newest healthy checkpoint (its step_N.ckpt was rotated away), give it its periodic name."""
+    from stabletrain.checkpoint_health import newest_healthy
+
+    best = newest_healthy(folder)
+    if best is not None and best.path.name == "last.ckpt":
+        _atomic_copy(best.path, folder / periodic_name(best.step))
 
 
 def _atomic_copy(src: Path, dst: Path) -> None:
@@ -96,9 +112,22 @@ def _atomic_copy(src: Path, dst: Path) -> None:
 
 
 def _prune(folder: Path, keep: int) -> None:
+    """Keep the newest ``keep`` periodic files; while the newest checkpoint is not healthy,
+    also the newest healthy one (the place to resume from after the instability)."""
     periodic = sorted((int(m.group(1)), p) for p in folder.iterdir() if (m := _PERIODIC.match(p.name)))
-    for _, path in periodic[: max(0, len(periodic) - keep)]:
-        path.unlink(missing_ok=True)
+    doomed = [path for _, path in periodic[: max(0, len(periodic) - keep)]]
+    if not doomed:
+        return
+    from stabletrain.checkpoint_health import list_checkpoints
+
+    infos = list_checkpoints(folder)
+    protect = None
+    if infos and infos[-1].healthy is False:
+        healthy = [c for c in infos if c.healthy and c.path.name != "last.ckpt"]
+        protect = healthy[-1].path if healthy else None
+    for path in doomed:
+        if path != protect:
+            path.unlink(missing_ok=True)
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from typing import Callable, Optional
 
 from stabletrain import __version__
 from stabletrain.errors import ConfigError, StabletrainError
+from stabletrain.signals import TrainingInterrupted
 
 EXAMPLES = """\
 examples:
@@ -53,12 +54,14 @@ def _cmd_train(args: list[str]) -> int:
     if any(a in ("-h", "--help") for a in args):
         print(_train_help())
         return 0
+    from stabletrain.commands import set_cli_invocation
     from stabletrain.config import parse_cli_overrides
     from stabletrain.trainer import train
 
     overrides = parse_cli_overrides(args)
     if "out" not in overrides:
         raise ConfigError("out: required setting is missing; e.g. stabletrain train out=out/demo")
+    set_cli_invocation(args)  # messages rebuild this command to continue the run
     train(**overrides)
     return 0
 
@@ -120,6 +123,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ConfigError as exc:
         print(f"stabletrain {ns.command}: {exc}", file=sys.stderr)
         return 2
+    except TrainingInterrupted as exc:
+        # The checkpoint and the command to continue were printed; exit as the signal asks.
+        return exc.exit_code
     except StabletrainError as exc:
         print(f"stabletrain {ns.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
