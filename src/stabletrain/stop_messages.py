@@ -8,6 +8,7 @@ when it is older, ``overwrite=true`` when the run has none.
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Any, Optional
 
@@ -96,20 +97,23 @@ def guard_message(trainer: Any, failure: GuardFailure, capture: Optional[Path]) 
     rows = logged_rows(trainer)
     unstable = _instability_start(trainer, step)
     lr_value, _ = suggest_lr(s.model_args.lr, rows, unstable)
-    lower = {"model_args.lr": lr_value} if lr_value < s.model_args.lr else {}
+    # An optimizer step that overflowed from finite gradients is not the lr's doing when its
+    # explanation names another cause (eps below the dtype's resolution).
+    lr_matters = failure.origin != ORIGIN_OPTIMIZER or not failure.explanation
+    lower = {"model_args.lr": lr_value} if lr_value < s.model_args.lr and lr_matters else {}
     text, best, command = resume_advice(trainer, step, extra=lower or None)
     lines.append(text)
     nexts = []
     if capture is not None:
         nexts.append(f"the optimizer step was captured: {capture}; explain and replay it offline: "
-                     f"stabletrain diagnose {capture.parent}")
+                     f"stabletrain diagnose {shlex.quote(str(capture.parent.resolve()))}")
     elif failure.origin == ORIGIN_OPTIMIZER:
         cap = _capture_command(trainer, best, step)
         nexts.append(f"capture the optimizer step for stabletrain diagnose (debug_args.nancapture.enabled=true): {cap}")
     else:
         cap = _capture_command(trainer, best, step)
         nexts.append(f"turn on debug_args.nancapture.enabled=true for a capture of that step: {cap}")
-    if failure.origin != ORIGIN_OPTIMIZER or not failure.explanation:
+    if lr_matters:
         nexts.append(f"lower the learning rate: {lr_advice(s.model_args.lr, rows, unstable)}")
         if not s.gradient_clip_val:
             nexts.append("clip gradients: gradient_clip_val=1.0")

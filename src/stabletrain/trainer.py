@@ -296,7 +296,11 @@ class Trainer:
 
         bad = nonfinite_entries(state)
         if bad:
-            best = newest_healthy(checkpoint_dir(self.out))
+            from stabletrain.checkpoint_health import list_checkpoints
+
+            others = [c for c in list_checkpoints(checkpoint_dir(self.out))
+                      if c.healthy and c.path.resolve() != source.resolve()]
+            best = others[-1] if others else None
             fix = f"resume_from={best.path} (step {best.step}, healthy)" if best else "overwrite=true (no healthy checkpoint)"
             problems.append(f"{which}: {source} holds NaN/Inf ({', '.join(bad[:4])}); continue from {fix} instead")
         if problems:

@@ -58,6 +58,7 @@ from stabletrain.debug.nan_capture import (
     _shell_path,
 )
 from stabletrain.debug.op_trace import OpFinding, OpTracer
+from stabletrain.debug.optimizer_step import REASON_OPTIMIZER_STEP
 from stabletrain.debug.replay import (
     ForwardBackwardResult,
     MicrobatchKey,
@@ -440,6 +441,10 @@ def diagnose(
                 cap.step_fn = step_fn
         else:
             cap = load_nan_capture(capture, model=model, step_fn=step_fn)
+        if cap.reason == REASON_OPTIMIZER_STEP:  # the guard's capture: the optimizer step did it
+            from stabletrain.debug.optimizer_step import diagnose_optimizer_step
+
+            return diagnose_optimizer_step(cap, device=None if device is None else torch.device(device), write=write)
         replay_model = cap.get_model()
         precision = normalize_precision(cap.precision)
         dev = torch.device(device) if device is not None else cap.default_device()
@@ -966,8 +971,13 @@ def _scan_checkpoints(folder: Path, weights: WeightsReport, names: set[str], buf
         finite = all(bool(torch.isfinite(t).all()) for t in values)
         top = max((float(t.detach().abs().max()) for t in values if t.numel()), default=0.0) if finite else math.inf
         buffers_finite = all(bool(torch.isfinite(t).all()) for t in buffers)
+        health = state.get("health") if isinstance(state.get("health"), dict) else None
+        # The health the run recorded (finite, and no instability under way) decides; the
+        # magnitude rule stands in for checkpoints of older versions without it.
+        recorded = bool(health.get("healthy")) if health is not None else True
         seen[step] = {"path": str(path), "step": step, "abs_max": top,
-                      "healthy": finite and buffers_finite and top < weights.threshold}
+                      "healthy": finite and buffers_finite and top < weights.threshold and recorded,
+                      "why": (health or {}).get("why", "")}
     weights.checkpoints = [seen[s] for s in sorted(seen)]
     healthy = [c for c in weights.checkpoints if c["healthy"]]
     if healthy:
@@ -1241,13 +1251,30 @@ def _largest_text(cap: NaNCapture) -> str:
     return f"|gradient| reached {_fmt(value)} in {name}"
 
 
-def _lr_text(settings: Optional[dict[str, Any]]) -> tuple[str, Optional[float]]:
+def _lr_text(settings: Optional[dict[str, Any]], rows: Sequence[dict[str, Any]] = (),
+             unstable_from: Optional[int] = None) -> tuple[str, Optional[float]]:
+    """The lr to try, anchored to the last lr that trained stably or the default
+    (:func:`stabletrain.debug.stable_lr.suggest_lr`), never a tenth of an absurd value."""
+    from stabletrain.debug.stable_lr import suggest_lr
+
     lr = None
     if settings and isinstance(settings.get("model_args"), dict):
         lr = settings["model_args"].get("lr")
     if isinstance(lr, (int, float)) and lr > 0:
-        return f"model_args.lr={_round(lr / 10)} or lower (was {_round(lr)})", float(lr)
+        value, why = suggest_lr(float(lr), rows, unstable_from)
+        return f"model_args.lr={value:g} or lower (was {_round(lr)}{'; ' + why if why else ''})", float(lr)
     return "a 10x lower learning rate (model_args.lr)", None
+
+
+def _first_unhealthy(d: Diagnosis, step: int) -> int:
+    """Where the instability began: after the newest healthy checkpoint when the weights were
+    already damaged, else the captured step."""
+    w = d.weights
+    if w.healthy_checkpoint:
+        ck = next((c for c in w.checkpoints if c["path"] == w.healthy_checkpoint), None)
+        if ck is not None:
+            return min(step, int(ck["step"]))
+    return step
 
 
 def _clip_text(settings: Optional[dict[str, Any]]) -> str:
@@ -1263,7 +1290,12 @@ def _round(x: float) -> str:
 
 def _next_actions(d: Diagnosis, cap: NaNCapture, out: Optional[Path]) -> list[str]:
     settings = cap.settings
-    lr, _ = _lr_text(settings)
+    rows = []
+    if out is not None and (out / "metrics.jsonl").is_file():
+        from stabletrain.run_history import read_run
+
+        rows = read_run(out / "metrics.jsonl").rows
+    lr, _ = _lr_text(settings, rows, _first_unhealthy(d, cap.step))
     clip = _clip_text(settings)
     resume = "rerun your training command with resume_interrupted=true"
     actions: list[str] = []
@@ -1287,16 +1319,19 @@ def _next_actions(d: Diagnosis, cap: NaNCapture, out: Optional[Path]) -> list[st
             lr = "the same settings"  # the optimizer does not write buffers: the learning rate is not implicated
         if w.healthy_checkpoint:
             ck = next(c for c in w.checkpoints if c["path"] == w.healthy_checkpoint)
-            last = Path(w.healthy_checkpoint).parent / "last.ckpt"
-            where = ("" if Path(w.healthy_checkpoint).name == "last.ckpt" else
-                     f"copy {w.healthy_checkpoint} over {last}, then ")
+            where = ("rerun your training command with resume_interrupted=true"
+                     if Path(w.healthy_checkpoint).name == "last.ckpt" else
+                     f"rerun your training command with resume_from={_shell_path(Path(w.healthy_checkpoint).resolve())}")
+            why = f": {ck['why']}" if ck.get("why") else ""
             actions.append(
                 f"Resume from before the damage: the newest checkpoint with healthy {state} is step {ck['step']} "
-                f"(|w| up to {_fmt(ck['abs_max'])}); {where}{resume} and {lr}."
+                f"(|w| up to {_fmt(ck['abs_max'])}{why}); {where} and {lr}."
             )
         elif w.checkpoints:
+            newest = w.checkpoints[-1]
+            why = newest.get("why") or f"|w| up to {_fmt(newest['abs_max'])}, huge from {_fmt(w.threshold)}"
             actions.append(
-                f"No checkpoint of this run has healthy {state} (all reach |w| >= {_fmt(w.threshold)} or hold NaN): "
+                f"No checkpoint of this run has healthy {state} (the newest, step {newest['step']}: {why}): "
                 f"start again with overwrite=true and {lr}."
             )
         elif out is not None and out.is_dir():

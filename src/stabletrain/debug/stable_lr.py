@@ -2,10 +2,11 @@
 
 After ``model_args.lr=1000`` blew up, "model_args.lr=100" is no advice. The suggestion is:
 
-1. the last lr that trained stably in this run: the lr logged at a step whose next logged
-   step still came before the instability began (during warmup the lr grows, so this is the
-   largest lr the run survived), when it is below ``model_args.lr``;
-2. else the default ``model_args.lr`` (1e-3), when ``model_args.lr`` is above it;
+1. the highest lr that trained stably in this run: an lr logged at a step followed by
+   :data:`STABLE_AFTER` more logged steps before the instability began (during warmup the lr
+   grows, so this is the last such lr), when it is below ``model_args.lr``;
+2. else the default ``model_args.lr`` (1e-3), when a tenth of ``model_args.lr`` would still be
+   above it (an absurd lr: a tenth of it is no advice);
 3. else a tenth of ``model_args.lr``.
 
 Trend alerts, ``stabletrain report``, ``stabletrain diagnose`` and the guard's error all use
@@ -19,6 +20,8 @@ from typing import Any, Mapping, Optional, Sequence
 
 #: ``model_args.lr``'s default (:class:`stabletrain.config.ModelArgs`).
 DEFAULT_LR = 1e-3
+#: Logged steps that must follow an lr, all before the instability, for it to count as stable.
+STABLE_AFTER = 3
 
 __all__ = ["suggest_lr", "lr_advice", "DEFAULT_LR"]
 
@@ -39,32 +42,33 @@ def suggest_lr(lr: float, rows: Sequence[Mapping[str, Any]] = (), unstable_from:
         default: The default ``model_args.lr``.
 
     Returns:
-        ``(value, why)``, e.g. ``(0.00042, "the last lr that trained stably, at step 20")``.
+        ``(value, why)``, e.g. ``(0.00042, "the last lr that trained stably, from step 20")``;
+        ``why`` is empty for a plain tenth.
 
     Example::
 
         suggest_lr(1000.0, rows=[{"step": 0, "lr": 20.0, "loss": 5.5}], unstable_from=10)
-        # (0.001, 'the default; no logged step trained stably at a lower lr')
+        # (0.001, 'the default: no logged stretch trained stably at a lower lr')
     """
     ordered = [r for r in rows if isinstance(r.get("step"), int)]
     ordered.sort(key=lambda r: r["step"])
     limit = unstable_from if unstable_from is not None else math.inf
     before = [r for r in ordered if r["step"] < limit and _finite(r.get("loss", 0.0)) and _finite(r.get("lr"))]
-    stable = [(r["step"], float(r["lr"])) for r, nxt in zip(before, before[1:]) if nxt["step"] < limit]
-    if stable and stable[-1][1] < lr:
-        step, value = stable[-1]
-        return _round_down(value), f"the last lr that trained stably, at step {step}"
-    if lr > default:
-        return default, "the default; no logged step trained stably at a lower lr"
-    return _round_down(lr / 10), "a tenth of model_args.lr"
+    stable = [(float(r["lr"]), r["step"]) for r in before[: max(0, len(before) - STABLE_AFTER)]]
+    if stable and max(stable)[0] < lr:
+        value, step = max(stable)
+        return _round_down(value), f"the highest lr that trained stably, from step {step}"
+    if lr / 10 > default:
+        return default, "the default: no logged stretch trained stably at a lower lr"
+    return _round_down(lr / 10), ""
 
 
 def lr_advice(lr: Optional[float], rows: Sequence[Mapping[str, Any]] = (), unstable_from: Optional[int] = None) -> str:
-    """``model_args.lr=0.001 (the default; ...; now 1000)``, or a generic line without an lr."""
+    """``model_args.lr=0.001 (now 1000; the default: ...)``, ``model_args.lr=0.0003 (now 0.003)``."""
     if not lr or not _finite(lr):
         return "a lower learning rate (model_args.lr), e.g. the default 0.001"
     value, why = suggest_lr(float(lr), rows, unstable_from)
-    return f"model_args.lr={value:g} ({why}; now {lr:g})"
+    return f"model_args.lr={value:g} (now {lr:g}{'; ' + why if why else ''})"
 
 
 def _round_down(x: float) -> float:
