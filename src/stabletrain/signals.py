@@ -10,12 +10,19 @@ the same step. It moves 8 bytes between host processes and never waits for a GPU
 per step on one machine.
 
 A second SIGINT stops at once (KeyboardInterrupt, no checkpoint); a second SIGTERM too.
+
+Exit codes under Lightning Fabric's own launcher (``strategy=ddp`` started without torchrun):
+rank 0 starts the other ranks and watches them, and SIGKILLs itself when one exits with a
+non-zero code. So after an agreed stop the other ranks wait for rank 0 to exit first
+(:func:`wait_for_launcher`), and every process exits with 130 / 143.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
+import time
 from pathlib import Path
 from types import FrameType
 from typing import Any, Callable, Optional
@@ -53,6 +60,21 @@ class TrainingInterrupted(StabletrainError):
 
 def _rebuild(message: str, name: str, step: int, checkpoint: Optional[Path], command: str) -> TrainingInterrupted:
     return TrainingInterrupted(message, signal_name=name, step=step, checkpoint=checkpoint, command=command)
+
+
+def wait_for_launcher(timeout: float = 60.0) -> None:
+    """In a process started by Lightning Fabric's launcher (the parent runs the same command
+    line), wait until the parent has exited; elsewhere (torchrun, one process) return at once."""
+    parent = os.getppid()
+    try:
+        same = Path(f"/proc/{parent}/cmdline").read_bytes() == Path("/proc/self/cmdline").read_bytes()
+    except OSError:  # no /proc (not Linux): Fabric's observer may report the exit code instead
+        return
+    if not same:
+        return
+    deadline = time.monotonic() + timeout
+    while os.getppid() == parent and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 class StopSignals:

@@ -36,7 +36,7 @@ from stabletrain.events import CallbackList
 from stabletrain.loggers import Logger, build_loggers
 from stabletrain.loggers.console import Console, format_duration, progress_line
 from stabletrain.safety import SafetyNet
-from stabletrain.signals import TrainingInterrupted
+from stabletrain.signals import TrainingInterrupted, wait_for_launcher
 from stabletrain.tasks import build_task, resolve_task_name
 from stabletrain.trainer_checks import resolve_precision, validate_settings
 from stabletrain.utils.io import atomic_write_text
@@ -252,6 +252,9 @@ class Trainer:
         except BaseException as exc:
             self.callbacks("on_exception", self, exception=exc)
             self._report_exception(exc)
+            if isinstance(exc, TrainingInterrupted) and self.rank > 0:
+                self._close()
+                wait_for_launcher()
             raise
         finally:
             self.safety.close()

@@ -271,3 +271,19 @@ def test_step_guard_in_a_plain_loop():
     assert info.value.step == 3 and "loss" in info.value.nonfinite
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters()), "stopped before the optimizer step"
     assert "debug_args.nancapture.enabled=true (or NaNCaptureMonitor in a plain loop)" in str(info.value)
+
+
+def test_errors_that_end_a_run_go_to_train_log_with_next_steps(tmp_path):
+    from fault_models import FaultData, FaultNet
+    from nan_models import samples_of_step
+
+    victim = samples_of_step(1)[2]
+    out = tmp_path / "run"
+    with pytest.raises(stabletrain.UnderflowOverflowError) as info:
+        train(out=out, model=FaultNet("log0"), data=FaultData(plant={victim: {"s": 0.0}}), steps=4, batch_size=8,
+              num_workers=0, debug_args={"underflow_overflow": {"enabled": True}},
+              model_args={"lr": 0.01, "warmup_steps": 0})
+    assert info.value.step == 1 and "\nNext: read the report (the culprit frame is last)" in str(info.value)
+    log = (out / "train.log").read_text()
+    assert "ERROR UnderflowOverflowError: step 1, rank 0, forward" in log
+    assert "Next: read the report" in log and "stabletrain diagnose" in log

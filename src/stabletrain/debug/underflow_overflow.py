@@ -186,7 +186,16 @@ class UnderflowOverflowError(StabletrainError):
                 f"beside this rank's report); rank {rank} found none and stopped with it. "
                 f"This rank's last frames: {self.report_path}"
             )
-        super().__init__(msg)
+        super().__init__(msg + "\n" + _NEXT_STEPS)
+
+
+#: What to do after an UnderflowOverflowError, whoever raised it.
+_NEXT_STEPS = (
+    "Next: read the report (the culprit frame is last); replay the step offline to find the op and the sample: "
+    "debug_args.nancapture.enabled=true (NaNCaptureMonitor in a plain loop), then stabletrain diagnose on the "
+    "capture; if the module runs in float16 or bfloat16, rule reduced precision in or out with precision=32-true; "
+    "continue from the newest healthy checkpoint (resume_from=) once fixed."
+)
 
 
 class UnderflowOverflowAbort(StabletrainError):
