@@ -48,8 +48,8 @@ def _count_near(path, rgb, tol=40) -> int:
 
 
 def test_a_resumed_run_is_one_timeline_with_resumes_and_skipped_steps_marked(tmp_path):
-    first = [{"step": s, "loss": 3.0 if s < 20 else 3.0 * 10 ** (s - 19), "gradient_norm": 1.0, "lr": 1e-3, "loss_scale": 1024.0,
-              "skipped_steps": float(s // 8)} for s in range(30)]
+    first = [{"step": s, "loss": 3.0 if s < 20 else 3.0 * 10 ** (s - 19), "gradient_norm": 1.0, "lr": 1e-3,
+              "loss_scale": 1024.0, "skipped_steps": float(s // 8)} for s in range(30)]
     alert = {"event": "trend_alert", "step": 25, "kind": "exploding", "signal": "loss"}
     resume = {"event": "resume", "step": 12, "checkpoint": "x"}
     second = [{"step": s, "loss": 2.0, "gradient_norm": 1.0, "lr": 1e-4, "loss_scale": 1024.0,

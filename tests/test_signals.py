@@ -79,7 +79,9 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
-def test_a_signal_finishes_the_step_checkpoints_and_the_printed_command_continues_bitwise(tmp_path, reference, sig, code):
+def test_a_signal_finishes_the_step_checkpoints_and_the_printed_command_continues_bitwise(
+    tmp_path, reference, sig, code
+):
     out = tmp_path / "run"
     rc, stdout, stderr = _interrupt(tmp_path, out, sig)
     name = signal.Signals(sig).name
@@ -87,7 +89,8 @@ def test_a_signal_finishes_the_step_checkpoints_and_the_printed_command_continue
     state = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)
     steps = int(state["step"])
     assert 6 <= steps < STEPS and state["health"]["healthy"]
-    assert f"{name}: stopped after step {steps - 1}; checkpoint {out / 'checkpoints' / 'last.ckpt'} holds {steps} steps." in stdout
+    last = out / "checkpoints" / "last.ckpt"
+    assert f"{name}: stopped after step {steps - 1}; checkpoint {last} holds {steps} steps." in stdout
     assert [r["step"] for r in _rows(out)][-1] == steps - 1, "the step in progress finished and was logged"
     command = _continue_command(stdout)
     assert command.startswith(f"stabletrain train out={out} ") and command.endswith(" resume_interrupted=true")
@@ -95,8 +98,9 @@ def test_a_signal_finishes_the_step_checkpoints_and_the_printed_command_continue
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     exe = Path(sys.executable).with_name("stabletrain")
-    shell = command if exe.exists() else command.replace("stabletrain train", f"{sys.executable} -m stabletrain train", 1)
-    resumed = subprocess.run(shell, shell=True, cwd=elsewhere, env=cli_env(), capture_output=True, text=True, timeout=600)
+    shell = command if exe.exists() else command.replace("stabletrain train", f"{sys.executable} -m stabletrain train")
+    resumed = subprocess.run(shell, shell=True, cwd=elsewhere, env=cli_env(), capture_output=True, text=True,
+                             timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"Resumed from step {steps}: {out / 'checkpoints' / 'last.ckpt'} (healthy: " in resumed.stdout
     _check_resumed_bitwise(reference, out, steps)
@@ -125,7 +129,8 @@ def test_sigterm_to_one_of_two_ddp_ranks_stops_both_and_continues_bitwise(tmp_pa
     folder = tmp_path_factory.mktemp("ddp_signals")
     ddp = ["devices=2", "strategy=ddp", "accelerator=cpu"]
     reference = folder / "reference"
-    done = subprocess.run(_command(reference, *ddp), cwd=folder, env=cli_env(), capture_output=True, text=True, timeout=600)
+    done = subprocess.run(_command(reference, *ddp), cwd=folder, env=cli_env(), capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     out = folder / "run"
     rc, stdout, stderr = _interrupt(folder, out, signal.SIGTERM, *ddp)

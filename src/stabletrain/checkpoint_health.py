@@ -82,7 +82,8 @@ def nonfinite_entries(state: Mapping[str, Any], param_names: Optional[list[str]]
     for index, entry in ((state.get("optimizer") or {}).get("state") or {}).items():
         for key, t in entry.items():
             if isinstance(t, Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                who = param_names[index] if param_names and isinstance(index, int) and index < len(param_names) else index
+                known = param_names and isinstance(index, int) and index < len(param_names)
+                who = param_names[index] if known else index  # type: ignore[index]
                 found.append(f"optimizer state {key} of {who}")
     for key, t in (state.get("scaler") or {}).items():
         if isinstance(t, (int, float)) and not math.isfinite(float(t)):
@@ -119,7 +120,9 @@ class HealthTracker:
             if isinstance(v, (int, float)) and math.isfinite(v):
                 values.append(float(v))
 
-    def assess(self, step: int, *, last_step: int, loss: float, gradient_norm: float, weight_norm: float) -> dict[str, Any]:
+    def assess(
+        self, step: int, *, last_step: int, loss: float, gradient_norm: float, weight_norm: float
+    ) -> dict[str, Any]:
         """The ``health`` entry of the checkpoint holding ``step`` completed steps.
 
         Args:

@@ -90,7 +90,7 @@ def train_command(settings: TrainSettings, **start: Any) -> str:
             return _python_call(settings, start_items, extra)
         pairs = [(k, _value(k, v)) for k, v in found if k not in extra]
     out = str(Path(settings.out).resolve())
-    items = [("out", out), *pairs, *((k, _value(k, v)) for k, v in start_items), *((k, _value(k, v)) for k, v in extra.items())]
+    items = [("out", out), *pairs, *((k, _value(k, v)) for k, v in [*start_items, *extra.items()])]
     return "stabletrain train " + " ".join(shlex.quote(f"{k}={v}") for k, v in items)
 
 

@@ -271,6 +271,8 @@ def _of_signal(episodes: Sequence[Episode], signal: str) -> list[Episode]:
 def _span_text(data: RunData) -> str:
     steps = data.steps
     every = int(np.median(np.diff(steps))) if len(steps) > 1 else 1
+    if isinstance(data.settings.get("log_every_num_steps"), int):
+        every = data.settings["log_every_num_steps"]  # the guard may log its last steps in between
     cadence = "every step" if every == 1 else f"every {every} steps"
     return f"steps {steps[0]}-{steps[-1]}, {len(steps)} logged points ({cadence})"
 

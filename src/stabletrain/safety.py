@@ -218,7 +218,8 @@ class SafetyNet:
         kept = checkpoint_dir(t.out) / "last.ckpt"
         message = (
             f"Refused to write the checkpoint after step {t.step - 1}: the state holds NaN/Inf in "
-            f"{', '.join(entries) or 'a tensor'}. The previous checkpoint stays ({kept if kept.exists() else 'none yet'}); "
+            f"{', '.join(entries) or 'a tensor'}. The previous checkpoint stays "
+            f"({kept if kept.exists() else 'none yet'}); "
             f"training stopped. {advice}"
         )
         if self.guard is None:

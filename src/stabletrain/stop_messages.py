@@ -80,7 +80,9 @@ def logged_rows(trainer: Any) -> list[dict[str, Any]]:
     return read_run(path).rows
 
 
-def guard_message(trainer: Any, failure: GuardFailure, capture: Optional[Path]) -> tuple[str, Optional[CheckpointInfo], str]:
+def guard_message(
+    trainer: Any, failure: GuardFailure, capture: Optional[Path]
+) -> tuple[str, Optional[CheckpointInfo], str]:
     """The guard's error message (description, what stopped where, where to continue, next steps)."""
     s = trainer.settings
     lines = [failure.describe()]

@@ -110,8 +110,10 @@ class Trainer:
 
     Attributes useful to callbacks: ``fabric``, ``settings``, ``model`` (the user's module,
     unwrapped), ``optimizer``, ``scaler`` (fp16 GradScaler or None), ``precision`` (resolved),
-    ``out``, ``rank``, ``world_size``, ``step``, ``task``, ``console``, ``loggers``; methods
-    ``any_rank``, ``max_over_ranks``, ``request_stop``, ``log_event``, ``resolved_settings``, ``checkpoint_state``.
+    ``out``, ``rank``, ``world_size``, ``step``, ``task``, ``console``, ``loggers``, ``safety`` (the
+    guard, checkpoint health, stop signals: :mod:`stabletrain.safety`); methods ``any_rank``,
+    ``max_over_ranks``, ``request_stop``, ``log_event``, ``resolved_settings``, ``checkpoint_state``,
+    ``healthy_checkpoint``.
     """
 
     def __init__(self, settings: TrainSettings, fabric: Any = None):

@@ -180,7 +180,8 @@ def available_accelerators() -> list[str]:
     """The accelerator names Fabric can use on this machine, ``auto`` first."""
     from lightning_fabric.accelerators import ACCELERATOR_REGISTRY
 
-    names = [n for n in ACCELERATOR_REGISTRY.available_accelerators() if ACCELERATOR_REGISTRY[n]["accelerator"].is_available()]
+    registry = ACCELERATOR_REGISTRY
+    names = [n for n in registry.available_accelerators() if registry[n]["accelerator"].is_available()]
     if "cuda" in names or "mps" in names:
         names.append("gpu")
     return ["auto", *sorted(names)]

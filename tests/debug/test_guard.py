@@ -77,7 +77,8 @@ def test_lr_1e3_stops_at_the_first_nonfinite_step_and_every_checkpoint_is_finite
     assert f"step_{first_nan_step // 2 * 2:06d}.ckpt" in files
     assert torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)["step"] == first_nan_step // 2 * 2
     # The error is in train.log, and metrics.jsonl records the step and the last finite one.
-    assert f"ERROR NonFiniteStepError: Non-finite loss and gradient norm at step {first_nan_step}" in (out / "train.log").read_text()
+    log = (out / "train.log").read_text()
+    assert f"ERROR NonFiniteStepError: Non-finite loss and gradient norm at step {first_nan_step}" in log
     rows, events = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, first_nan_step - 1, first_nan_step]
     assert math.isnan(rows[-1]["loss"]) and rows[1]["loss"] > 1e6
@@ -164,9 +165,11 @@ def test_16_true_adamw_capture_diagnose_explains_and_reproduces_the_optimizer_st
                             cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     text = result.stdout
-    assert "**Verdict: the optimizer step** — torch.optim.AdamW wrote NaN/Inf into the weights from finite gradients" in text
+    assert ("**Verdict: the optimizer step** — torch.optim.AdamW wrote NaN/Inf into the weights from "
+            "finite gradients") in text
     assert "give finite gradients (gradient norm" in text
-    assert "The optimizer step replayed from the captured state (16-true) reproduces the failure: NaN/Inf in tok_emb.weight" in text
+    assert ("The optimizer step replayed from the captured state (16-true) reproduces the failure: "
+            "NaN/Inf in tok_emb.weight") in text
     assert "The same step in float32 keeps every value finite" in text
     assert "eps=1e-08 is 0 in float16" in text and "exp_avg_sq holds" in text
     d = stabletrain.diagnose(err.capture_path, write=False)
@@ -237,7 +240,8 @@ def test_fp16_skipped_steps_are_normal_until_too_many_in_a_row(tmp_path, max_ski
     from stabletrain.config import load_settings
     from stabletrain.trainer import Trainer
 
-    settings = load_settings({"out": tmp_path / str(max_skipped), "debug_args": {"nancapture": {"max_skipped_steps": max_skipped}},
+    debug = {"nancapture": {"max_skipped_steps": max_skipped}}
+    settings = load_settings({"out": tmp_path / str(max_skipped), "debug_args": debug,
                               **tiny_lm(steps=20, log_every_num_steps=1)})
     trainer = Trainer(settings, fabric=_fp16_fabric(2.0**20))
     if max_skipped == 3:

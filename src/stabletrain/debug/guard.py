@@ -73,8 +73,6 @@ ORIGIN_GRADIENTS = "forward_backward"
 ORIGIN_OPTIMIZER = "optimizer_step"
 ORIGIN_SKIPPED = "skipped_steps"
 
-_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float64: "float64"}
-
 
 class NonFiniteStepError(StabletrainError):
     """A step went non-finite and the guard stopped training; nothing damaged was saved.
@@ -120,7 +118,9 @@ class NonFiniteStepError(StabletrainError):
         return (_rebuild_error, (str(self), self.failure, self.capture_path, self.checkpoint, self.command))
 
 
-def _rebuild_error(message: str, failure: "GuardFailure", capture: Any, checkpoint: Any, command: str) -> NonFiniteStepError:
+def _rebuild_error(
+    message: str, failure: "GuardFailure", capture: Any, checkpoint: Any, command: str
+) -> NonFiniteStepError:
     return NonFiniteStepError(message, failure, capture_path=capture, checkpoint=checkpoint, command=command)
 
 
@@ -319,7 +319,8 @@ class StepGuard:
             self.skipped_total = self.skipped_total + skipped.long()
             flags[2] = self._skip_run >= self.max_skipped_steps
             # A non-finite norm the scaler did not skip: finite gradients whose norm overflows.
-            flags[1] = grad_bad & ~skipped if found is not None else torch.zeros((), dtype=torch.bool, device=self.device)
+            if found is not None:
+                flags[1] = grad_bad & ~skipped
         else:
             flags[1] = grad_bad
         loss = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -444,6 +445,8 @@ class StepGuard:
         if step < 0:
             return failure
         if origin == ORIGIN_OPTIMIZER:
+            from stabletrain.debug.optimizer_damage import describe_optimizer_damage
+
             describe_optimizer_damage(failure, self.model, self.optimizer)
         elif "gradient_norm" in nonfinite:
             bad = [n for n, p in self.model.named_parameters()
@@ -458,97 +461,6 @@ class StepGuard:
 # --------------------------------------------------------------------------------------
 # Names and reasons, on the failure path
 # --------------------------------------------------------------------------------------
-
-
-def describe_optimizer_damage(failure: GuardFailure, model: nn.Module, optimizer: Any) -> None:
-    """Fill in which parameters and state entries are non-finite, and why (host reads)."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    counts = {}
-    for n, p in model.named_parameters():
-        bad = int((~torch.isfinite(p.detach())).sum())
-        if bad:
-            counts[n] = bad
-    failure.param_names = list(counts)
-    failure.param_counts = counts
-    if optimizer is None:
-        return
-    failure.optimizer = optimizer_name(optimizer)
-    entries = []
-    for p, st in optimizer.state.items():
-        for key, v in st.items():
-            if isinstance(v, Tensor) and v.is_floating_point() and v.numel() and not bool(torch.isfinite(v).all()):
-                entries.append(f"{names.get(id(p), '?')}: {key}")
-    failure.state_entries = entries
-    failure.explanation = explain_optimizer_damage(model, optimizer, set(counts))
-
-
-def optimizer_name(optimizer: Any) -> str:
-    """``torch.optim.AdamW`` for torch's optimizers, else ``module.QualName``."""
-    cls = type(optimizer)
-    if cls.__module__.startswith("torch.optim"):
-        return f"torch.optim.{cls.__name__}"
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def smallest_positive(dtype: torch.dtype) -> float:
-    """The smallest positive value of a floating dtype (subnormals included)."""
-    return float(torch.nextafter(torch.zeros((), dtype=dtype), torch.ones((), dtype=dtype)))
-
-
-def explain_optimizer_damage(model: nn.Module, optimizer: Any, bad_params: set[str]) -> str:
-    """Why an optimizer step made values non-finite, from what can be measured now.
-
-    For Adam-type optimizers (``exp_avg_sq`` and ``eps``): whether eps is 0 in the
-    parameters' dtype and how many second-moment entries are 0 (squared gradients that
-    underflowed), which turns the update into x / 0. Otherwise: whether the parameters
-    overflowed while the state stayed finite (lr x update beyond the dtype's range).
-    """
-    names = {id(p): n for n, p in model.named_parameters()}
-    reasons = []
-    for group in optimizer.param_groups:
-        eps = group.get("eps")
-        lr = group.get("lr")
-        for p in group["params"]:
-            name = names.get(id(p), "?")
-            if name not in bad_params:
-                continue
-            st = optimizer.state.get(p, {})
-            dtype = p.dtype
-            smallest = smallest_positive(dtype)
-            v = st.get("exp_avg_sq")
-            if isinstance(v, Tensor) and isinstance(eps, (int, float)):
-                eps_in_dtype = float(torch.tensor(eps, dtype=dtype))
-                zeros = int((v.detach() == 0).sum())
-                if eps_in_dtype == 0 or zeros:
-                    why = f"{type(optimizer).__name__} divides exp_avg by sqrt(exp_avg_sq) + eps"
-                    if eps_in_dtype == 0:
-                        why += (f": eps={eps:g} is 0 in {_DTYPE_NAMES.get(dtype, dtype)} (its smallest positive "
-                                f"value is {smallest:.2g})")
-                    if zeros:
-                        why += (f"{',' if eps_in_dtype == 0 else ':'} and exp_avg_sq holds {zeros:,} zero(s) in {name} "
-                                f"(squared gradients below {smallest:.2g} underflow to 0)")
-                    why += ", so the update is x / 0 = Inf, or 0 / 0 = NaN where exp_avg is 0 too"
-                    reasons.append(why)
-                    break
-            state_finite = all(bool(torch.isfinite(t).all()) for t in st.values()
-                               if isinstance(t, Tensor) and t.is_floating_point())
-            if state_finite and dtype.is_floating_point:
-                big = float(torch.finfo(dtype).max)
-                reasons.append(f"{name}'s optimizer state is finite, but the parameter is not: the update "
-                               f"(lr {lr:g} x step) took it beyond {_DTYPE_NAMES.get(dtype, dtype)}'s range "
-                               f"(largest value {big:.3g})" if isinstance(lr, (int, float)) else
-                               f"{name}'s optimizer state is finite, but the parameter is not: the update overflowed")
-                break
-        if reasons:
-            break
-    if not reasons:
-        return ""
-    text = reasons[0] + "."
-    dtype = next((p.dtype for n, p in model.named_parameters() if n in bad_params), None)
-    if dtype in (torch.float16, torch.bfloat16):
-        text += (" With precision=16-true or bf16-true the optimizer runs in that type too: train with "
-                 "precision=16-mixed or bf16-mixed (float32 weights and optimizer state) or precision=32-true.")
-    return text
 
 
 def next_steps_text(failure: GuardFailure) -> str:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -35,7 +36,8 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from stabletrain.debug.guard import GuardFailure, explain_optimizer_damage, optimizer_name, smallest_positive
+from stabletrain.debug.guard import GuardFailure
+from stabletrain.debug.optimizer_damage import explain_optimizer_damage, optimizer_name, smallest_positive
 from stabletrain.utils.io import atomic_write_text
 
 REASON_OPTIMIZER_STEP = "optimizer_step"
@@ -122,7 +124,7 @@ def capture_optimizer_step(trainer: Any, failure: GuardFailure) -> Optional[Path
     Returns the capture file, or None when no state from before that step is available (a
     resumed run whose checkpoints from before the step were rotated away).
     """
-    from stabletrain.debug.nan_capture import NaNCaptureMonitor, default_replay_command
+    from stabletrain.debug.nan_capture import NaNCaptureMonitor
     from stabletrain.events import CallbackList
     from stabletrain.utils.rng import set_rng_state
 
@@ -146,7 +148,7 @@ def capture_optimizer_step(trainer: Any, failure: GuardFailure) -> Optional[Path
         model, folder, rank=trainer.rank, world_size=trainer.world_size, scaler=trainer.scaler,
         precision=trainer.precision, gradient_accumulation_steps=trainer.settings.gradient_accumulation_steps,
         settings=settings, model_meta=dict(trainer.task.model_meta), any_rank=lambda flag: False,
-        replay_command="stabletrain diagnose " + default_replay_command(folder / f"rank{trainer.rank}").split(" ", 2)[2],
+        replay_command=f"stabletrain diagnose {shlex.quote(str((folder / f'rank{trainer.rank}').resolve()))}",
     )
     collector = _Collector(trainer, k, monitor)
     callbacks, trainer.callbacks = trainer.callbacks, CallbackList([collector])
@@ -170,7 +172,8 @@ def capture_optimizer_step(trainer: Any, failure: GuardFailure) -> Optional[Path
         "grads": collector.before.get("grads", {}),
         "gradient_norm": collector.before.get("grad_norm", math.nan),
         "gradient_clip_val": float(trainer.settings.gradient_clip_val),
-        "after": {"nonfinite_params": collector.after.get("params", {}), "nonfinite_state": collector.after.get("state", [])},
+        "after": {"nonfinite_params": collector.after.get("params", {}),
+                  "nonfinite_state": collector.after.get("state", [])},
         "reproduced_in_rerun": bool(collector.after.get("params") or collector.after.get("state")),
         "source": {"path": source, "step": int(state["step"])},
         "failure": {"param_names": failure.param_names, "state_entries": failure.state_entries,
@@ -324,7 +327,9 @@ def _step_once(model: nn.Module, part: Any, entry: dict[str, Any], device: torch
     return bad_params, bad_state, optimizer
 
 
-def diagnose_optimizer_step(cap: Any, *, device: Optional[torch.device] = None, write: bool = True) -> OptimizerStepDiagnosis:
+def diagnose_optimizer_step(
+    cap: Any, *, device: Optional[torch.device] = None, write: bool = True
+) -> OptimizerStepDiagnosis:
     """Explain and reproduce a captured optimizer-step failure (``reason == "optimizer_step"``).
 
     Args:
@@ -374,7 +379,8 @@ def diagnose_optimizer_step(cap: Any, *, device: Optional[torch.device] = None, 
         path=str(cap.path), step=cap.step, optimizer=entry["optimizer"], precision=precision, reproduced=reproduced,
         nonfinite_params=bad_params, nonfinite_state=bad_state, gradients_finite=gradients_finite,
         gradient_norm=replayed_norm, captured_gradient_norm=float(entry.get("gradient_norm", math.nan)),
-        float32_finite=float32_finite, explanation=explanation, next_actions=actions, source=dict(entry.get("source", {})),
+        float32_finite=float32_finite, explanation=explanation, next_actions=actions,
+        source=dict(entry.get("source", {})),
     )
     if write:
         folder = part.path.parent
@@ -395,14 +401,15 @@ def _actions(entry: dict[str, Any], dtypes: set[torch.dtype], explanation: str, 
         actions.append(
             "Train with precision=16-mixed or precision=bf16-mixed (float32 weights and optimizer state, reduced "
             "precision only inside the forward and backward passes) or precision=32-true"
-            + (f"; {_DTYPE.get(dtype, dtype)}'s smallest positive value is {smallest_positive(dtype):.2g}" if dtype else "")
+            + f"; {_DTYPE.get(dtype, dtype)}'s smallest positive value is {smallest_positive(dtype):.2g}"
             + ".")
     if "eps" in explanation and half:
         actions.append("Or keep the reduced precision and raise AdamW's eps above that resolution (e.g. 1e-4): "
                        "configure_optimizer on your model builds the optimizer.")
     if not half:
         lr = ((settings.get("model_args") or {}).get("lr"))
-        actions.append(f"Lower the learning rate (model_args.lr{f', now {lr:g}' if isinstance(lr, (int, float)) else ''})"
+        now = f", now {lr:g}" if isinstance(lr, (int, float)) else ""
+        actions.append(f"Lower the learning rate (model_args.lr{now})"
                        " or clip gradients (gradient_clip_val=1.0): the update left the dtype's range.")
     out = _run_folder(cap)
     if out is not None:
