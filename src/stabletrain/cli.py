@@ -62,7 +62,10 @@ def _cmd_train(args: list[str]) -> int:
     if "out" not in overrides:
         raise ConfigError("out: required setting is missing; e.g. stabletrain train out=out/demo")
     set_cli_invocation(args)  # messages rebuild this command to continue the run
-    train(**overrides)
+    try:
+        train(**overrides)
+    finally:
+        set_cli_invocation(None)
     return 0
 
 

@@ -38,7 +38,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from stabletrain.config import TrendAlertArgs
-from stabletrain.debug.trends import AlertContext, Episode, TrendDetector, _checkpoint_context, next_actions
+from stabletrain.debug.trends import AlertContext, Episode, TrendDetector, checkpoint_context, next_actions
 from stabletrain.errors import StabletrainError
 from stabletrain.run_history import read_run
 
@@ -160,7 +160,7 @@ def report(out: str | Path, *, quiet: bool = False, plots: bool = True) -> Repor
     episodes += _missed_episodes(data, episodes)
     context = AlertContext.from_settings(settings)
     context.history = [{k: r.get(k) for k in ("step", "lr", "loss", "gradient_norm")} for r in data.rows]
-    _checkpoint_context(context, _Folder(out / "checkpoints"))
+    checkpoint_context(context, _Folder(out / "checkpoints"))
     min_points = (args or TrendAlertArgs()).persist + 1
 
     status: dict[str, str] = {}
@@ -200,7 +200,7 @@ def report(out: str | Path, *, quiet: bool = False, plots: bool = True) -> Repor
 
 
 class _Folder:
-    """What :func:`~stabletrain.debug.trends._checkpoint_context` needs of a trainer."""
+    """What :func:`~stabletrain.debug.trends.checkpoint_context` needs of a trainer."""
 
     def __init__(self, folder: Path):
         self.folder = folder

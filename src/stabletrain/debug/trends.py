@@ -786,7 +786,7 @@ class TrendAlerts:
         assert self.context is not None
         self.context.history = list(self.history)
         if any(e.kind == "nonfinite" for e in opened) and hasattr(trainer, "healthy_checkpoint"):
-            _checkpoint_context(self.context, trainer)
+            checkpoint_context(self.context, trainer)
         for episode in opened:
             event = episode.to_event(self.context)
             self.alerts.append(event)
@@ -806,7 +806,7 @@ def _history_row(step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
     return {"step": step, **{k: metrics.get(k) for k in ("lr", "loss", "gradient_norm")}}
 
 
-def _checkpoint_context(context: AlertContext, trainer: Any) -> None:
+def checkpoint_context(context: AlertContext, trainer: Any) -> None:
     """The newest healthy checkpoint, as the setting that resumes from it."""
     best = trainer.healthy_checkpoint()
     context.checkpoint_known = True
