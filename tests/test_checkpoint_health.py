@@ -53,6 +53,10 @@ def test_a_diverging_run_names_one_healthy_checkpoint_everywhere_and_rotation_ke
     d = stabletrain.diagnose(err.capture_path, write=False)
     assert d.weights.healthy_checkpoint == str(best.path)
     assert f"resume_from={best.path}" in d.next_actions[0] and best.why in d.next_actions[0]
+    _, events = read_metrics(out / "metrics.jsonl")
+    alerts = [e for e in events if e["event"] == "trend_alert" and e["kind"] == "exploding"]
+    assert alerts and all(f"go back to the newest healthy checkpoint (step 4: {best.why}): resume_from={best.path}"
+                          in e["actions"] for e in alerts), "the live alerts name it too"
     r = stabletrain.report(out, quiet=True)
     assert f"newest healthy checkpoint: {best.path} (step 4: {best.why})" in r.text
     assert f"resume_from={best.path}" in r.text

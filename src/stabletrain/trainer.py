@@ -81,6 +81,10 @@ def train(out: str | Path, **settings: Any) -> TrainResult:
 
     Raises:
         ConfigError: Invalid settings, listed all at once, before training starts.
+        NonFiniteStepError: A step went non-finite (the guard, ``guard.enabled``); nothing
+            damaged was saved, and the message names where to continue from.
+        NonFiniteCheckpointError: A checkpoint would have held NaN/Inf; it was not written.
+        TrainingInterrupted: SIGINT or SIGTERM; a checkpoint was written (``exit_code`` 130/143).
 
     Example::
 

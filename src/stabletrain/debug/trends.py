@@ -785,7 +785,7 @@ class TrendAlerts:
             return
         assert self.context is not None
         self.context.history = list(self.history)
-        if any(e.kind == "nonfinite" for e in opened) and hasattr(trainer, "healthy_checkpoint"):
+        if any(e.kind in ("nonfinite", "exploding") for e in opened) and hasattr(trainer, "healthy_checkpoint"):
             checkpoint_context(self.context, trainer)
         for episode in opened:
             event = episode.to_event(self.context)
@@ -835,6 +835,7 @@ __all__ = [
     "TrendAlerts",
     "detect_trends",
     "next_actions",
+    "checkpoint_context",
     "theil_sen_slope",
     "KINDS",
 ]
