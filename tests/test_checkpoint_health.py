@@ -11,7 +11,7 @@ import torch
 import stabletrain
 from stabletrain import NaNDetectedError
 from stabletrain.checkpoint import load_checkpoint
-from stabletrain.checkpoint_health import list_checkpoints, newest_healthy
+from stabletrain.checkpoint import list_checkpoints, newest_healthy
 from stabletrain.errors import ConfigError
 from stabletrain.loggers.jsonl import read_metrics
 from stabletrain.safety import NonFiniteCheckpointError

@@ -213,3 +213,29 @@ def test_torch_compile_compiles_the_training_step(tmp_path):
     compiled = [r["loss"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")[0]]
     eager = [r["loss"] for r in read_metrics(tmp_path / "eager" / "metrics.jsonl")[0]]
     assert compiled == pytest.approx(eager, rel=1e-5)
+
+
+def test_callbacks_receive_what_trainer_like_promises(tmp_path):
+    """The Protocol callbacks are typed with matches the trainer they are given."""
+    import typing
+    from pathlib import Path
+
+    from stabletrain.events import Callback, TrainerLike
+
+    seen = {}
+
+    class Probe:
+        def on_train_start(self, trainer):
+            seen["is_trainer_like"] = isinstance(trainer, TrainerLike)
+            seen["facts"] = (isinstance(trainer.out, Path), trainer.task.name, trainer.rank, trainer.world_size,
+                             trainer.precision, trainer.scaler, isinstance(trainer.optimizer, torch.optim.Optimizer))
+            seen["max"] = trainer.max_over_ranks(torch.tensor(3.0))
+            seen["any"] = (trainer.any_rank(torch.tensor(False)), trainer.any_rank(True))
+            seen["resolved"] = trainer.resolved_settings()["task"]
+
+    train(out=tmp_path / "run", callbacks=[Probe()], **tiny_lm(steps=1))
+    assert seen["is_trainer_like"]
+    assert seen["facts"] == (True, "language_model", 0, 1, "32-true", None, True)
+    assert seen["max"] == 3.0 and seen["any"] == (False, True) and seen["resolved"] == "language_model"
+    assert not isinstance(object(), TrainerLike), "a negative control: the check can fail"
+    assert typing.get_type_hints(Callback.on_step_start)["trainer"] is TrainerLike

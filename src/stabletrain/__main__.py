@@ -1,3 +1,5 @@
+"""``python -m stabletrain``: the same as the ``stabletrain`` command."""
+
 from stabletrain.cli import main
 
 if __name__ == "__main__":

@@ -21,18 +21,16 @@ shows no instability already under way (:class:`HealthTracker`):
 The verdict goes into the checkpoint as ``state["health"]``: ``healthy``, ``why`` (one
 sentence), ``problems``, the measured values and the references they were held against.
 Everything that recommends a checkpoint (the guard's and nancapture's errors, trend alerts,
-``stabletrain diagnose``, ``stabletrain report``) names :func:`newest_healthy`, so they all
-agree, and rotation (``max_checkpoints_to_keep``) never deletes it while newer checkpoints
-are unhealthy (see :mod:`stabletrain.checkpoint`).
+``stabletrain diagnose``, ``stabletrain report``) names
+:func:`stabletrain.checkpoint.newest_healthy`, which reads this entry back, so they all agree,
+and rotation (``max_checkpoints_to_keep``) never deletes it while newer checkpoints are
+unhealthy (see :mod:`stabletrain.checkpoint`).
 """
 
 from __future__ import annotations
 
 import math
-import re
 from collections import deque
-from dataclasses import dataclass
-from pathlib import Path
 from statistics import median
 from typing import Any, Mapping, Optional
 
@@ -44,7 +42,6 @@ from stabletrain.debug.guard import finite_norms
 
 #: A weight norm this many times the one at the start of the run is a divergence, not learning.
 WEIGHT_GROWTH = 100.0
-_PERIODIC = re.compile(r"^step_(\d+)\.ckpt$")
 
 
 # --------------------------------------------------------------------------------------
@@ -187,83 +184,3 @@ def _jf(x: float) -> Any:
     return x if math.isfinite(x) else str(x)
 
 
-# --------------------------------------------------------------------------------------
-# Reading it back: one rule for every message
-# --------------------------------------------------------------------------------------
-
-
-@dataclass
-class CheckpointInfo:
-    """A checkpoint file of a run and its recorded health (``healthy`` None: written by an
-    older stabletrain, health unknown)."""
-
-    path: Path
-    step: int
-    healthy: Optional[bool]
-    why: str
-    health: Optional[dict[str, Any]] = None
-
-    def reason(self) -> str:
-        """``step 200 (healthy: ...)``, for messages."""
-        if self.healthy is None:
-            return f"step {self.step} (health not recorded: written by an older stabletrain)"
-        return f"step {self.step} ({'healthy' if self.healthy else 'not healthy'}: {self.why})"
-
-
-_CACHE: dict[tuple[str, int, int], tuple[int, Optional[dict[str, Any]]]] = {}
-
-
-def read_checkpoint_health(path: str | Path) -> tuple[int, Optional[dict[str, Any]]]:
-    """``(step, health)`` of a checkpoint file without reading its tensors (memory-mapped).
-
-    Raises:
-        OSError, RuntimeError, ValueError: The file cannot be read as a checkpoint.
-    """
-    path = Path(path)
-    st = path.stat()
-    key = (str(path.resolve()), st.st_mtime_ns, st.st_size)
-    if key not in _CACHE:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        if not isinstance(state, dict) or "step" not in state:
-            raise ValueError(f"{path} is not a stabletrain checkpoint")
-        health = state.get("health")
-        _CACHE[key] = (int(state["step"]), dict(health) if isinstance(health, dict) else None)
-    return _CACHE[key]
-
-
-def list_checkpoints(folder: str | Path) -> list[CheckpointInfo]:
-    """The run's checkpoints oldest first, one per step: ``step_*.ckpt`` files, and
-    ``last.ckpt`` where no periodic file holds its step (a periodic file is preferred: the
-    next run overwrites last.ckpt). Unreadable files are skipped."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        return []
-    files = sorted(p for p in folder.iterdir() if _PERIODIC.match(p.name)) + [folder / "last.ckpt"]
-    seen: dict[int, CheckpointInfo] = {}
-    for path in files:
-        if not path.is_file():
-            continue
-        try:
-            step, health = read_checkpoint_health(path)
-        except Exception:  # truncated, foreign or unreadable: not a place to resume from
-            continue
-        if step in seen:
-            continue
-        healthy = None if health is None else bool(health.get("healthy"))
-        seen[step] = CheckpointInfo(path, step, healthy, str((health or {}).get("why", "")), health)
-    return [seen[s] for s in sorted(seen)]
-
-
-def newest_healthy(folder: str | Path, before_step: Optional[int] = None) -> Optional[CheckpointInfo]:
-    """The newest checkpoint recorded healthy (optionally holding at most ``before_step``
-    steps), or None."""
-    healthy = [c for c in list_checkpoints(folder)
-               if c.healthy and (before_step is None or c.step <= before_step)]
-    return healthy[-1] if healthy else None
-
-
-def forget_cached(path: str | Path) -> None:
-    """Drop cached health of ``path`` (after it was rewritten or renamed)."""
-    resolved = str(Path(path).resolve())
-    for key in [k for k in _CACHE if k[0] == resolved]:
-        del _CACHE[key]

@@ -139,7 +139,7 @@ class UnderflowOverflowArgs(_Settings):
         return sorted(set(v))
 
 
-class NanCaptureArgs(_Settings):
+class NaNCaptureArgs(_Settings):
     """Capture the failing step when gradients go non-finite, for offline replay."""
 
     enabled: bool = Field(False, description="Turn NaN/Inf capture on.")
@@ -174,7 +174,7 @@ class DebugArgs(_Settings):
     """On-demand debugging tools (``debug_args.*``)."""
 
     underflow_overflow: UnderflowOverflowArgs = Field(default_factory=UnderflowOverflowArgs)
-    nancapture: NanCaptureArgs = Field(default_factory=NanCaptureArgs)
+    nancapture: NaNCaptureArgs = Field(default_factory=NaNCaptureArgs)
 
 
 # --------------------------------------------------------------------------------------

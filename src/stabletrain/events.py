@@ -1,7 +1,8 @@
 """The named points of a training step where monitors, loggers and user callbacks attach.
 
 A callback is any object; the trainer calls ``callback.on_<event>(trainer, **kwargs)`` only
-on callbacks that define that method. The loop, as the trainer runs it::
+on callbacks that define that method. What a callback may use of ``trainer`` is
+:class:`TrainerLike`. The loop, as the trainer runs it::
 
     on_train_start(trainer)                       # after setup and resume, before step `start`
     for step in range(start, steps):
@@ -47,7 +48,17 @@ ranks reach, and every rank raises together when any flag is set.
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from stabletrain.config import TrainSettings
+    from stabletrain.loggers.base import Logger
+    from stabletrain.loggers.console import Console
+    from stabletrain.tasks.base import Task
 
 EVENTS = (
     "on_train_start",
@@ -66,34 +77,92 @@ EVENTS = (
 )
 
 
+@runtime_checkable
+class TrainerLike(Protocol):
+    """What a callback may use of the trainer it is given; :class:`stabletrain.Trainer` is one.
+
+    Attributes:
+        fabric: The ``lightning_fabric.Fabric`` running the loop (device, collectives).
+        settings: The validated settings.
+        model: The user's module, unwrapped (no DDP or compile wrapper; your parameter names).
+        optimizer: The optimizer.
+        scaler: The fp16 ``torch.amp.GradScaler``, or None.
+        precision: The resolved precision ("32-true", "bf16-mixed", ...).
+        out: The run folder.
+        rank, world_size: This process and the number of processes.
+        step: The optimizer step running now (numbered from 0).
+        task: The task (its ``name``, ``model_meta`` and dataset).
+        console: Prints on rank 0 and writes ``train.log``.
+        loggers: The metric loggers (rank 0 only; empty elsewhere).
+    """
+
+    fabric: Any
+    settings: TrainSettings
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: Optional[torch.amp.GradScaler]
+    precision: str
+    out: Path
+    rank: int
+    world_size: int
+    step: int
+    task: Task
+    console: Console
+    loggers: list[Logger]
+
+    def any_rank(self, flag: bool | torch.Tensor) -> bool:
+        """True on every rank when ``flag`` is true on any (every rank calls it at the same point)."""
+        ...
+
+    def max_over_ranks(self, value: float | torch.Tensor) -> float:
+        """The largest ``value`` over the ranks, on every rank (every rank calls it at the same point)."""
+        ...
+
+    def request_stop(self, reason: str) -> None:
+        """Finish the current step (log it, checkpoint it), then stop training."""
+        ...
+
+    def log_event(self, event: dict[str, Any]) -> None:
+        """Give every logger an event row, e.g. ``{"event": "resume", "step": 100}`` (rank 0 only)."""
+        ...
+
+    def resolved_settings(self) -> dict[str, Any]:
+        """The settings as run (JSON-compatible): resolved task, precision and world size."""
+        ...
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """The resumable state between steps (collective when distributed)."""
+        ...
+
+
 class Callback:
     """Optional base class; subclassing it is not required. It only documents the signatures."""
 
-    def on_train_start(self, trainer: Any) -> None: ...
+    def on_train_start(self, trainer: TrainerLike) -> None: ...
 
-    def on_step_start(self, trainer: Any, *, step: int) -> None: ...
+    def on_step_start(self, trainer: TrainerLike, *, step: int) -> None: ...
 
-    def on_microbatch(self, trainer: Any, *, step: int, micro_step: int, batch: Any, indices: Any) -> None: ...
+    def on_microbatch(self, trainer: TrainerLike, *, step: int, micro_step: int, batch: Any, indices: Any) -> None: ...
 
-    def on_before_backward(self, trainer: Any, *, step: int, micro_step: int, loss: Any) -> None: ...
+    def on_before_backward(self, trainer: TrainerLike, *, step: int, micro_step: int, loss: Any) -> None: ...
 
-    def on_after_microbatch(self, trainer: Any, *, step: int, micro_step: int, loss: Any) -> None: ...
+    def on_after_microbatch(self, trainer: TrainerLike, *, step: int, micro_step: int, loss: Any) -> None: ...
 
-    def on_after_backward(self, trainer: Any, *, step: int, grad_norm: Any) -> None: ...
+    def on_after_backward(self, trainer: TrainerLike, *, step: int, grad_norm: Any) -> None: ...
 
-    def on_before_optimizer_step(self, trainer: Any, *, step: int) -> None: ...
+    def on_before_optimizer_step(self, trainer: TrainerLike, *, step: int) -> None: ...
 
-    def on_after_optimizer_step(self, trainer: Any, *, step: int) -> None: ...
+    def on_after_optimizer_step(self, trainer: TrainerLike, *, step: int) -> None: ...
 
-    def on_log(self, trainer: Any, *, step: int, metrics: dict[str, float]) -> None: ...
+    def on_log(self, trainer: TrainerLike, *, step: int, metrics: dict[str, float]) -> None: ...
 
-    def on_checkpoint_save(self, trainer: Any, *, step: int, state: dict[str, Any]) -> None: ...
+    def on_checkpoint_save(self, trainer: TrainerLike, *, step: int, state: dict[str, Any]) -> None: ...
 
-    def on_checkpoint_load(self, trainer: Any, *, state: dict[str, Any]) -> None: ...
+    def on_checkpoint_load(self, trainer: TrainerLike, *, state: dict[str, Any]) -> None: ...
 
-    def on_train_end(self, trainer: Any) -> None: ...
+    def on_train_end(self, trainer: TrainerLike) -> None: ...
 
-    def on_exception(self, trainer: Any, *, exception: BaseException) -> None: ...
+    def on_exception(self, trainer: TrainerLike, *, exception: BaseException) -> None: ...
 
 
 class CallbackList:
@@ -117,6 +186,6 @@ class CallbackList:
     def has(self, event: str) -> bool:
         return bool(self._handlers[event])
 
-    def __call__(self, event: str, trainer: Any, **kwargs: Any) -> None:
+    def __call__(self, event: str, trainer: TrainerLike, **kwargs: Any) -> None:
         for fn in self._handlers[event]:
             fn(trainer, **kwargs)

@@ -206,7 +206,7 @@ class _Folder:
         self.folder = folder
 
     def healthy_checkpoint(self) -> Any:
-        from stabletrain.checkpoint_health import newest_healthy
+        from stabletrain.checkpoint import newest_healthy
 
         return newest_healthy(self.folder)
 
@@ -312,7 +312,7 @@ def _signal_line(signal: str, status: str, episodes: Sequence[Episode]) -> str:
 
 def _checkpoint_line(out: Path) -> str:
     """The newest healthy checkpoint, the same one the run's messages and diagnose name."""
-    from stabletrain.checkpoint_health import list_checkpoints, newest_healthy
+    from stabletrain.checkpoint import list_checkpoints, newest_healthy
 
     folder = out / "checkpoints"
     infos = list_checkpoints(folder)

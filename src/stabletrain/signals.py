@@ -4,9 +4,9 @@ exit 130 / 143.
 The handler only records the signal; the trainer looks at it at the end of every step. In a
 single process that is all. Under DDP a rank may get the signal a step later than another
 (Ctrl-C reaches the whole process group, a scheduler may signal one process): the ranks agree
-at the end of every step with one all-reduce (MAX) of a one-element CPU tensor over a gloo
+at the end of every step with one all-reduce (MAX) of a three-element CPU tensor over a gloo
 group (the default group on the CPU, a gloo side group next to NCCL), so every rank stops after
-the same step. It moves 8 bytes between host processes and never waits for a GPU: about 0.1 ms
+the same step. It moves 24 bytes between host processes and never waits for a GPU: about 0.1 ms
 per step on one machine.
 
 A second SIGINT stops at once (KeyboardInterrupt, no checkpoint); a second SIGTERM too.

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 from stabletrain.checkpoint import checkpoint_dir
-from stabletrain.checkpoint_health import CheckpointInfo, list_checkpoints, newest_healthy
+from stabletrain.checkpoint import CheckpointInfo, list_checkpoints, newest_healthy
 from stabletrain.commands import train_command
 from stabletrain.debug.guard import ORIGIN_OPTIMIZER, GuardFailure
-from stabletrain.debug.stable_lr import lr_advice, suggest_lr
+from stabletrain.debug import advice
 
 
 def _last_step(folder: Path) -> Optional[int]:
@@ -25,7 +25,7 @@ def _last_step(folder: Path) -> Optional[int]:
     for c in reversed(infos):
         if c.path == last:
             return c.step
-    from stabletrain.checkpoint_health import read_checkpoint_health
+    from stabletrain.checkpoint import read_checkpoint_health
 
     try:
         return read_checkpoint_health(last)[0] if last.is_file() else None
@@ -98,7 +98,7 @@ def guard_message(
     lines.append("Nothing damaged was saved: every checkpoint is verified finite before it is written.")
     rows = logged_rows(trainer)
     unstable = _instability_start(trainer, step)
-    lr_value, _ = suggest_lr(s.model_args.lr, rows, unstable)
+    lr_value, _ = advice.anchored_lr(s.model_args.lr, rows, unstable)
     # An optimizer step that overflowed from finite gradients is not the lr's doing when its
     # explanation names another cause (eps below the dtype's resolution).
     lr_matters = failure.origin != ORIGIN_OPTIMIZER or not failure.explanation
@@ -116,7 +116,7 @@ def guard_message(
         cap = _capture_command(trainer, best, step)
         nexts.append(f"turn on debug_args.nancapture.enabled=true for a capture of that step: {cap}")
     if lr_matters:
-        nexts.append(f"lower the learning rate: {lr_advice(s.model_args.lr, rows, unstable)}")
+        nexts.append(f"lower the learning rate: {advice.anchored_lower_lr(s.model_args.lr, rows, unstable)}")
         if not s.gradient_clip_val:
             nexts.append("clip gradients: gradient_clip_val=1.0")
     lines.append("Next:")
@@ -154,7 +154,7 @@ def interrupt_message(trainer: Any, signal_name: str, path: Optional[Path]) -> t
                 f"start again with overwrite=true: {command}", command)
     command = train_command(s, resume_interrupted=True)
     text = f"{signal_name}: stopped after step {trainer.step - 1}; checkpoint {path} holds {trainer.step} steps."
-    from stabletrain.checkpoint_health import read_checkpoint_health
+    from stabletrain.checkpoint import read_checkpoint_health
 
     try:
         _, health = read_checkpoint_health(path)

@@ -27,7 +27,7 @@ from stabletrain.checkpoint import (
     resume_conflicts,
     save_checkpoint,
 )
-from stabletrain.checkpoint_health import CheckpointInfo, newest_healthy
+from stabletrain.checkpoint import CheckpointInfo, newest_healthy
 from stabletrain.config import TrainSettings
 from stabletrain.data.loader import build_loader
 from stabletrain.debug.grad_norm import GradNorm, clip_grad_norm_with_total, compute_grad_norm, layer_grad_norms
@@ -39,6 +39,7 @@ from stabletrain.safety import SafetyNet
 from stabletrain.signals import TrainingInterrupted, wait_for_launcher
 from stabletrain.tasks import build_task, resolve_task_name
 from stabletrain.trainer_checks import resolve_precision, validate_settings
+from stabletrain.utils.dist import max_over_ranks
 from stabletrain.utils.io import atomic_write_text
 from stabletrain.utils.rng import get_rng_state, seed_everything, set_rng_state
 
@@ -112,12 +113,13 @@ class _TrainingStep(nn.Module):
 class Trainer:
     """Runs one training job; see :mod:`stabletrain.events` for the loop it runs.
 
-    Attributes useful to callbacks: ``fabric``, ``settings``, ``model`` (the user's module,
-    unwrapped), ``optimizer``, ``scaler`` (fp16 GradScaler or None), ``precision`` (resolved),
-    ``out``, ``rank``, ``world_size``, ``step``, ``task``, ``console``, ``loggers``, ``safety`` (the
-    guard, checkpoint health, stop signals: :mod:`stabletrain.safety`); methods ``any_rank``,
-    ``max_over_ranks``, ``request_stop``, ``log_event``, ``resolved_settings``, ``checkpoint_state``,
-    ``healthy_checkpoint``.
+    What callbacks may use of it is :class:`stabletrain.events.TrainerLike`: ``fabric``,
+    ``settings``, ``model`` (the user's module, unwrapped), ``optimizer``, ``scaler`` (fp16
+    GradScaler or None), ``precision`` (resolved), ``out``, ``rank``, ``world_size``, ``step``,
+    ``task``, ``console``, ``loggers``; methods ``any_rank``, ``max_over_ranks``,
+    ``request_stop``, ``log_event``, ``resolved_settings``, ``checkpoint_state``,
+    ``healthy_checkpoint``. ``safety`` holds the guard, checkpoint health and the stop signals
+    (:mod:`stabletrain.safety`).
     """
 
     def __init__(self, settings: TrainSettings, fabric: Any = None):
@@ -305,7 +307,7 @@ class Trainer:
 
         bad = nonfinite_entries(state)
         if bad:
-            from stabletrain.checkpoint_health import list_checkpoints
+            from stabletrain.checkpoint import list_checkpoints
 
             others = [c for c in list_checkpoints(checkpoint_dir(self.out))
                       if c.healthy and c.path.resolve() != source.resolve()]
@@ -338,7 +340,14 @@ class Trainer:
         if isinstance(exc, KeyboardInterrupt):
             self.console.info(keyboard_interrupt_message(self))
         elif not isinstance(exc, TrainingInterrupted):
-            self.console._to_log(f"ERROR {type(exc).__name__}: {exc}")
+            self.console.log_only(f"ERROR {type(exc).__name__}: {exc}")
+
+    def resume_advice(self, failing_step: Optional[int] = None) -> str:
+        """Where to continue after a failure at ``failing_step``: the newest healthy checkpoint,
+        why, and the command to paste (or ``overwrite=true`` when there is none)."""
+        from stabletrain.stop_messages import resume_advice
+
+        return resume_advice(self, failing_step)[0]
 
     def healthy_checkpoint(self, before_step: Optional[int] = None) -> Optional[CheckpointInfo]:
         """The newest checkpoint of this run recorded healthy (see :mod:`stabletrain.checkpoint_health`)."""
@@ -400,7 +409,7 @@ class Trainer:
             f"precision {self.precision} | microbatch {self.microbatch_size} x "
             f"{self.settings.gradient_accumulation_steps} accumulation x {self.world_size} devices"
         )
-        self.console._to_log("resolved settings:\n" + text)
+        self.console.log_only("resolved settings:\n" + text)
 
     # ------------------------------------------------------------------------------ loop
 
@@ -579,11 +588,7 @@ class Trainer:
 
         Every rank must call it at the same point of the step.
         """
-        if self.world_size == 1:
-            return float(value)
-        # A copy: the all-reduce works in place and must not change the caller's tensor.
-        t = torch.as_tensor(value, dtype=torch.float32, device=self.fabric.device).clone().reshape(())
-        return float(self.fabric.all_reduce(t, reduce_op="max"))
+        return max_over_ranks(value, self.fabric)
 
     def request_stop(self, reason: str) -> None:
         """Finish the current step (log it, checkpoint it), then stop training."""

@@ -62,7 +62,7 @@ def test_planted_fault_is_found_with_its_op_module_phase_cause_and_sample(tmp_pa
     assert (f.inputs[which].abs_min, f.inputs[which].abs_max) == (abs_min, abs_max)
     if fault in ("div0", "sqrt_at_0"):
         assert f.inputs[0].abs_min > 0, "the numerator is not what is wrong"
-    assert f"input {which}: float32 {f.inputs[which].shape}, abs min {abs_min:.3g}, abs max {abs_max:.3g}" in d.report()
+    assert f"input {which}: float32 {f.inputs[which].shape}, abs min {abs_min:.3g}, abs max {abs_max:.3g}" in d.to_markdown()
     if phase == "backward":
         assert f.forward_op == "SqrtBackward0" and "torch.sqrt(s * h * h)" in f.source
         assert d.data.check == "forward+backward"
@@ -195,7 +195,7 @@ def test_16_true_failures_are_precision_induced_with_float16_advice(tmp_path, fa
         assert "largest value is 65504" in d.next_actions[0]
         assert "precision=16-mixed" not in d.next_actions[0], "autocast would cast the batch to float16 in fc1 all the same"
         assert d.next_actions[1].startswith("Or keep 16-true and scale the inputs into float16's range")
-        assert "it came from the conversion of the batch to float16" in d.report()
+        assert "it came from the conversion of the batch to float16" in d.to_markdown()
     else:
         assert (f.op, f.module) == ("aten.mul.Tensor", "gate") and not f.inputs_nonfinite and d.origin is None
         assert f.output.posinf and 256 < max(s.abs_max for s in f.inputs) < 65504
@@ -342,7 +342,7 @@ def test_weights_already_nonfinite_when_the_step_began(tmp_path):
     assert f"resume_from={healthy}" in d.next_actions[0]
     assert "model_args.lr=0.001 or lower (was 0.01)" in d.next_actions[0]
     assert d.next_actions[1] == "Keep single steps from blowing the weights up: gradient_clip_val=1.0 (clipping is off)."
-    report = d.report()
+    report = d.to_markdown()
     assert "The weights already held NaN/Inf when the step began: fc1.weight (1)." in report
     assert "it came from the weights, non-finite at the start of the step" in report
     assert "fc1.weight 0.524 (and 1 NaN/Inf)" in report  # after 3 steps (the damage now follows step 2)
@@ -366,7 +366,7 @@ def test_buffer_already_nonfinite_when_the_step_began(tmp_path):
     assert "healthy weights and buffers is step 2" in d.next_actions[0] and "step_000002.ckpt" in d.next_actions[0]
     assert "model_args.lr" not in d.next_actions[0], "the optimizer does not write buffers"
     assert d.next_actions[1].startswith("Find what put NaN/Inf into norm.mean: the forward pass updates them")
-    report = d.report()
+    report = d.to_markdown()
     assert "The weights were finite, but buffers already held NaN/Inf when the step began: norm.mean." in report
     assert "it came from buffers (norm.mean)" in report and "Checkpoints: step 2 |w| 0.5" in report
     assert "(non-finite buffers)" not in report and "(bad)" not in report
@@ -415,7 +415,7 @@ def test_nondeterministic_fault_is_not_reproducible(tmp_path, replays_hit):
     else:
         assert "finite both times" in d.cause_explanation
     assert d.next_actions[0].startswith("Rerun from the last checkpoint") and "resume_interrupted=true" in d.next_actions[0]
-    assert "not reproducible" in d.report()
+    assert "not reproducible" in d.to_markdown()
 
 
 def test_capture_without_dataset_indices_names_rows(tmp_path):
@@ -433,7 +433,7 @@ def test_capture_without_dataset_indices_names_rows(tmp_path):
     assert d.probable_cause.endswith(" for row 5")
     assert d.next_actions[0].endswith("row 5 drives its argument to 0 or below.")
     assert d.next_actions[1].startswith("Look at row 5: what sets it apart")
-    report = d.report()
+    report = d.to_markdown()
     assert "Row 5 of microbatch 0 (8 samples) triggers the failure" in report
     assert "- traced on microbatch(es) 0, rows [5], in 32-true" in report and "dataset ind" not in report
     assert d.to_dict()["data"]["dataset_indices"] is None and d.to_dict()["data"]["rows"] == [5]
@@ -473,7 +473,7 @@ def test_batchnorm_makes_single_sample_isolation_approximate(tmp_path):
     assert d.probable_cause.startswith("bad data:"), "the unread buffer is not the cause"
     assert not any("Resume from" in a for a in d.next_actions)
     assert ("buffers already held NaN/Inf when the step began: features.1.bn.running_var. The damage happened in "
-            "earlier steps, though the failure traces back to something else (see Where).") in d.report()
+            "earlier steps, though the failure traces back to something else (see Where).") in d.to_markdown()
 
 
 def test_two_ranks_the_culprit_sample_is_on_rank_1(tmp_path):
@@ -560,6 +560,17 @@ def test_diagnose_command_as_a_user_runs_it(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "stabletrain", "diagnose", "nowhere"], cwd=tmp_path, env=cli_env(),
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1 and "no such file or folder: nowhere" in bad.stderr
+
+
+def test_subset_search_stops_at_its_budget_and_keeps_only_what_replays_decided(tmp_path):
+    path, victim = _fault_capture(tmp_path, "log0")
+    d = stabletrain.diagnose(path.parent, model=FaultNet("log0"), write=False, max_subset_replays=2)
+    assert d.data.replays == 2
+    assert "stopped after 2 subset replays (max_subset_replays)" in d.data.caveats
+    # The halving search was cut short: its half-decided answer is dropped, the whole microbatch stays.
+    assert d.data.row_sets == [list(range(8))] and victim in d.data.index_sets[0]
+    full = stabletrain.diagnose(path.parent, model=FaultNet("log0"), write=False)
+    assert full.data.row_sets == [[3]] and full.data.replays > 2 and not full.data.caveats
 
 
 def test_ddmin_finds_one_minimal_culprit_set():

@@ -172,6 +172,23 @@ def test_clip_never_makes_a_nan_or_inf_gradient_finite():
         assert not torch.isfinite(b.grad).all(), f"{bad}: the non-finite gradient stays non-finite"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gradients_below_the_clip_value_come_back_bitwise_unchanged(dtype):
+    """Clipping only ever scales down: a norm below gradient_clip_val leaves every gradient's bits
+    as they were (a coefficient above 1 would scale small gradients up)."""
+    torch.manual_seed(0)
+    ps = [nn.Parameter(torch.randn(4, 4).to(dtype)) for _ in range(3)]
+    for p in ps:
+        p.grad = (torch.randn(4, 4) * 1e-3).to(dtype)
+    before = [p.grad.clone() for p in ps]
+    gn = compute_grad_norm([(str(i), p) for i, p in enumerate(ps)])
+    assert 0 < float(gn.total) < 0.1
+    clip_grad_norm_with_total(gn.params, 1.0, gn.total)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    for p, b in zip(ps, before):
+        assert p.grad.dtype == dtype and torch.equal(p.grad.view(bits), b.view(bits))
+
+
 def test_clip_with_precomputed_norm_matches_torch():
     torch.manual_seed(0)
     ps = [nn.Parameter(torch.randn(5, 5)) for _ in range(3)]
@@ -243,3 +260,17 @@ def test_norm_adds_no_sync_on_steps_that_are_not_logged(tmp_path, monkeypatch):
     reading = _run_counting(tmp_path, "reading", extra=[ReadsNorm()], gradient_clip_val=1.0)
     for step in quiet:
         assert reading[step] == ours[step] + 1
+
+
+def test_float64_gradients_64_true(tmp_path):
+    """precision=64-true: float64 gradients (their norm used to raise in _foreach_norm's dtype check)."""
+    p = nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    p.grad = torch.tensor([3.0, 4.0, 12.0], dtype=torch.float64)
+    gn = compute_grad_norm([("p", p)])
+    assert gn.total.dtype == torch.float32 and gn.total.item() == 13.0
+    rec = Recorder()
+    train(out=tmp_path / "run", model=MLP(), data=Blobs(), callbacks=[rec], steps=2, batch_size=16,
+          precision="64-true", log_every_num_steps=1, model_args={"lr": 0.05, "warmup_steps": 0})
+    rows, _ = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    for row in rows:
+        assert row["gradient_norm"] == pytest.approx(_norm64(rec.grads[row["step"]]), rel=1e-6)

@@ -99,8 +99,20 @@ def test_report_on_the_lr_1e3_run_names_the_explosion_and_the_nan_step(tmp_path)
     assert "checkpoints: none of" in r.text, "none of the checkpoints written during the explosion is healthy"
     summary = (out / "report" / "summary.md").read_text()
     assert f"- step {info.value.step}: **nonfinite_step**" in summary
+    import numpy as np
+    from PIL import Image
+
+    from stabletrain.reporting import KIND_COLORS
+
+    def near(img, hex_color, alpha=1.0, tol=6):
+        rgb = [int(hex_color[i : i + 2], 16) for i in (1, 3, 5)]
+        rgb = [round(255 + alpha * (c - 255)) for c in rgb]
+        return int((np.abs(img - np.array(rgb)).max(axis=2) <= tol).sum())
+
     for png in ("loss.png", "gradient_norm.png"):
-        assert (out / "report" / png).stat().st_size > 20_000
+        img = np.asarray(Image.open(out / "report" / png).convert("RGB")).astype(int)
+        assert near(img, KIND_COLORS["exploding"], alpha=0.28) > 2_000, f"{png}: the explosion is shaded"
+        assert near(img, KIND_COLORS["nonfinite"], tol=30) > 100, f"{png}: the NaN step and the guard's line"
 
 
 def test_a_verdict_the_host_cannot_see_yet_stops_at_the_next_read(tmp_path, first_nan_step, monkeypatch):

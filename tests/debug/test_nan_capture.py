@@ -179,7 +179,7 @@ def test_capture_holds_the_state_before_the_step_batchnorm_buffers_indices_and_r
     assert result.reproduced is False and result.nan_param_names == []
     assert result.captured_nan_param_names == ["head.bias"]
     assert result.sample_indices == [ix.tolist() for ix in rec.indices[2]]
-    assert "reproduced: NO" in result.report()
+    assert "reproduced: NO" in result.to_text()
 
 
 # -------------------------------------------------------------------------- safe format

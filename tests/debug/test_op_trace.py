@@ -178,7 +178,8 @@ def test_tracer_armed_later_ignores_earlier_ops():
 
 def test_uninitialised_memory_is_not_a_finding():
     """empty_like (dropout's mask buffer) returns whatever the memory held, NaN bit patterns
-    included, until the next op writes it: its output is not checked."""
+    included, until the next op writes it: its output is not checked. An op that uses such
+    memory passes on a NaN that no traced op made, and is named once it reaches the loss."""
     from stabletrain.debug.op_trace import OpTracer
 
     tracer = OpTracer(Net("none"))
@@ -186,7 +187,9 @@ def test_uninitialised_memory_is_not_a_finding():
     tracer.inspect(torch.ops.aten.empty_like.default, (garbage,), {}, garbage)
     assert tracer.finding is None
     tracer.inspect(torch.ops.aten.mul.Tensor, (garbage, garbage), {}, garbage)
+    tracer.check_loss(garbage)
     assert tracer.finding is not None and tracer.finding.op == "aten.mul.Tensor"
+    assert tracer.finding.inputs_nonfinite and tracer.finding.origin == "untracked"
 
 
 def test_inplace_overflow_reports_the_input_as_it_was():

@@ -355,10 +355,10 @@ def test_gradient_norm_overflow_is_captured_and_replayed_as_such(tmp_path, capsy
     assert result.reproduced is True and result.losses_bitwise_equal is True
     assert result.gradient_norm == math.inf and result.gradient_norm_overflow and result.nan_param_names == []
     assert result.largest_gradients[0] == ("fc.weight", pytest.approx(2.5e19, rel=1e-6))
-    assert "reproduced: YES - gradient norm overflow: every gradient element is finite" in result.report()
+    assert "reproduced: YES - gradient norm overflow: every gradient element is finite" in result.to_text()
     wide = cap.replay(precision="64-true")  # 2.5e19 squared fits in float64
     assert wide.reproduced is False and wide.gradient_norm == pytest.approx(2.5e19, rel=1e-6)
-    assert "In 64-true this step is finite" in wide.report()
+    assert "In 64-true this step is finite" in wide.to_text()
 
     command = pasted_command(text)
     data = replay_json(command, Path.cwd(), capsys)

@@ -336,7 +336,11 @@ def test_hugging_face_gpt2_gradients_are_unchanged_and_a_bad_weight_is_found(tmp
     assert (info.value.module, info.value.module_type, info.value.tensor) == ("transformer.h.1.mlp.c_fc", "Conv1D", "weight")
 
 
-def test_tuple_and_dict_outputs_are_named_by_position_and_key(tmp_path):
+@pytest.mark.parametrize("used", [True, False])
+def test_tuple_and_dict_outputs_are_named_by_position_and_key(tmp_path, used):
+    """A -inf in a nested output is named by position and key when it reaches the model's
+    output; one that nothing uses does no harm and stops nothing."""
+
     class Split(nn.Module):
         def forward(self, x):
             return {"a": x * 2, "b": (x, torch.log(x - x))}  # log(0)
@@ -350,9 +354,17 @@ def test_tuple_and_dict_outputs_are_named_by_position_and_key(tmp_path):
 
         def forward(self, x):
             out = self.split(self.fc(x))
-            return self.head(out["a"] + out["b"][0])  # the bad tensor is not even used
+            h = out["a"] + out["b"][0]
+            return self.head(h + out["b"][1] if used else h)
 
-    with pytest.raises(UnderflowOverflowError) as info, UnderflowOverflowMonitor(Net(), out_dir=tmp_path) as m:
+    monitor = UnderflowOverflowMonitor(Net(), out_dir=tmp_path)
+    if not used:
+        with monitor as m:
+            out = m.model(torch.randn(3, 8))
+            out.sum().backward()
+        assert torch.isfinite(out).all() and not (tmp_path / "underflow_overflow_rank0.log").exists()
+        return
+    with pytest.raises(UnderflowOverflowError) as info, monitor as m:
         m.model(torch.randn(3, 8))
     assert (info.value.module, info.value.tensor, info.value.value) == ("split", "output['b'][1]", "inf")
 
@@ -403,7 +415,7 @@ def test_abort_after_batch_num_in_a_plain_loop(tmp_path):
     with pytest.raises(UnderflowOverflowAbort) as info:
         run(lm(), tmp_path, steps=5, trace_batch_nums=[0, 1], abort_after_batch_num=1)
     assert info.value.step == 1 and "abort_after_batch_num=1: stopped after step 1" in str(info.value)
-    report = info.value.report_path.read_text()
+    report = info.value.log_path.read_text()
     assert "=== step 0: trace" in report and "=== step 1: trace" in report and "step 2" not in report
 
 
@@ -727,3 +739,24 @@ def test_settings_defaults_and_forward_only_through_the_trainer(tmp_path, capsys
 
     rows, _ = read_metrics(tmp_path / "fw" / "metrics.jsonl")
     assert not math.isfinite(rows[0]["gradient_norm"]), "the backward fault is real, only not watched"
+
+
+def test_public_accessors_say_what_the_monitor_holds(tmp_path):
+    """What the trainer's callback reads: modules watched, unchecked records, whether the log exists."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+    with UnderflowOverflowMonitor(model, out_dir=tmp_path, trace_batch_nums=[0], auto_check=False) as monitor:
+        assert monitor.num_watched_modules == 4, "the Sequential and its 3 children"
+        assert not monitor.has_records and not monitor.log_written
+        monitor.set_step(0)
+        model(torch.ones(2, 3)).sum().backward()
+        assert monitor.has_records
+        path = monitor.write_trace()
+        assert not monitor.has_records and monitor.log_written
+        assert path == monitor.log_path == tmp_path / "underflow_overflow_rank0.log"
+        assert "=== step 0: trace" in path.read_text()
+    with UnderflowOverflowMonitor(model, out_dir=tmp_path / "nan") as monitor:
+        monitor.set_step(0)
+        with pytest.raises(UnderflowOverflowError) as info:
+            model(torch.full((2, 3), math.nan))
+    assert info.value.log_path == tmp_path / "nan" / "underflow_overflow_rank0.log" and monitor.log_written
+    assert info.value.report_path == info.value.log_path, "the README's name for the log"

@@ -19,9 +19,12 @@ written by nancapture and answers, offline:
    forward passes only; a failure only in the gradients with forward and backward. The
    complement is checked too, to tell a bad sample from a model that fails on any data.
 3. **Where exactly**: the culprit subset alone is replayed under op-level tracing
-   (:class:`~stabletrain.debug.op_trace.OpTracer`) to find the first aten op whose output
-   is non-finite: op, module path, phase, dtype, abs min/max of its inputs, the source line,
-   and for backward ops the forward op and module they differentiate.
+   (:class:`~stabletrain.debug.op_trace.OpTracer`), which follows where every NaN/Inf comes
+   from and reports where the first harmful one (at the loss or in a gradient) was born:
+   op, module path, phase, dtype, abs min/max of its inputs, the source line, for backward
+   ops the forward op and module they differentiate, and for a NaN made from a masking
+   -Inf the op that wrote the -Inf. An Inf that something neutralises (a masked softmax)
+   is never reported.
 4. **Before or during the step**: were the weights already huge or non-finite when the
    step began (then earlier steps did the damage, and the checkpoints are searched for
    the last healthy one) or healthy (the step itself failed)?
@@ -29,18 +32,16 @@ written by nancapture and answers, offline:
    ``precision``, ``gradient_clip_val``, ``transform_args``), written next to the capture
    as ``diagnosis.md`` and ``diagnosis.json``.
 
-Command line::
-
-    stabletrain diagnose out/boom/debug/nan_capture/rank0
-    stabletrain diagnose out/mine/debug/nan_capture/rank0 --model train.py:MyModel --json
+On the command line: ``stabletrain diagnose PATH`` (:mod:`stabletrain.cli.diagnose`).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
+import dataclasses
 import json
 import math
+import shlex
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,28 +50,27 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
+from stabletrain.debug import advice
 from stabletrain.debug.nan_capture import (
     REASON_NORM_OVERFLOW,
     REASON_OTHER_RANK,
     REASON_SKIPPED,
     NaNCaptureError,
-    _default_step_fn,
-    _shell_path,
+    default_step_fn,
 )
-from stabletrain.debug.op_trace import OpFinding, OpTracer
+from stabletrain.debug.op_trace import OpFinding, OpTracer, is_additive_mask
 from stabletrain.debug.optimizer_step import REASON_OPTIMIZER_STEP
 from stabletrain.debug.replay import (
     ForwardBackwardResult,
     MicrobatchKey,
     NaNCapture,
-    _bitwise_equal,
-    _microbatch_size,
     forward_backward,
     load_nan_capture,
-    load_object,
     normalize_precision,
 )
 from stabletrain.utils.io import atomic_write_text
+from stabletrain.utils.text import fmt_list, fmt_number, json_float, shell_path
+from stabletrain.utils.tree import bitwise_equal, json_ready, named_tensors
 
 __all__ = [
     "diagnose",
@@ -100,11 +100,6 @@ _CAUSE_TITLES = {
 #: and well inside every float range, so it flags divergence before it becomes an overflow.
 HUGE_WEIGHT = 1e3
 
-_REDUCED = {"16-mixed", "bf16-mixed", "16-true", "bf16-true"}
-_DTYPE_NAMES = {
-    "16-mixed": "float16", "16-true": "float16", "bf16-mixed": "bfloat16", "bf16-true": "bfloat16",
-    "32-true": "float32", "64-true": "float64",
-}
 _FILE_MD = "diagnosis.md"
 _FILE_JSON = "diagnosis.json"
 
@@ -142,9 +137,9 @@ class ReplayOutcome:
             "label": self.label,
             "precision": self.precision,
             "reproduced": self.reproduced,
-            "losses": [_jf(x) for x in self.losses],
+            "losses": [json_float(x) for x in self.losses],
             "nan_param_names": self.nan_param_names,
-            "gradient_norm": _jf(self.gradient_norm),
+            "gradient_norm": json_float(self.gradient_norm),
             "seconds": round(self.seconds, 3),
         }
 
@@ -160,7 +155,7 @@ class ParamStat:
     nonfinite: int
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "shape": self.shape, "abs_max": _jf(self.abs_max), "rms": _jf(self.rms),
+        return {"name": self.name, "shape": self.shape, "abs_max": json_float(self.abs_max), "rms": json_float(self.rms),
                 "nonfinite": self.nonfinite}
 
 
@@ -196,7 +191,7 @@ class WeightsReport:
             "largest": [p.to_dict() for p in self.largest],
             "nonfinite": [p.to_dict() for p in self.nonfinite],
             "nonfinite_buffers": self.nonfinite_buffers,
-            "checkpoints": [{**c, "abs_max": _jf(c["abs_max"])} for c in self.checkpoints],
+            "checkpoints": [{**c, "abs_max": json_float(c["abs_max"])} for c in self.checkpoints],
             "healthy_checkpoint": self.healthy_checkpoint,
         }
 
@@ -215,8 +210,12 @@ class DataReport:
         failing_microbatches: Microbatches that fail on their own, as (rank, micro_step).
         microbatches: The culprit microbatch(es) the samples belong to.
         row_sets: Disjoint sets of rows (positions in the culprit microbatch) that each
-            trigger the failure; usually one set of one sample.
+            trigger the failure; usually one set of one sample. Empty unless "isolated":
+            when any data fails there is no culprit to name.
         index_sets: The same as dataset indices, when the capture holds them.
+        examples: For "not_data_specific": sets of rows that fail on their own, found while
+            searching (the first is the one traced); they are examples, not culprits.
+        example_indices: The same as dataset indices, when the capture holds them.
         microbatch_size: Samples in the culprit microbatch.
         approximate: True when batch-dependent layers make the isolation of single samples approximate.
         caveats: Why the isolation may be approximate.
@@ -235,6 +234,8 @@ class DataReport:
     microbatches: list[MicrobatchKey] = field(default_factory=list)
     row_sets: list[list[int]] = field(default_factory=list)
     index_sets: Optional[list[list[int]]] = None
+    examples: list[list[int]] = field(default_factory=list)
+    example_indices: Optional[list[list[int]]] = None
     microbatch_size: int = 0
     approximate: bool = False
     caveats: list[str] = field(default_factory=list)
@@ -263,11 +264,13 @@ class DataReport:
             "dataset_indices": self.dataset_indices,
             "row_sets": self.row_sets,
             "index_sets": self.index_sets,
+            "examples": self.examples,
+            "example_indices": self.example_indices,
             "microbatch_size": self.microbatch_size,
             "approximate": self.approximate,
             "caveats": self.caveats,
             "nonfinite_inputs": self.nonfinite_inputs,
-            "out_of_range_inputs": _jsonable(self.out_of_range_inputs),
+            "out_of_range_inputs": json_ready(self.out_of_range_inputs),
             "replays": self.replays,
         }
 
@@ -294,7 +297,8 @@ class Diagnosis:
             (each unless it is the captured precision).
         reproduces_in: Precision -> whether the failure came back in it (for the captured
             precision: in both replays).
-        finding: The first non-finite op (None when not reproducible or not found).
+        finding: Where the first harmful non-finite value was born (see :mod:`~stabletrain.debug.op_trace`;
+            None when not reproducible or not found).
         traced_on: The subset that was traced: ``{"microbatches", "rows", "dataset_indices"}``.
         origin: Where a non-finite *input* of the first op came from ("data", "weights",
             "buffers", "precision_conversion"), when the op only passed one on.
@@ -348,7 +352,7 @@ class Diagnosis:
         """The same fields as the report, JSON-ready (non-finite numbers as "nan", "inf", "-inf")."""
         finding = None
         if self.finding is not None:
-            finding = _jsonable(self.finding.to_dict())
+            finding = json_ready(self.finding.to_dict())
             finding["where"] = self.finding.where
         return {
             "path": self.path,
@@ -377,15 +381,15 @@ class Diagnosis:
             "data": self.data.to_dict(),
             "weights": self.weights.to_dict(),
             "next_actions": self.next_actions,
-            "history": _jsonable(self.history),
+            "history": json_ready(self.history),
             "timings": {k: round(v, 3) for k, v in self.timings.items()},
             "files": self.files,
         }
 
     def __str__(self) -> str:
-        return self.report()
+        return self.to_markdown()
 
-    def report(self) -> str:
+    def to_markdown(self) -> str:
         """The human-readable account (Markdown), as written to ``diagnosis.md``."""
         return _render(self)
 
@@ -431,7 +435,7 @@ def diagnose(
         print(d.cause, d.finding.op, d.finding.module, d.data.dataset_indices)
     """
     timings: dict[str, float] = {}
-    clock = _Clock(timings)
+    clock = _PhaseTimer(timings)
     with clock("load"):
         if isinstance(capture, NaNCapture):
             cap = capture
@@ -469,12 +473,12 @@ def diagnose(
     captured_losses = [loss for r in cap.ranks for loss in r.losses]
     matches_capture = None
     if captured_losses and len(captured_losses) == len(first.result.losses):
-        matches_capture = all(_bitwise_equal(a, b) for a, b in zip(first.result.losses, captured_losses))
+        matches_capture = all(bitwise_equal(a, b) for a, b in zip(first.result.losses, captured_losses))
     reproducible = first.outcome.reproduced and again.outcome.reproduced
     fp32_fails = reproduces_in.get("32-true", False)
     if not reproducible:
         cause = NOT_REPRODUCIBLE
-    elif precision in _REDUCED and not fp32_fails:
+    elif precision in advice.REDUCED_PRECISIONS and not fp32_fails:
         cause = PRECISION_INDUCED
     else:
         cause = DETERMINISTIC_NUMERICAL
@@ -490,12 +494,14 @@ def diagnose(
         data.approximate = any("batch-dependent" in c for c in data.caveats)
         with clock("trace"):
             keys = data.microbatches
-            rows = {keys[0]: data.rows} if data.row_sets and len(keys) == 1 else None
+            sample_rows = data.rows or (data.examples[0] if data.examples else [])
+            rows = {keys[0]: sample_rows} if sample_rows and len(keys) == 1 else None
             finding = _trace(cap, replay_model, keys, rows, precision, dev)
+            index_sets = data.index_sets if data.row_sets else data.example_indices
             traced_on = {
                 "microbatches": keys,
-                "rows": data.rows if rows else None,
-                "dataset_indices": data.dataset_indices if rows else None,
+                "rows": sample_rows if rows else None,
+                "dataset_indices": index_sets[0] if rows and index_sets else None,
             }
     else:
         data = DataReport(status="not_searched", nonfinite_inputs=bad_inputs, out_of_range_inputs=out_of_range,
@@ -507,7 +513,7 @@ def diagnose(
             _scan_checkpoints(out / "checkpoints", weights, set(cap.ranks[0].params), set(cap.ranks[0].buffers))
         history = _history(out) if out is not None else []
 
-    origin = _origin(finding, data, weights, precision)
+    origin = _origin(finding, data, weights, precision, traced_on)
     diag = Diagnosis(
         path=str(cap.path),
         step=cap.step,
@@ -544,12 +550,14 @@ def diagnose(
         folder = _output_folder(cap)
         md, js = folder / _FILE_MD, folder / _FILE_JSON
         diag.files = [str(md), str(js)]
-        atomic_write_text(diag.report() + "\n", md)
+        atomic_write_text(diag.to_markdown() + "\n", md)
         atomic_write_text(json.dumps(diag.to_dict(), indent=2) + "\n", js)
     return diag
 
 
-class _Clock:
+class _PhaseTimer:
+    """``with timer("phase"):`` adds the seconds spent inside to ``timings["phase"]``."""
+
     def __init__(self, timings: dict[str, float]):
         self.timings = timings
 
@@ -568,12 +576,14 @@ class _Clock:
 
 
 @dataclass
-class _Full:
+class _FullReplay:
+    """One replay of the whole step: its summary for the report, and what it computed."""
+
     outcome: ReplayOutcome
     result: ForwardBackwardResult
 
 
-def _full_replay(cap: NaNCapture, label: str, precision: str, device: torch.device) -> _Full:
+def _full_replay(cap: NaNCapture, label: str, precision: str, device: torch.device) -> _FullReplay:
     start = time.perf_counter()
     res = forward_backward(cap, precision=precision, device=device)
     outcome = ReplayOutcome(
@@ -586,13 +596,13 @@ def _full_replay(cap: NaNCapture, label: str, precision: str, device: torch.devi
         seconds=time.perf_counter() - start,
         _loss_tensors=list(res.losses),
     )
-    return _Full(outcome, res)
+    return _FullReplay(outcome, res)
 
 
-def _same_outcome(a: _Full, b: _Full) -> bool:
+def _same_outcome(a: _FullReplay, b: _FullReplay) -> bool:
     """Bitwise the same losses and the same non-finite gradients."""
     la, lb = a.outcome._loss_tensors, b.outcome._loss_tensors
-    if len(la) != len(lb) or not all(_bitwise_equal(x, y) for x, y in zip(la, lb)):
+    if len(la) != len(lb) or not all(bitwise_equal(x, y) for x, y in zip(la, lb)):
         return False
     if a.outcome.nan_param_names != b.outcome.nan_param_names:
         return False
@@ -605,20 +615,38 @@ def _same_outcome(a: _Full, b: _Full) -> bool:
 # --------------------------------------------------------------------------------------
 
 
-class _Budget(Exception):
-    """The subset-replay budget is spent."""
+class _ReplayBudget:
+    """The subset replays the search may run. A replay asked for past the limit is not run:
+    it counts as not failing and marks the budget ``refused``, so that the search can discard
+    what it decided without replays."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.used = 0
+        self.refused = False
+
+    def take(self) -> bool:
+        """Use one replay; False (and ``refused``) when none is left."""
+        if self.used >= self.limit:
+            self.refused = True
+            return False
+        self.used += 1
+        return True
 
 
-def _isolate(cap: NaNCapture, full: ForwardBackwardResult, precision: str, device: torch.device, budget: int) -> DataReport:
+def _isolate(cap: NaNCapture, full: ForwardBackwardResult, precision: str, device: torch.device,
+             max_replays: int) -> DataReport:
     keys = list(full.microbatches)
     loss_bad = [k for k, v in zip(keys, full.loss_values) if not math.isfinite(v)]
     report = DataReport(status="isolated", check="forward" if loss_bad else "forward+backward")
     errors: list[str] = []
+    budget = _ReplayBudget(max_replays)
 
-    def fails(mbs: Sequence[MicrobatchKey], rows: Optional[dict[MicrobatchKey, list[int]]] = None, forward_only: bool = False) -> bool:
-        if report.replays >= budget:
-            raise _Budget
-        report.replays += 1
+    def fails(mbs: Sequence[MicrobatchKey], rows: Optional[dict[MicrobatchKey, list[int]]] = None,
+              forward_only: bool = False) -> bool:
+        if not budget.take():
+            return False
+        report.replays = budget.used
         try:
             res = forward_backward(cap, microbatches=list(mbs), rows=rows, precision=precision, device=device,
                                    backward=not forward_only)
@@ -636,15 +664,13 @@ def _isolate(cap: NaNCapture, full: ForwardBackwardResult, precision: str, devic
     elif len(keys) == 1:
         failing = keys
     else:
-        try:
-            failing = [k for k in keys if fails([k])]
-        except _Budget:
+        failing = [k for k in keys if fails([k])]
+        if budget.refused:
             failing = []
     report.failing_microbatches = failing
     if not failing:
-        try:
-            combo = _ddmin(keys, lambda s: fails(s))
-        except _Budget:
+        combo = _ddmin(keys, lambda s: fails(s))
+        if budget.refused:
             combo = keys
         report.status = "combination"
         report.microbatches = combo
@@ -657,7 +683,7 @@ def _isolate(cap: NaNCapture, full: ForwardBackwardResult, precision: str, devic
     culprit = failing[0]
     rank, micro = culprit
     part = cap.rank_capture(rank)
-    n = _microbatch_size(part, micro)
+    n = part.microbatch_size(micro)
     report.microbatches = [culprit]
     report.microbatch_size = n
     forward_only = culprit in loss_bad
@@ -666,41 +692,51 @@ def _isolate(cap: NaNCapture, full: ForwardBackwardResult, precision: str, devic
     remaining = list(range(n))
     rest_fails = False
     probes: list[int] = []
-    try:
-        if n == 1:
-            sets = [[0]]
-            remaining = []
-        else:
-            # Up to 3 disjoint culprit sets: a second bad sample is found, and a model that
-            # fails on any data shows itself by its complement still failing after three.
-            for round_ in range(3):
-                found = _ddmin(remaining, check)
-                sets.append(found)
-                remaining = [r for r in remaining if r not in found]
-                if not remaining:
+    if n == 1:
+        sets = [[0]]
+        remaining = []
+    else:
+        # Up to 3 disjoint culprit sets: a second bad sample is found, and a model that
+        # fails on any data shows itself by its complement still failing after three.
+        # Whatever was decided after the budget ran out is discarded.
+        for round_ in range(3):
+            found = _ddmin(remaining, check)
+            if budget.refused:
+                break
+            sets.append(found)
+            remaining = [r for r in remaining if r not in found]
+            if not remaining:
+                break
+            rest = check(remaining)
+            if budget.refused:
+                break
+            rest_fails = rest
+            if not rest_fails:
+                break
+            if round_ == 0 and len(found) == 1 and len(remaining) >= 3:
+                # The rest fails too. Before searching it, probe three single samples spread
+                # over it: when they all fail alone, any sample does (cheaper than two searches).
+                picks = [remaining[0], remaining[len(remaining) // 2], remaining[-1]]
+                alone = all(check([r]) for r in picks)
+                if budget.refused:
                     break
-                rest_fails = check(remaining)
-                if not rest_fails:
+                if alone:
+                    probes = picks
                     break
-                if round_ == 0 and len(found) == 1 and len(remaining) >= 3:
-                    # The rest fails too. Before searching it, probe three single samples spread
-                    # over it: when they all fail alone, any sample does (cheaper than two searches).
-                    picks = [remaining[0], remaining[len(remaining) // 2], remaining[-1]]
-                    if all(check([r]) for r in picks):
-                        probes = picks
-                        break
-    except _Budget:
-        report.caveats.append(f"stopped after {budget} subset replays (max_subset_replays)")
+    if budget.refused:
+        report.caveats.append(f"stopped after {max_replays} subset replays (max_subset_replays)")
     if not sets:
         sets = [list(range(n))]
-    report.row_sets = sets
     ix = part.indices[micro]
-    if isinstance(ix, Tensor):
-        report.index_sets = [[int(ix[r]) for r in s] for s in sets]
+    index_sets = [[int(ix[r]) for r in s] for s in sets] if isinstance(ix, Tensor) else None
     where = f"microbatch {micro}" + (f" of rank {rank}" if len(cap.ranks) > 1 else "")
     every = not remaining and n > 1 and all(len(s) == 1 for s in sets) and len(sets) == n
     if rest_fails or every:
+        # No culprit: what failed on its own are examples (one is traced), not samples to blame.
         report.status = "not_data_specific"
+        report.examples = sets + [[r] for r in probes]
+        if isinstance(ix, Tensor):
+            report.example_indices = [[int(ix[r]) for r in s] for s in report.examples]
         if every:
             report.note = f"every sample of {where} fails on its own: the failure does not depend on particular data"
         elif probes:
@@ -716,6 +752,7 @@ def _isolate(cap: NaNCapture, full: ForwardBackwardResult, precision: str, devic
         if len(failing) > 1:
             report.note += f" ({len(failing)} of {len(keys)} microbatches fail alone)"
     else:
+        report.row_sets, report.index_sets = sets, index_sets
         names = _samples_text(sets, report.index_sets)
         together = any(len(s) > 1 for s in sets)
         if len(sets) == 1:
@@ -777,7 +814,7 @@ def _isolation_caveats(model: nn.Module, data: DataReport) -> list[str]:
     norms = [name or "<root>" for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     if norms and data.microbatch_size > 1:
         caveats.insert(0,
-            f"the model has batch-dependent layers (BatchNorm in training mode: {_few(norms, 3)}): a subset of samples is "
+            f"the model has batch-dependent layers (BatchNorm in training mode: {fmt_list(norms, 3)}): a subset of samples is "
             "normalised with its own batch statistics, so samples replayed on their own do not see exactly what they saw "
             "in the full microbatch; the isolation of single samples is approximate"
         )
@@ -791,8 +828,21 @@ def _isolation_caveats(model: nn.Module, data: DataReport) -> list[str]:
 
 
 def _nonfinite_inputs(cap: NaNCapture) -> list[dict[str, Any]]:
-    """Non-finite values already in the captured batches, per sample and tensor."""
-    return _flag_inputs(cap, lambda t: ~torch.isfinite(t))
+    """Non-finite values already in the captured batches, per sample and tensor; a sample's
+    additive mask (only 0 and -inf) holds them on purpose and is left out."""
+
+    def bad(t: Tensor) -> Tensor:
+        flags = ~torch.isfinite(t)
+        if t.is_complex() or not bool(flags.any()):
+            return flags
+        masks = (t == 0) | torch.isneginf(t)
+        if t.ndim:
+            masks = masks.reshape(len(t), -1).all(1).reshape([len(t)] + [1] * (t.ndim - 1))
+        else:
+            masks = masks.all()
+        return flags & ~masks
+
+    return _flag_inputs(cap, bad)
 
 
 def _out_of_range_inputs(cap: NaNCapture, precision: str) -> list[dict[str, Any]]:
@@ -818,9 +868,9 @@ def _flag_inputs(cap: NaNCapture, test: Callable[[Tensor], Tensor], with_abs_max
         for micro, batch in enumerate(part.microbatches):
             if batch is None:
                 continue
-            n = _microbatch_size(part, micro)
+            n = part.microbatch_size(micro)
             ix = part.indices[micro]
-            for name, t in _named_tensors(batch):
+            for name, t in named_tensors(batch):
                 if not (t.is_floating_point() or t.is_complex()) or not t.numel():
                     continue
                 bad = test(t)
@@ -844,17 +894,6 @@ def _flag_inputs(cap: NaNCapture, test: Callable[[Tensor], Tensor], with_abs_max
     return found
 
 
-def _named_tensors(obj: Any, prefix: str = "batch") -> Iterator[tuple[str, Tensor]]:
-    if isinstance(obj, Tensor):
-        yield prefix, obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _named_tensors(v, f"{prefix}[{k!r}]")
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from _named_tensors(v, f"{prefix}[{i}]")
-
-
 # --------------------------------------------------------------------------------------
 # Where: op tracing of the culprit subset
 # --------------------------------------------------------------------------------------
@@ -868,7 +907,7 @@ def _trace(
     precision: str,
     device: torch.device,
 ) -> Optional[OpFinding]:
-    base = cap.step_fn or _default_step_fn
+    base = cap.step_fn or default_step_fn
     # The forward pass alone first: most failures start there, and it costs neither the
     # backward pass nor anomaly mode (which records a traceback per autograd node).
     for backward in (False, True):
@@ -878,19 +917,40 @@ def _trace(
             # Armed once the captured state is loaded and the batch is on the device: restoring
             # non-finite weights is not the failing op; what the model does with them is.
             tracer.arm()
-            return base(m, batch)
+            tracer.watch_batch(batch)
+            loss = base(m, batch)
+            tracer.check_loss(loss)  # a non-finite loss is the harm: its origin is the finding
+            return loss
 
         forward_backward(cap, microbatches=keys, rows=rows, precision=precision, device=device, context=tracer,
                          step_fn=traced_step, backward=backward)
         if tracer.finding is not None:
-            return tracer.finding
+            # Rows of the traced subset -> rows of the microbatch (unknown over several microbatches).
+            subset = rows[keys[0]] if rows and len(keys) == 1 else None
+            return _microbatch_rows(tracer.finding, subset, len(keys) == 1)
     return None
 
 
-def _origin(finding: Optional[OpFinding], data: DataReport, weights: WeightsReport, precision: str) -> Optional[str]:
+def _microbatch_rows(f: OpFinding, subset: Optional[list[int]], one_microbatch: bool) -> OpFinding:
+    def convert(r: Optional[list[int]]) -> Optional[list[int]]:
+        if r is None or not one_microbatch:
+            return None
+        return r if subset is None else [subset[i] for i in r if i < len(subset)]
+
+    cause = dataclasses.replace(f.cause, rows=convert(f.cause.rows)) if f.cause is not None else None
+    return dataclasses.replace(f, rows=convert(f.rows), cause=cause)
+
+
+def _origin(finding: Optional[OpFinding], data: DataReport, weights: WeightsReport, precision: str,
+            traced_on: Optional[dict[str, Any]] = None) -> Optional[str]:
     if finding is None or not finding.inputs_nonfinite:
         return None
-    rows = set(data.rows)
+    # The tracer knows which tensor held it; the data scan tells bad data from a conversion.
+    if finding.origin == "weight" and weights.nonfinite:
+        return "weights"
+    if finding.origin == "buffer" and weights.nonfinite_buffers:
+        return "buffers"
+    rows = set(data.rows or ((traced_on or {}).get("rows") or []))
     keys = set(data.microbatches)
     for bad in data.nonfinite_inputs:
         if (bad["rank"], bad["micro_step"]) in keys and (bad["row"] is None or bad["row"] in rows):
@@ -917,14 +977,18 @@ def _weights_report(cap: NaNCapture, threshold: float) -> WeightsReport:
     nonfinite = [s for s in stats if s.nonfinite]
     largest = sorted(stats, key=lambda s: -s.abs_max if math.isfinite(s.abs_max) else 0.0)[:5]
     buffers = sorted({
-        name for part in cap.ranks for name, b in part.buffers.items()
-        if b.is_floating_point() and b.numel() and not bool(torch.isfinite(b).all())
+        name for part in cap.ranks for name, b in part.buffers.items() if _bad_buffer(b)
     })
     top = max((s.abs_max for s in stats if math.isfinite(s.abs_max)), default=0.0)
     # A NaN in a buffer (running statistics) at the start of the step is damage from earlier
     # steps just as much as a NaN in a weight: the forward pass that updated it did it.
     status = "nonfinite" if (nonfinite or buffers) else ("huge" if top >= threshold else "healthy")
     return WeightsReport(status, float(threshold), largest, nonfinite, buffers)
+
+
+def _bad_buffer(b: Tensor) -> bool:
+    """A buffer holding NaN/Inf that is not there on purpose (an additive mask of 0 and -inf is)."""
+    return b.is_floating_point() and b.numel() > 0 and not bool(torch.isfinite(b).all()) and not is_additive_mask(b)
 
 
 def _param_stat(name: str, p: Tensor) -> ParamStat:
@@ -970,7 +1034,7 @@ def _scan_checkpoints(folder: Path, weights: WeightsReport, names: set[str], buf
         buffers = [t for n, t in model.items() if n in buffer_names and isinstance(t, Tensor) and t.is_floating_point()]
         finite = all(bool(torch.isfinite(t).all()) for t in values)
         top = max((float(t.detach().abs().max()) for t in values if t.numel()), default=0.0) if finite else math.inf
-        buffers_finite = all(bool(torch.isfinite(t).all()) for t in buffers)
+        buffers_finite = not any(_bad_buffer(t) for t in buffers)
         health = state.get("health") if isinstance(state.get("health"), dict) else None
         # The health the run recorded (finite, and no instability under way) decides; the
         # magnitude rule stands in for checkpoints of older versions without it.
@@ -1008,7 +1072,7 @@ def _history(out: Path, last: int = 5) -> list[dict[str, Any]]:
 
 def _explain_cause(d: Diagnosis, cap: NaNCapture) -> str:
     first, again = d.replays[0], d.replays[1]
-    dtype = _DTYPE_NAMES.get(d.precision, d.precision)
+    dtype = advice.dtype_name(d.precision)
     if d.cause == NOT_REPRODUCIBLE:
         if d.reason == REASON_OTHER_RANK and len(cap.ranks) == 1:
             return (
@@ -1050,7 +1114,7 @@ def _explain_cause(d: Diagnosis, cap: NaNCapture) -> str:
         big = next((r for r in d.replays if r.precision in finite_in), None)
         mag = ""
         if big is not None and big.losses:
-            mag = f" (loss {_fmt(max(abs(x) for x in big.losses))}, gradient_norm {_fmt(big.gradient_norm)})"
+            mag = f" (loss {fmt_number(max(abs(x) for x in big.losses))}, gradient_norm {fmt_number(big.gradient_norm)})"
         text += (
             f", and only {', '.join(finite_in)} keeps it finite{mag}: the values exceed what {dtype} can hold. "
             "A wider type postpones the overflow; it does not fix the values"
@@ -1064,6 +1128,8 @@ def _op_kind(f: OpFinding) -> str:
     name = f.op_name
     if f.inputs_nonfinite:
         return "propagated"
+    if f.origin == "inf":
+        return "nan_from_inf"  # a NaN made from a deliberate Inf (a mask): see f.cause
     if f.phase == "backward" and f.forward_op and f.forward_op.startswith(("Sqrt", "Rsqrt", "Pow")):
         return "sqrt_grad"
     if name in ("log", "log2", "log10", "log1p", "xlogy", "_log_softmax", "log_softmax"):
@@ -1075,6 +1141,21 @@ def _op_kind(f: OpFinding) -> str:
     if f.output.posinf or f.output.neginf:
         return "overflow"
     return "other"
+
+
+#: Ops that normalise over a row: a row that is -inf everywhere makes them NaN.
+_SOFTMAX_OPS = {"_softmax", "softmax", "_log_softmax", "log_softmax", "_safe_softmax", "logsumexp"}
+
+
+def _chain_text(d: Diagnosis, f: OpFinding) -> str:
+    """Where the value was born and what it came from, with the samples it was born on."""
+    text = f.chain(rows=False)
+    if f.rows:
+        ix = d.traced_on.get("dataset_indices") if d.traced_on else None
+        rows = (d.traced_on or {}).get("rows") or []
+        indices = [ix[rows.index(r)] for r in f.rows if r in rows] if ix and rows else None
+        text += ", on " + _samples_text([f.rows], [indices] if indices and len(indices) == len(f.rows) else None)
+    return text
 
 
 def _finding_text(f: OpFinding) -> str:
@@ -1109,14 +1190,14 @@ def _probable_cause(d: Diagnosis, cap: NaNCapture) -> str:
         else:
             where = f" and {d.finding.op_name} in {d.finding.where} is the first op to read them" if d.finding else ""
             noun = "buffer" if len(w.nonfinite_buffers) == 1 else "buffers"
-            text = (f"the {noun} {_few(w.nonfinite_buffers, 3)} already held NaN/Inf when the step began{where}: "
+            text = (f"the {noun} {fmt_list(w.nonfinite_buffers, 3)} already held NaN/Inf when the step began{where}: "
                     "an earlier step's forward pass, which updates them, did the damage")
         if d.data.status == "isolated":
             text += f"; only the data that reaches them fails ({_samples_text(d.data.row_sets, d.data.index_sets)})"
         return text
     if w.status == "huge":
         top = w.largest[0]
-        return (f"the weights were already huge when the step began (|w| up to {_fmt(top.abs_max)} in {top.name}): "
+        return (f"the weights were already huge when the step began (|w| up to {fmt_number(top.abs_max)} in {top.name}): "
                 "training was diverging in earlier steps, most likely from a learning rate too high")
     f = d.finding
     data_text = ""
@@ -1133,12 +1214,17 @@ def _probable_cause(d: Diagnosis, cap: NaNCapture) -> str:
             bad = _bad_input_text(d)
             return f"bad data: {bad}; {f.op_name} in {f.where} is only the first op to use it"
         if d.origin == "precision_conversion":
-            dtype = _DTYPE_NAMES.get(d.precision, d.precision)
+            dtype = advice.dtype_name(d.precision)
             return (f"the batch holds values beyond {dtype}'s range ({_out_of_range_text(d)}): {d.precision} converts "
                     f"the batch to {dtype}, which turns them into Inf before {f.op_name} in {f.where}")
         return f"a non-finite value reached {f.op_name} in {f.where} from outside the traced ops ({d.origin or 'unknown origin'})"
+    if kind == "nan_from_inf":
+        what = ("a softmax over a row that is masked everywhere has nothing left to normalise (an all-padding "
+                "sample, a query with no allowed key)" if f.op_name in _SOFTMAX_OPS else
+                "arithmetic turns a deliberate Inf into NaN (inf - inf, 0 * inf)")
+        return f"NaN from a masking -Inf: {_chain_text(d, f)}: {what}" + ("" if f.rows else data_text)
     if d.cause == PRECISION_INDUCED:
-        dtype = _DTYPE_NAMES.get(d.precision, d.precision)
+        dtype = advice.dtype_name(d.precision)
         big = max((s.abs_max for s in f.inputs if math.isfinite(s.abs_max)), default=math.nan)
         if _precision_failure(f) == "rounding":
             zero = any(s.abs_min == 0 for s in f.inputs)
@@ -1148,8 +1234,8 @@ def _probable_cause(d: Diagnosis, cap: NaNCapture) -> str:
                     "the same step is finite in float32, which keeps that value")
         if f.phase == "backward" and d.precision == "16-mixed":
             return (f"{dtype} overflow in the backward pass ({f.op_name} in {f.where}) at loss scale "
-                    f"{_fmt(d.loss_scale or math.nan)}{data_text}: the gradients do not fit in {dtype}")
-        return (f"{dtype} overflow: {f.op_name} in {f.where} ({f.phase}) turns inputs up to |{_fmt(big)}| into "
+                    f"{fmt_number(d.loss_scale or math.nan)}{data_text}: the gradients do not fit in {dtype}")
+        return (f"{dtype} overflow: {f.op_name} in {f.where} ({f.phase}) turns inputs up to |{fmt_number(big)}| into "
                 f"{'Inf' if f.output.posinf or f.output.neginf else 'NaN'}{data_text}; the same step is finite in float32")
     where = f" at {f.source}" if f.source else ""
     if kind == "log":
@@ -1163,7 +1249,7 @@ def _probable_cause(d: Diagnosis, cap: NaNCapture) -> str:
                 f"at 0 in {f.where}{where}{data_text}")
     if kind == "overflow":
         big = max((s.abs_max for s in f.inputs if math.isfinite(s.abs_max)), default=math.nan)
-        return f"overflow: {f.op_name} in {f.where} ({f.phase}) turns inputs up to |{_fmt(big)}| into Inf{data_text}"
+        return f"overflow: {f.op_name} in {f.where} ({f.phase}) turns inputs up to |{fmt_number(big)}| into Inf{data_text}"
     return f"{f.op_name} in {f.where} ({f.phase}) produced a non-finite value{data_text}"
 
 
@@ -1186,25 +1272,25 @@ def _precision_failure(f: OpFinding) -> str:
 
 def _culprit_inputs(d: Diagnosis, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The entries of a data scan that belong to the culprit samples."""
-    rows = set(d.data.rows)
+    rows = set(d.data.rows or ((d.traced_on or {}).get("rows") or []))
     keys = set(d.data.microbatches)
     return [e for e in entries if (e["rank"], e["micro_step"]) in keys and (e["row"] is None or e["row"] in rows)]
 
 
-def _who(entry: dict[str, Any]) -> str:
+def _sample_label(entry: dict[str, Any]) -> str:
     if entry["index"] is not None:
         return f"sample {entry['index']}"
     return f"row {entry['row']}" if entry["row"] is not None else f"microbatch {entry['micro_step']}"
 
 
 def _bad_input_text(d: Diagnosis) -> str:
-    parts = [f"{bad['field']} of {_who(bad)} holds {bad['count']} non-finite value{'s' if bad['count'] > 1 else ''}"
+    parts = [f"{bad['field']} of {_sample_label(bad)} holds {bad['count']} non-finite value{'s' if bad['count'] > 1 else ''}"
              for bad in _culprit_inputs(d, d.data.nonfinite_inputs)]
     return ", ".join(parts[:3]) or "the input"
 
 
 def _out_of_range_text(d: Diagnosis) -> str:
-    parts = [f"{e['field']} of {_who(e)} reaches {_fmt(e['abs_max'])} in magnitude"
+    parts = [f"{e['field']} of {_sample_label(e)} reaches {fmt_number(e['abs_max'])} in magnitude"
              for e in _culprit_inputs(d, d.data.out_of_range_inputs)]
     return ", ".join(parts[:3]) or "the data"
 
@@ -1217,7 +1303,7 @@ def _summary(d: Diagnosis, cap: NaNCapture) -> str:
     what = {
         "nonfinite_loss": "a non-finite loss",
         "nonfinite_gradients": "non-finite gradients",
-        REASON_SKIPPED: f"fp16 loss scaling skipped steps in a row (loss scale {_fmt(d.loss_scale or math.nan)})",
+        REASON_SKIPPED: f"fp16 loss scaling skipped steps in a row (loss scale {fmt_number(d.loss_scale or math.nan)})",
         REASON_OTHER_RANK: "a failure on another rank",
         REASON_NORM_OVERFLOW: "a gradient norm overflow",
     }.get(d.reason, d.reason)
@@ -1233,7 +1319,7 @@ def _summary(d: Diagnosis, cap: NaNCapture) -> str:
             text += " The replay gives the same: finite losses and gradient elements, gradient norm inf."
             return text + (" Its losses are bitwise those of training." if d.matches_capture else "")
         if bad:
-            text += f" The replay gives the same: losses {', '.join(_fmt(first.losses[i]) for i in bad)} in microbatch(es) {', '.join(map(str, bad))}"
+            text += f" The replay gives the same: losses {', '.join(fmt_number(first.losses[i]) for i in bad)} in microbatch(es) {', '.join(map(str, bad))}"
         else:
             text += " The replay gives the same: every loss is finite, but the backward pass is not"
         text += f", NaN/Inf gradients in {len(first.nan_param_names)} parameter(s)."
@@ -1248,22 +1334,19 @@ def _largest_text(cap: NaNCapture) -> str:
     if not largest:
         return "the gradients were too large"
     name, value = largest[0]
-    return f"|gradient| reached {_fmt(value)} in {name}"
+    return f"|gradient| reached {fmt_number(value)} in {name}"
 
 
 def _lr_text(settings: Optional[dict[str, Any]], rows: Sequence[dict[str, Any]] = (),
-             unstable_from: Optional[int] = None) -> tuple[str, Optional[float]]:
-    """The lr to try, anchored to the last lr that trained stably or the default
-    (:func:`stabletrain.debug.stable_lr.suggest_lr`), never a tenth of an absurd value."""
-    from stabletrain.debug.stable_lr import suggest_lr
-
-    lr = None
-    if settings and isinstance(settings.get("model_args"), dict):
-        lr = settings["model_args"].get("lr")
-    if isinstance(lr, (int, float)) and lr > 0:
-        value, why = suggest_lr(float(lr), rows, unstable_from)
-        return f"model_args.lr={value:g} or lower (was {_round(lr)}{'; ' + why if why else ''})", float(lr)
-    return "a 10x lower learning rate (model_args.lr)", None
+             unstable_from: Optional[int] = None) -> str:
+    """The lr to try, anchored to the highest lr that trained stably or the default
+    (:func:`stabletrain.debug.advice.anchored_lr`), never a tenth of an absurd value."""
+    model_args = (settings or {}).get("model_args")
+    lr = advice.positive(model_args.get("lr")) if isinstance(model_args, dict) else None
+    if lr is None:
+        return f"a {advice.LR_DECREASE}x lower learning rate (model_args.lr)"
+    value, why = advice.anchored_lr(lr, rows, unstable_from)
+    return f"model_args.lr={advice.setting_value(value)} or lower (was {advice.setting_value(lr)}{'; ' + why if why else ''})"
 
 
 def _first_unhealthy(d: Diagnosis, step: int) -> int:
@@ -1277,17 +1360,6 @@ def _first_unhealthy(d: Diagnosis, step: int) -> int:
     return step
 
 
-def _clip_text(settings: Optional[dict[str, Any]]) -> str:
-    clip = settings.get("gradient_clip_val") if settings else None
-    if isinstance(clip, (int, float)) and clip > 0:
-        return f"gradient_clip_val={_round(clip / 2)} (was {_round(clip)})"
-    return "gradient_clip_val=1.0 (clipping is off)" if settings else "gradient_clip_val=1.0 (clip the gradient norm)"
-
-
-def _round(x: float) -> str:
-    return f"{float(f'{x:.2g}'):g}"
-
-
 def _next_actions(d: Diagnosis, cap: NaNCapture, out: Optional[Path]) -> list[str]:
     settings = cap.settings
     rows = []
@@ -1295,8 +1367,8 @@ def _next_actions(d: Diagnosis, cap: NaNCapture, out: Optional[Path]) -> list[st
         from stabletrain.run_history import read_run
 
         rows = read_run(out / "metrics.jsonl").rows
-    lr, _ = _lr_text(settings, rows, _first_unhealthy(d, cap.step))
-    clip = _clip_text(settings)
+    lr = _lr_text(settings, rows, _first_unhealthy(d, cap.step))
+    clip = advice.clip(settings.get("gradient_clip_val") if settings else None, known=bool(settings))
     resume = "rerun your training command with resume_interrupted=true"
     actions: list[str] = []
     w = d.weights
@@ -1321,15 +1393,15 @@ def _next_actions(d: Diagnosis, cap: NaNCapture, out: Optional[Path]) -> list[st
             ck = next(c for c in w.checkpoints if c["path"] == w.healthy_checkpoint)
             where = ("rerun your training command with resume_interrupted=true"
                      if Path(w.healthy_checkpoint).name == "last.ckpt" else
-                     f"rerun your training command with resume_from={_shell_path(Path(w.healthy_checkpoint).resolve())}")
+                     f"rerun your training command with resume_from={shlex.quote(str(Path(w.healthy_checkpoint).resolve()))}")
             why = f": {ck['why']}" if ck.get("why") else ""
             actions.append(
                 f"Resume from before the damage: the newest checkpoint with healthy {state} is step {ck['step']} "
-                f"(|w| up to {_fmt(ck['abs_max'])}{why}); {where} and {lr}."
+                f"(|w| up to {fmt_number(ck['abs_max'])}{why}); {where} and {lr}."
             )
         elif w.checkpoints:
             newest = w.checkpoints[-1]
-            why = newest.get("why") or f"|w| up to {_fmt(newest['abs_max'])}, huge from {_fmt(w.threshold)}"
+            why = newest.get("why") or f"|w| up to {fmt_number(newest['abs_max'])}, huge from {fmt_number(w.threshold)}"
             actions.append(
                 f"No checkpoint of this run has healthy {state} (the newest, step {newest['step']}: {why}): "
                 f"start again with overwrite=true and {lr}."
@@ -1355,13 +1427,13 @@ def _next_actions(d: Diagnosis, cap: NaNCapture, out: Optional[Path]) -> list[st
         else:
             # Buffers are not trained by the optimizer: clipping gradients does not protect them.
             actions.append(
-                f"Find what put NaN/Inf into {_few(w.nonfinite_buffers, 3)}: the forward pass updates them from the data "
+                f"Find what put NaN/Inf into {fmt_list(w.nonfinite_buffers, 3)}: the forward pass updates them from the data "
                 f"(running statistics), so a batch with huge or non-finite values before step {cap.step} can corrupt them "
                 "without a non-finite loss; guard the update (skip non-finite batch statistics) or check that data."
             )
     elif d.cause == PRECISION_INDUCED:
         f = d.finding
-        dtype = _DTYPE_NAMES.get(d.precision, d.precision)
+        dtype = advice.dtype_name(d.precision)
         failure = _precision_failure(f) if f is not None and not f.inputs_nonfinite else None
         if d.origin == "precision_conversion":
             largest = torch.finfo(torch.float16 if dtype == "float16" else torch.bfloat16).max
@@ -1384,7 +1456,7 @@ def _next_actions(d: Diagnosis, cap: NaNCapture, out: Optional[Path]) -> list[st
         elif d.precision == "16-mixed" and f is not None and f.phase == "backward":
             actions.append(
                 f"Train with precision=bf16-mixed (float32's range, no loss scaling needed) or precision=32-true: "
-                f"the float16 gradients overflow even at loss scale {_fmt(d.loss_scale or math.nan)}."
+                f"the float16 gradients overflow even at loss scale {fmt_number(d.loss_scale or math.nan)}."
             )
         elif d.precision == "16-mixed":
             actions.append(
@@ -1455,12 +1527,22 @@ def _next_actions(d: Diagnosis, cap: NaNCapture, out: Optional[Path]) -> list[st
                            f"1/(2 sqrt(x)) is infinite at x = 0, where {samples or 'the data'} {verb('put')} it.")
         elif kind == "overflow":
             actions.append(f"Activations overflow{src}: lower the learning rate ({lr}) and bound updates ({clip}).")
+        elif kind == "nan_from_inf" and f is not None and f.op_name in _SOFTMAX_OPS:
+            actions.append(
+                f"Keep at least one unmasked position in every row{src}: {samples or 'some samples'} "
+                f"{verb('leave')} a row masked everywhere (an all-padding sequence, a key_padding_mask row that is all "
+                "True). Drop such samples, or make fully masked rows finite before the softmax (mask with "
+                "torch.finfo(dtype).min instead of -inf, or scores.masked_fill(mask.all(-1, keepdim=True), 0))."
+            )
+        elif kind == "nan_from_inf" and f is not None:
+            actions.append(f"Keep the masking -Inf out of arithmetic{src}: {f.chain(rows=False)}. Mask with "
+                           "torch.finfo(dtype).min instead of -inf, or apply the mask after this op.")
         else:
             actions.append(f"Inspect {f.op_name if f else 'the failing op'}{src}; lower the learning rate ({lr}) if values grow over steps.")
         if samples and kind not in ("propagated",) and d.data.status == "isolated":
             actions.append(f"Look at {samples}: what sets {'it' if one else 'them'} apart (an outlier, an "
                            "empty or constant input) is what the guard must handle.")
-        if (settings or {}).get("precision") not in (None, "32-true") and d.precision in _REDUCED:
+        if (settings or {}).get("precision") not in (None, "32-true") and d.precision in advice.REDUCED_PRECISIONS:
             actions.append(f"The failure is independent of precision; keep precision={d.precision}.")
     if d.data.approximate:
         actions.append("Confirm the culprit samples in a full batch: BatchNorm makes their isolation approximate.")
@@ -1473,16 +1555,17 @@ def _replay_command(cap: NaNCapture) -> str:
     stored = cap.ranks[0].raw.get("replay_command")
     if isinstance(stored, str) and stored.startswith("stabletrain replay ") and (len(cap.ranks) == 1 or cap.world_size > 1):
         return stored
-    return f"stabletrain replay {_shell_path(cap.path)}"
+    return f"stabletrain replay {shell_path(cap.path)}"
 
 
 def _samples_text(sets: list[list[int]], index_sets: Optional[list[list[int]]]) -> str:
     if index_sets:
         flat = [i for s in index_sets for i in s]
-        return (f"the sample at dataset index {flat[0]}" if len(flat) == 1 else
-                f"the samples at dataset indices {', '.join(map(str, flat[:8]))}{', ...' if len(flat) > 8 else ''}")
+        if len(flat) == 1:
+            return f"the sample at dataset index {flat[0]}"
+        return f"the samples at dataset indices {fmt_list(flat, 8)}"
     flat = [r for s in sets for r in s]
-    return f"row {flat[0]}" if len(flat) == 1 else f"rows {', '.join(map(str, flat[:8]))}"
+    return f"row {flat[0]}" if len(flat) == 1 else f"rows {fmt_list(flat, 8)}"
 
 
 def _keys_text(keys: Sequence[MicrobatchKey]) -> str:
@@ -1513,12 +1596,12 @@ def _render(d: Diagnosis) -> str:
     ]
     f = d.finding
     if f is not None:
-        lines.append(f"First non-finite op: {_finding_text(f)}.")
+        lines.append(f"First harmful non-finite op: {_finding_text(f)}.")
         lines.append("")
         for s in f.inputs:
             counts = ", ".join(f"{n} {k}" for k, n in (("NaN", s.nan), ("+Inf", s.posinf), ("-Inf", s.neginf)) if n)
             flag = f" — already non-finite: {counts}" if s.nonfinite else ""
-            mag = (f"abs min {_fmt(s.abs_min)}, abs max {_fmt(s.abs_max)}" if math.isfinite(s.abs_max)
+            mag = (f"abs min {fmt_number(s.abs_min)}, abs max {fmt_number(s.abs_max)}" if math.isfinite(s.abs_max)
                    else "no finite value")
             lines.append(f"- input {s.index}: {s.dtype} {list(s.shape)}, {mag}{flag}")
         if f.source:
@@ -1528,12 +1611,15 @@ def _render(d: Diagnosis) -> str:
         if f.phase == "backward" and f.forward_op:
             lines.append(f"- differentiates `{f.forward_op}`, created in the forward pass"
                          + ("" if f.outside_forward else f" of {f.where}"))
+        if f.origin == "inf" or (f.reached == "gradient" and f.phase == "forward"):
+            reached = f"; it reached the {f.reached}" + (" in the backward pass" if f.reached == "gradient" else "")
+            lines.append(f"- origin: {_chain_text(d, f)}{reached if f.reached else ''}")
         if d.origin:
             origin = {
                 "data": f"the data ({_bad_input_text(d)})",
                 "weights": "the weights, non-finite at the start of the step",
                 "buffers": f"buffers ({', '.join(d.weights.nonfinite_buffers[:3])})",
-                "precision_conversion": f"the conversion of the batch to {_DTYPE_NAMES.get(d.precision, d.precision)} "
+                "precision_conversion": f"the conversion of the batch to {advice.dtype_name(d.precision)} "
                                         f"({_out_of_range_text(d)})",
             }.get(d.origin, d.origin)
             lines.append(f"- its input was already non-finite: it came from {origin}")
@@ -1546,13 +1632,13 @@ def _render(d: Diagnosis) -> str:
     elif d.cause == NOT_REPRODUCIBLE:
         lines.append("Not traced: the failure does not come back when the step is replayed.")
     else:
-        lines.append("No op produced a non-finite value when the culprit subset was traced.")
+        lines.append("No non-finite value reached the loss or a gradient when the culprit subset was traced.")
     lines += ["", "## Why", ""]
     lines.append("| replay | precision | result | losses | gradient_norm |")
     lines.append("|---|---|---|---|---|")
     for r in d.replays:
         res = "fails" if r.reproduced else "finite"
-        lines.append(f"| {r.label} | {r.precision} | {res} | {_short_floats(r.losses)} | {_fmt(r.gradient_norm)} |")
+        lines.append(f"| {r.label} | {r.precision} | {res} | {fmt_list(r.losses, 4, fmt_number)} | {fmt_number(r.gradient_norm)} |")
     lines += ["", f"**{d.cause_title}**: {d.cause_explanation}"]
     if d.matches_capture is False and d.cause != NOT_REPRODUCIBLE:
         lines.append("")
@@ -1575,69 +1661,34 @@ def _render(d: Diagnosis) -> str:
     lines += ["", "## Before or during the step", ""]
     w = d.weights
     if w.status == "healthy":
-        lines.append(f"The weights were healthy when the step began (all finite, |w| below {_fmt(w.threshold)}): the step itself failed.")
+        lines.append(f"The weights were healthy when the step began (all finite, |w| below {fmt_number(w.threshold)}): the step itself failed.")
     elif w.status == "huge":
-        lines.append(f"The weights were already huge when the step began (|w| >= {_fmt(w.threshold)}): the damage happened in earlier steps.")
+        lines.append(f"The weights were already huge when the step began (|w| >= {fmt_number(w.threshold)}): the damage happened in earlier steps.")
     elif w.nonfinite:
         names = ", ".join(f"{p.name} ({p.nonfinite})" for p in w.nonfinite[:4])
         lines.append(f"The weights already held NaN/Inf when the step began: {names}. The damage happened in earlier steps.")
     else:
         lines.append(f"The weights were finite, but buffers already held NaN/Inf when the step began: "
-                     f"{_few(w.nonfinite_buffers, 4)}. The damage happened in earlier steps"
+                     f"{fmt_list(w.nonfinite_buffers, 4)}. The damage happened in earlier steps"
                      + ("." if _damaged_before(d) else ", though the failure traces back to something else (see Where)."))
     lines.append("")
     lines.append("Largest weights: " + ", ".join(
-        f"{p.name} {_fmt(p.abs_max)}" + (f" (and {p.nonfinite} NaN/Inf)" if p.nonfinite else "") for p in w.largest) + ".")
+        f"{p.name} {fmt_number(p.abs_max)}" + (f" (and {p.nonfinite} NaN/Inf)" if p.nonfinite else "") for p in w.largest) + ".")
     if w.nonfinite_buffers and w.nonfinite:
         lines.append(f"Non-finite buffers: {', '.join(w.nonfinite_buffers[:5])}.")
     if w.checkpoints:
         lines.append("Checkpoints: " + ", ".join(
-            f"step {c['step']} |w| {_fmt(c['abs_max'])}" + (
+            f"step {c['step']} |w| {fmt_number(c['abs_max'])}" + (
                 "" if c["healthy"] else " (bad)" if not c["abs_max"] < w.threshold else " (non-finite buffers)")
             for c in w.checkpoints) + ".")
     if d.history:
         lines.append("Last logged steps: " + ", ".join(
-            f"{h.get('step')}: loss {_fmt_any(h.get('loss'))} grad_norm {_fmt_any(h.get('gradient_norm'))}" for h in d.history) + ".")
+            f"{h.get('step')}: loss {fmt_number(h.get('loss'))} grad_norm {fmt_number(h.get('gradient_norm'))}" for h in d.history) + ".")
     lines += ["", "## Next actions", ""]
     lines += [f"{i}. {a}" for i, a in enumerate(d.next_actions, 1)]
     lines += ["", "Diagnosed in " + ", ".join(f"{k} {v:.2f}s" for k, v in d.timings.items())
               + f" = {sum(d.timings.values()):.1f}s on {d.device}."]
     return "\n".join(lines)
-
-
-def _short_floats(xs: list[float], limit: int = 4) -> str:
-    shown = ", ".join(_fmt(x) for x in xs[:limit])
-    return shown + (f", ... ({len(xs)})" if len(xs) > limit else "")
-
-
-def _fmt(x: Optional[float]) -> str:
-    if x is None:
-        return "-"
-    return f"{x:.3g}" if math.isfinite(x) else str(x)
-
-
-def _fmt_any(x: Any) -> str:
-    if isinstance(x, (int, float)):
-        return _fmt(float(x))
-    return str(x)
-
-
-def _few(names: list[str], limit: int) -> str:
-    return ", ".join(names[:limit]) + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
-
-
-def _jf(x: float) -> Any:
-    return x if math.isfinite(x) else str(x)
-
-
-def _jsonable(obj: Any) -> Any:
-    if isinstance(obj, float):
-        return _jf(obj)
-    if isinstance(obj, dict):
-        return {k: _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    return obj
 
 
 def _key_dict(key: MicrobatchKey) -> dict[str, int]:
@@ -1648,54 +1699,3 @@ def _output_folder(cap: NaNCapture) -> Path:
     """Next to the capture: the rank folder, or for several ranks the folder holding them."""
     first = cap.ranks[0].path.parent
     return first if len(cap.ranks) == 1 else first.parent
-
-
-# --------------------------------------------------------------------------------------
-# Command line
-# --------------------------------------------------------------------------------------
-
-
-def diagnose_main(argv: list[str]) -> int:
-    """``stabletrain diagnose PATH [--json] [--device D] [--model SPEC] [--step-fn SPEC] [--no-write]``."""
-    parser = argparse.ArgumentParser(
-        prog="stabletrain diagnose",
-        description="From a NaN capture to a verdict: the first non-finite op (module, phase, dtype, source line), "
-        "the cause (precision-induced, deterministic numerical, not reproducible), the samples that trigger it, "
-        "whether the weights were already bad, and what to change. Writes diagnosis.md and diagnosis.json next "
-        "to the capture.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=(
-            "examples:\n"
-            "  stabletrain diagnose out/boom/debug/nan_capture/rank0\n"
-            "  stabletrain diagnose out/boom/debug/nan_capture/rank0 --json\n"
-            "  stabletrain diagnose out/mine/debug/nan_capture/rank0 --model train.py:MyModel   # your own model\n"
-        ),
-    )
-    parser.add_argument("path", help="rank folder, nan_capture.pt, the folder of all ranks, or the run folder")
-    parser.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
-    parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: the captured device type when available)")
-    parser.add_argument("--model", metavar="FILE.py:NAME",
-                        help="your own model: a class (or function) that builds it without arguments")
-    parser.add_argument("--step-fn", metavar="FILE.py:NAME", help="step_fn(model, batch) -> loss, if the model has no training_step")
-    parser.add_argument("--no-write", action="store_true", help="do not write diagnosis.md and diagnosis.json")
-    ns = parser.parse_args(argv)
-    model = None
-    if ns.model:
-        factory = load_object(ns.model)
-        model = factory() if callable(factory) and not isinstance(factory, nn.Module) else factory
-        if not isinstance(model, nn.Module):
-            raise NaNCaptureError(f"--model {ns.model}: built a {type(model).__name__}, not a torch.nn.Module")
-    step_fn = load_object(ns.step_fn) if ns.step_fn else None
-    try:
-        result = diagnose(ns.path, model=model, step_fn=step_fn, device=ns.device, write=not ns.no_write)
-    except NaNCaptureError as exc:
-        # The loader's hints name the replay command; the same options work here.
-        raise NaNCaptureError(str(exc).replace("stabletrain replay ", "stabletrain diagnose "), exc.path) from None
-    if ns.json:
-        print(json.dumps(result.to_dict(), indent=2))
-    else:
-        print(result.report())
-        if result.files:
-            print(f"\nWritten: {', '.join(result.files)}")
-    return 0
-

@@ -9,6 +9,10 @@ fp16/bf16 gradients cannot overflow the sum of squares (fp16 overflows near 256*
 Nothing here reads a value back to the host: the result stays a device tensor until a
 logger asks for it, so steps that are not logged pay no synchronisation.
 
+Under FSDP2 the gradients are DTensor shards: the per-parameter squared norms of the local
+shards are summed over the mesh in one all-reduce (:mod:`stabletrain.distributed.norms`), so
+the total, the per-parameter norms and the clipping are global and equal on every rank.
+
 Use it in any PyTorch loop::
 
     loss.backward()
@@ -42,6 +46,8 @@ from typing import Iterable
 
 import torch
 from torch import Tensor
+
+from stabletrain.distributed.norms import local_grad
 
 
 @dataclass
@@ -87,11 +93,14 @@ def compute_grad_norm(named_parameters: Iterable[tuple[str, Tensor]]) -> GradNor
     names: list[str] = []
     params: list[Tensor] = []
     grads: list[Tensor] = []
+    reduce_keys: list[tuple] = []
     for name, p in named_parameters:
         if p.grad is not None:
             names.append(name)
             params.append(p)
-            grads.append(p.grad)
+            local, key = local_grad(p.grad)
+            grads.append(local)
+            reduce_keys.append(key)
     if not grads:
         return GradNorm(torch.zeros((), dtype=torch.float32), [], [], [])
 
@@ -100,13 +109,22 @@ def compute_grad_norm(named_parameters: Iterable[tuple[str, Tensor]]) -> GradNor
     for i, g in enumerate(grads):
         groups[(g.device, g.dtype)].append(i)
     per_param: list[Tensor] = [None] * len(grads)  # type: ignore[list-item]
-    for (device, _), idx in groups.items():
+    for (device, dtype), idx in groups.items():
         tensors = [grads[i].to_dense() if grads[i].is_sparse else grads[i] for i in idx]
-        norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
+        if dtype == torch.float64:  # 64-true: _foreach_norm refuses to narrow; the result is float32 all the same
+            norms = [n.float() for n in torch._foreach_norm(tensors, 2, dtype=torch.float64)]
+        else:
+            norms = list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
         for i, n in zip(idx, norms):
             per_param[i] = n
     devices = {n.device for n in per_param}
-    if len(devices) == 1:
+    if any(reduce_keys):  # sharded: local norms -> global ones, one all-reduce of their squares
+        from stabletrain.distributed.norms import sum_squares_over_mesh
+
+        squares = sum_squares_over_mesh(torch.stack(per_param).square(), reduce_keys)
+        per_param = list(squares.sqrt().unbind())
+        total = squares.sum().sqrt()
+    elif len(devices) == 1:
         total = torch.linalg.vector_norm(torch.stack(per_param), 2)
     else:  # model spread over several devices: gather the scalars on the first one
         first = per_param[0].device
@@ -173,7 +191,8 @@ def clip_grad_norm_with_total(params: list[Tensor], max_norm: float, total_norm:
     """
     if max_norm <= 0 or not params:
         return
-    grads = [p.grad for p in params if p.grad is not None]
+    # The local shard of a DTensor gradient is scaled in place: the same coefficient on every rank.
+    grads = [local_grad(p.grad)[0] for p in params if p.grad is not None]
     coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     # Group by device and dtype so each _foreach_mul_ is homogeneous.
     groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = defaultdict(list)

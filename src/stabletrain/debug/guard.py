@@ -292,8 +292,17 @@ class StepGuard:
         self.weight_norm = torch.full((), math.nan, dtype=torch.float32, device=self.device)
         self._last_values = torch.full((3,), math.nan, dtype=torch.float64, device=self.device)
         self._known: Optional[list[float]] = None
-        self._host_copy: Optional[Tensor] = None
+        # A host mirror of the verdict, read as a NumPy array: plain host memory. On the CPU it is
+        # refreshed by a CPU copy (there is no device to wait for); on a GPU by an asynchronous
+        # copy into pinned memory, read only once its event says it landed.
         self._event: Any = None
+        if self.device.type == "cuda":
+            self._mirror = torch.empty(_LEN, dtype=torch.float64, pin_memory=True)
+            self._event = torch.cuda.Event()
+        else:
+            self._mirror = torch.empty(_LEN, dtype=torch.float64)
+        self._host = self._mirror.numpy()  # a view of the same memory, taken once
+        self._mirror.copy_(self._state)
 
     def _fresh(self) -> Tensor:
         state = torch.zeros(_LEN, dtype=torch.float64, device=self.device)
@@ -365,14 +374,14 @@ class StepGuard:
         self._publish()
 
     def _publish(self) -> None:
-        """On a GPU: start copying the verdict to pinned host memory, to be read without waiting."""
-        if self.device.type != "cuda":
+        """Refresh the host mirror: a CPU copy on the CPU; on a GPU an asynchronous copy into
+        pinned memory, started only when the previous one has landed (its buffer is free)."""
+        if self._event is None:
+            if self.device.type == "cpu":
+                self._mirror.copy_(self._state)
             return
-        if self._host_copy is None:
-            self._host_copy = torch.empty(_LEN, dtype=torch.float64, pin_memory=True)
-            self._event = torch.cuda.Event()
-        if self._event.query():  # the previous copy landed: its buffer is free to reuse
-            self._host_copy.copy_(self._state, non_blocking=True)
+        if self._event.query():
+            self._mirror.copy_(self._state, non_blocking=True)
             self._event.record()
 
     # ------------------------------------------------------------------ reading the verdict
@@ -390,10 +399,8 @@ class StepGuard:
         CPU; on a GPU once the last asynchronous copy has landed."""
         if self._known is not None and self._known[_STEP] >= 0:
             return self._known
-        if self.device.type == "cpu":
-            return self._state.tolist()  # a CPU tensor: no device to wait for
-        if self.device.type == "cuda" and self._event is not None and self._event.query():
-            return self._host_copy.tolist()  # type: ignore[union-attr]
+        if self.device.type == "cpu" or (self._event is not None and self._event.query()):
+            return [float(v) for v in self._host]  # host memory, already filled
         return None
 
     def read(self) -> list[float]:

@@ -70,20 +70,23 @@ from __future__ import annotations
 import datetime
 import inspect
 import math
-import os
 import shlex
 import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
 from stabletrain.debug.grad_norm import GradNorm, compute_grad_norm
 from stabletrain.errors import StabletrainError
+from stabletrain.events import TrainerLike
+from stabletrain.utils.dist import any_rank as dist_any_rank
+from stabletrain.utils.dist import rank_and_world_size
 from stabletrain.utils.io import atomic_torch_save
 from stabletrain.utils.rng import raw_rng_state, storable_rng_state
+from stabletrain.utils.text import MEASURED_DIGITS, fmt_list, fmt_number, fmt_path, shell_path
+from stabletrain.utils.tree import cpu_copy, detached_copy, to_storable
 
 #: The ``format`` entry of every capture file, and the newest ``version`` this code writes and reads.
 FORMAT = "stabletrain.nan_capture"
@@ -189,7 +192,8 @@ def _rebuild_nan_detected_error(message: str, step: int, rank: int, names: list[
 # --------------------------------------------------------------------------------------
 
 
-def _default_step_fn(model: nn.Module, batch: Any) -> Tensor:
+def default_step_fn(model: nn.Module, batch: Any) -> Tensor:
+    """The loss of one microbatch when no ``step_fn`` is given: ``model.training_step(batch)``."""
     return model.training_step(batch)  # type: ignore[operator]
 
 
@@ -214,7 +218,11 @@ class NaNCaptureMonitor:
         max_skipped_steps: With a scaler: capture after this many consecutive skipped steps.
         precision: The precision the loop runs in, as a Lightning Fabric name ("32-true",
             "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true"); replay uses it.
-            Default: "16-mixed" with a scaler, else "32-true".
+            Default: "16-mixed" with a scaler; else what the loop is seen to use when the step
+            is captured: parameters in float16, bfloat16 or float64 make "16-true",
+            "bf16-true" or "64-true"; float32 parameters under ``torch.autocast`` during the
+            step (seen when the model or one of its children is called) make "16-mixed" or
+            "bf16-mixed"; else "32-true".
         gradient_accumulation_steps: Microbatches per optimizer step; default: the number
             of :meth:`collect_batch` calls in the step. Replay divides each loss by it.
         step_fn: ``step_fn(model, batch) -> loss``, if the model has no ``training_step``.
@@ -263,20 +271,25 @@ class NaNCaptureMonitor:
     ):
         if max_skipped_steps < 1:
             raise ValueError(f"max_skipped_steps must be >= 1, got {max_skipped_steps}")
-        dist_rank, dist_world = _dist_rank_and_world()
+        dist_rank, dist_world = rank_and_world_size()
         self.model = model
         self.out_dir = Path(out_dir)
         self.rank = dist_rank if rank is None else int(rank)
         self.world_size = dist_world if world_size is None else int(world_size)
         self.scaler = scaler if (scaler is not None and getattr(scaler, "is_enabled", lambda: True)()) else None
         self.max_skipped_steps = int(max_skipped_steps)
-        self.precision = str(precision) if precision is not None else ("16-mixed" if self.scaler is not None else "32-true")
+        self._precision = str(precision) if precision is not None else ("16-mixed" if self.scaler is not None else None)
+        #: The autocast dtype seen at the model's forward calls in this step (None: autocast off).
+        self._autocast: Optional[torch.dtype] = None
+        # The model's forward, and its children's for a training_step that calls them directly.
+        watched = [model, *model.children()] if self._precision is None else []
+        self._hooks = [m.register_forward_pre_hook(self._see_autocast) for m in watched]
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.step_fn = step_fn
         self.settings = settings
         self.model_meta = model_meta
         self.copy_batches = copy_batches
-        self.any_rank = any_rank or _default_any_rank
+        self.any_rank = any_rank or dist_any_rank
         self.replay_command = replay_command or default_replay_command(
             self.capture_dir if self.world_size == 1 else self.out_dir,
             model=model,
@@ -292,6 +305,18 @@ class NaNCaptureMonitor:
         self._losses: list[Tensor] = []
         self._buffers: list[tuple[str, Tensor]] = []
         self._skipped: Optional[Tensor] = None
+
+    @property
+    def precision(self) -> str:
+        """The precision written into a capture (see ``precision`` in the class docstring)."""
+        if self._precision is not None:
+            return self._precision
+        return infer_precision(self.model, self._autocast)
+
+    def _see_autocast(self, module: nn.Module, args: Any) -> None:
+        device = next((p.device.type for p in self.model.parameters()), "cpu")
+        if torch.is_autocast_enabled(device):
+            self._autocast = torch.get_autocast_dtype(device)
 
     @property
     def capture_dir(self) -> Path:
@@ -312,6 +337,7 @@ class NaNCaptureMonitor:
         """
         self.step = int(step)
         self._batches, self._indices, self._rng, self._losses = [], [], [], []
+        self._autocast = None
         # A device-side copy, no host transfer; empty for models without persistent buffers.
         self._buffers = [(name, b.detach().clone()) for name, b in persistent_buffers(self.model)]
 
@@ -324,7 +350,7 @@ class NaNCaptureMonitor:
         """
         if self.step is None:
             raise RuntimeError("NaNCaptureMonitor.collect_batch: call begin_step(step) first")
-        self._batches.append(_device_copy(batch) if self.copy_batches else batch)
+        self._batches.append(detached_copy(batch) if self.copy_batches else batch)
         self._indices.append(indices)
         self._rng.append(raw_rng_state())
 
@@ -375,9 +401,12 @@ class NaNCaptureMonitor:
         return self._write(list(nan_param_names), reason, 0, [], params=params, extra=extra)
 
     def close(self) -> None:
-        """Let go of everything held (idempotent)."""
+        """Let go of everything held and remove the monitor's hook (idempotent)."""
         self._release()
         self._buffers = []
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
     def __enter__(self) -> "NaNCaptureMonitor":
         return self
@@ -492,13 +521,14 @@ class NaNCaptureMonitor:
             "loss_scale": scale,
             "consecutive_skipped_steps": skipped,
             "gradient_accumulation_steps": int(self.gradient_accumulation_steps or len(self._batches)),
-            "params": {n: _to_cpu(p) for n, p in (params.items() if params is not None else self.model.named_parameters())},
-            "buffers": {n: _to_cpu(b) for n, b in self._buffers},
+            "params": {n: cpu_copy(p) for n, p in (params.items() if params is not None
+                                                   else self.model.named_parameters())},
+            "buffers": {n: cpu_copy(b) for n, b in self._buffers},
             "microbatches": batches,
             "unstorable": unstorable,
             "indices": [_indices_to_storable(ix) for ix in self._indices],
             "rng": [storable_rng_state(r) for r in self._rng],
-            "losses": [_to_cpu(loss) for loss in self._losses],
+            "losses": [cpu_copy(loss) for loss in self._losses],
             "nan_param_names": list(names),
             # With gradient_norm_overflow: the parameters with the largest |gradient| element.
             "largest_gradients": [{"name": n, "abs_max": v} for n, v in largest],
@@ -541,9 +571,13 @@ class NaNCaptureMonitor:
             head = f"Non-finite gradients at {where}"
         lines = [head + "."]
         if names:
-            lines.append(f"Gradients with NaN/Inf: {len(names)} of {n_params} parameters: {_short_list(names)}.")
+            lines.append(
+                f"Gradients with NaN/Inf: {len(names)} of {n_params} parameters: {fmt_list(names, 6)}"
+                + ("; all are in the capture." if len(names) > 6 else ".")
+            )
         if largest:
-            lines.append("Largest |gradient|: " + ", ".join(f"{n} {_fmt(v)}" for n, v in largest) + ".")
+            shown = ", ".join(f"{n} {fmt_number(v, MEASURED_DIGITS)}" for n, v in largest)
+            lines.append(f"Largest |gradient|: {shown}.")
             lines.append(
                 "An optimizer step with these gradients would be huge (SGD moves a weight by lr x gradient) or put Inf "
                 "into the optimizer state (Adam's average of squared gradients overflows float32), and clipping would "
@@ -553,7 +587,7 @@ class NaNCaptureMonitor:
             )
         if losses:
             lines.append(
-                f"Microbatch losses: {', '.join(_fmt(float(loss)) for loss in losses)}."
+                f"Microbatch losses: {', '.join(fmt_number(float(loss), MEASURED_DIGITS) for loss in losses)}."
             )
         lines.append(f"The step was captured before clipping and the optimizer step: {path}")
         if is_replay_template(self.replay_command):
@@ -573,7 +607,7 @@ class NaNCaptureMonitor:
 
     def _scale_text(self) -> str:
         s = getattr(self.scaler, "_scale", None)
-        return _fmt(float(s)) if isinstance(s, Tensor) else "?"
+        return fmt_number(float(s), MEASURED_DIGITS) if isinstance(s, Tensor) else "?"
 
 
 # --------------------------------------------------------------------------------------
@@ -593,7 +627,7 @@ class NaNCaptureCallback:
         self.args = args
         self.monitor: Optional[NaNCaptureMonitor] = None
 
-    def on_train_start(self, trainer: Any) -> None:
+    def on_train_start(self, trainer: TrainerLike) -> None:
         settings = trainer.resolved_settings()
         custom = settings.get("task") == "custom"
         folder = trainer.out / "debug" / "nan_capture"
@@ -618,27 +652,27 @@ class NaNCaptureCallback:
         )
         self.monitor.advice = lambda step: self._advice(trainer, step)
 
-    def on_step_start(self, trainer: Any, *, step: int) -> None:
+    def on_step_start(self, trainer: TrainerLike, *, step: int) -> None:
         assert self.monitor is not None
         self.monitor.begin_step(step)
 
-    def on_microbatch(self, trainer: Any, *, step: int, micro_step: int, batch: Any, indices: Any) -> None:
+    def on_microbatch(self, trainer: TrainerLike, *, step: int, micro_step: int, batch: Any, indices: Any) -> None:
         assert self.monitor is not None
         self.monitor.collect_batch(batch, indices)
 
-    def on_after_microbatch(self, trainer: Any, *, step: int, micro_step: int, loss: Tensor) -> None:
+    def on_after_microbatch(self, trainer: TrainerLike, *, step: int, micro_step: int, loss: Tensor) -> None:
         assert self.monitor is not None
         self.monitor.collect_loss(loss)
 
-    def on_after_backward(self, trainer: Any, *, step: int, grad_norm: GradNorm) -> None:
+    def on_after_backward(self, trainer: TrainerLike, *, step: int, grad_norm: GradNorm) -> None:
         assert self.monitor is not None
         self.monitor.check_and_capture(grad_norm)
 
-    def on_train_end(self, trainer: Any) -> None:
+    def on_train_end(self, trainer: TrainerLike) -> None:
         if self.monitor is not None:
             self.monitor.close()
 
-    def on_exception(self, trainer: Any, *, exception: BaseException) -> None:
+    def on_exception(self, trainer: TrainerLike, *, exception: BaseException) -> None:
         if isinstance(exception, NaNDetectedError):
             # An event row in metrics.jsonl (and the other loggers), next to the last logged step.
             trainer.log_event({
@@ -651,18 +685,35 @@ class NaNCaptureCallback:
         if self.monitor is not None:
             self.monitor.close()
 
-    def _advice(self, trainer: Any, step: int) -> str:
-        """Where to continue: the newest checkpoint recorded healthy (measured when written,
-        see stabletrain.checkpoint_health), with a command to paste."""
-        from stabletrain.stop_messages import resume_advice
-
-        text, _, _ = resume_advice(trainer, step)
+    def _advice(self, trainer: TrainerLike, step: int) -> str:
+        """Where to continue: the trainer names the newest checkpoint recorded healthy (measured
+        when written, see stabletrain.checkpoint_health), with a command to paste."""
+        advise = getattr(trainer, "resume_advice", None)
+        text = advise(step) if callable(advise) else f"Continue from a checkpoint written before step {step}."
         return "No non-finite value reached the optimizer or a checkpoint. " + text
 
 
 # --------------------------------------------------------------------------------------
 # Helpers shared with replay
 # --------------------------------------------------------------------------------------
+
+
+_TRUE_PRECISIONS = {torch.float16: "16-true", torch.bfloat16: "bf16-true", torch.float64: "64-true"}
+_MIXED_PRECISIONS = {torch.float16: "16-mixed", torch.bfloat16: "bf16-mixed"}
+
+
+def infer_precision(model: nn.Module, autocast_dtype: Optional[torch.dtype] = None) -> str:
+    """The Lightning Fabric precision a plain loop runs ``model`` in: the dtype holding most of
+    its floating-point parameters ("16-true", "bf16-true", "64-true"), else, for float32
+    parameters, the autocast dtype seen during the step ("16-mixed", "bf16-mixed"), else "32-true"."""
+    sizes: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        if p.is_floating_point():
+            sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+    dtype = max(sizes, key=lambda d: sizes[d]) if sizes else torch.float32
+    if dtype in _TRUE_PRECISIONS:
+        return _TRUE_PRECISIONS[dtype]
+    return _MIXED_PRECISIONS.get(autocast_dtype, "32-true") if autocast_dtype is not None else "32-true"
 
 
 def persistent_buffers(model: nn.Module) -> list[tuple[str, Tensor]]:
@@ -705,99 +756,21 @@ def largest_abs_grads(named_parameters: Any, k: int = 5) -> list[tuple[str, floa
     return ranked[:k]
 
 
-def to_storable(obj: Any, where: str = "batch") -> Any:
-    """A copy of ``obj`` that ``torch.load(weights_only=True)`` can read back: CPU tensors,
-    numbers, strings, None, and lists, tuples and dicts of them.
-
-    Named tuples become plain tuples and NumPy arrays become tensors.
-
-    Raises:
-        TypeError: ``obj`` holds something else (a custom class); the message names where.
-    """
-    if isinstance(obj, Tensor):
-        return _to_cpu(obj)
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    if isinstance(obj, np.ndarray):
-        return torch.from_numpy(obj.copy())
-    if isinstance(obj, np.generic):
-        return obj.item()
-    if isinstance(obj, dict):
-        bad = [k for k in obj if not isinstance(k, (str, int))]
-        if bad:
-            raise TypeError(f"{where}: dict keys must be str or int to be stored safely, got {type(bad[0]).__name__}")
-        return {k: to_storable(v, f"{where}[{k!r}]") for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        items = [to_storable(v, f"{where}[{i}]") for i, v in enumerate(obj)]
-        return items if isinstance(obj, list) else tuple(items)
-    raise TypeError(
-        f"{where}: a {type(obj).__module__}.{type(obj).__qualname__} cannot be stored in a capture safely "
-        "(only tensors, numbers, strings, None, lists, tuples and dicts); the capture is written without this microbatch"
-    )
-
-
-def _to_cpu(t: Tensor) -> Tensor:
-    # copy=True: a tensor of its own, never a view that would drag its whole storage into the file.
-    return t.detach().to("cpu", copy=True)
-
-
-def _device_copy(obj: Any) -> Any:
-    if isinstance(obj, Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: _device_copy(v) for k, v in obj.items()}
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_device_copy(v) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_device_copy(v) for v in obj)
-    return obj
-
-
 def _indices_to_storable(indices: Any) -> Optional[Tensor]:
     if indices is None:
         return None
     if isinstance(indices, Tensor):
-        return _to_cpu(indices).long()
+        return cpu_copy(indices).long()
     try:
         return torch.as_tensor(list(indices), dtype=torch.long)
     except (TypeError, ValueError):
         return None
 
 
-def _dist_rank_and_world() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _default_any_rank(flag: Tensor) -> bool:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        t = flag.to(torch.float32).reshape(1)
-        if dist.get_backend() == "nccl" and t.device.type != "cuda":
-            t = t.cuda()
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t)
-    return bool(flag)
-
-
 def _stabletrain_version() -> str:
     from stabletrain import __version__
 
     return __version__
-
-
-def _fmt(x: float) -> str:
-    return f"{x:.6g}" if math.isfinite(x) else str(x)
-
-
-def _short_list(names: Sequence[str], limit: int = 6) -> str:
-    if len(names) <= limit:
-        return ", ".join(names)
-    return ", ".join(names[:limit]) + f", ... ({len(names) - limit} more; all are in the capture)"
 
 
 # --------------------------------------------------------------------------------------
@@ -809,23 +782,6 @@ def _qualified_name(obj: Any) -> str:
     return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__qualname__)}"
 
 
-def _display_path(path: str | Path) -> str:
-    """``path`` relative to the working directory when it lies below it, else absolute."""
-    p = Path(path)
-    absolute = p if p.is_absolute() else Path.cwd() / p
-    try:
-        rel = os.path.relpath(absolute, Path.cwd())
-    except ValueError:
-        rel = str(absolute)
-    text = str(absolute) if rel.startswith("..") else rel
-    return "./" + text if text.startswith("-") else text  # never read as an option
-
-
-def _shell_path(path: str | Path) -> str:
-    """:func:`_display_path`, quoted for a POSIX shell (spaces, quotes, ``$`` and all)."""
-    return shlex.quote(_display_path(path))
-
-
 def _import_spec(obj: Any, needs_no_args: bool) -> Optional[tuple[str, bool, str]]:
     """(file path or module name, whether it is a file, name) for :func:`importable_ref`, or None."""
     if _not_importable_reason(obj, needs_no_args) is not None:
@@ -833,7 +789,7 @@ def _import_spec(obj: Any, needs_no_args: bool) -> Optional[tuple[str, bool, str
     module = sys.modules[obj.__module__]
     source = getattr(module, "__file__", None)
     if source and source.endswith(".py"):
-        return _display_path(source), True, obj.__qualname__
+        return fmt_path(source), True, obj.__qualname__
     return obj.__module__, False, obj.__qualname__
 
 
@@ -887,7 +843,7 @@ def importable_ref(obj: Any, needs_no_args: bool) -> Optional[str]:
 
 
 def _custom_step_fn(step_fn: Any) -> bool:
-    return step_fn is not None and step_fn is not _default_step_fn
+    return step_fn is not None and step_fn is not default_step_fn
 
 
 def no_replay_command_reason(model: Any, step_fn: Any = None) -> Optional[str]:
@@ -921,7 +877,7 @@ def default_replay_command(
         default_replay_command("out/run/debug/nan_capture/rank0", model=MyModel())
         # 'stabletrain replay out/run/debug/nan_capture/rank0 --model train.py:MyModel'
     """
-    target = _shell_path(path)
+    target = shell_path(path)
     if builtin:
         return f"stabletrain replay {target}"
     custom_step = _custom_step_fn(step_fn)
@@ -971,5 +927,5 @@ def _replay_template(path: str | Path, model: Any, step_fn: Any) -> str:
             lines.append(f"# FILL IN: the step function your loop computed the loss with ({_qualified_name(step_fn)}):")
             lines.append("step_fn = ...")
         call += ", step_fn=step_fn"
-    lines.append(f"print(stabletrain.load_nan_capture({_display_path(path)!r}, {call}).replay())")
+    lines.append(f"print(stabletrain.load_nan_capture({fmt_path(path)!r}, {call}).replay())")
     return "\n".join(lines)

@@ -8,13 +8,10 @@ which turn the update into x / 0.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
-
-if TYPE_CHECKING:
-    from stabletrain.debug.guard import GuardFailure
 
 __all__ = ["describe_optimizer_damage", "explain_optimizer_damage", "optimizer_name", "smallest_positive"]
 
@@ -23,8 +20,9 @@ _DTYPE_NAMES = {
 }
 
 
-def describe_optimizer_damage(failure: "GuardFailure", model: nn.Module, optimizer: Any) -> None:
-    """Fill in which parameters and state entries are non-finite, and why (host reads)."""
+def describe_optimizer_damage(failure: Any, model: nn.Module, optimizer: Any) -> None:
+    """Fill in ``failure``'s (a :class:`stabletrain.debug.guard.GuardFailure`) parameters and
+    state entries holding NaN/Inf, and why (host reads)."""
     names = {id(p): n for n, p in model.named_parameters()}
     counts = {}
     for n, p in model.named_parameters():

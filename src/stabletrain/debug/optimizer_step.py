@@ -107,7 +107,7 @@ class _Collector:
 def _source(trainer: Any, k: int) -> tuple[Optional[dict[str, Any]], str]:
     """The newest state at or before step ``k`` to re-run from, and where it came from."""
     from stabletrain.checkpoint import checkpoint_dir, load_checkpoint
-    from stabletrain.checkpoint_health import list_checkpoints
+    from stabletrain.checkpoint import list_checkpoints
 
     usable = [c for c in list_checkpoints(checkpoint_dir(trainer.out)) if c.step <= k]
     if usable:
@@ -238,9 +238,9 @@ class OptimizerStepDiagnosis:
         return data
 
     def __str__(self) -> str:
-        return self.report()
+        return self.to_markdown()
 
-    def report(self) -> str:
+    def to_markdown(self) -> str:
         lines = [
             f"# Diagnosis of step {self.step}: {self.path}",
             "",
@@ -386,7 +386,7 @@ def diagnose_optimizer_step(
         folder = part.path.parent
         md, js = folder / "diagnosis.md", folder / "diagnosis.json"
         diag.files = [str(md), str(js)]
-        atomic_write_text(diag.report() + "\n", md)
+        atomic_write_text(diag.to_markdown() + "\n", md)
         atomic_write_text(json.dumps(diag.to_dict(), indent=2) + "\n", js)
     return diag
 
@@ -413,7 +413,7 @@ def _actions(entry: dict[str, Any], dtypes: set[torch.dtype], explanation: str, 
                        " or clip gradients (gradient_clip_val=1.0): the update left the dtype's range.")
     out = _run_folder(cap)
     if out is not None:
-        from stabletrain.checkpoint_health import newest_healthy
+        from stabletrain.checkpoint import newest_healthy
 
         best = newest_healthy(out / "checkpoints", before_step=cap.step)
         if best is not None:

@@ -17,29 +17,22 @@ within them, in any precision (``"64-true"`` included), inside a context manager
 caller's (e.g. a ``TorchDispatchMode``), returning losses and per-parameter gradient
 finiteness with the model and its gradients.
 
-Command line::
-
-    stabletrain replay out/boom/debug/nan_capture/rank0          # one rank
-    stabletrain replay out/boom/debug/nan_capture --json         # all ranks, for machines
+On the command line: ``stabletrain replay PATH`` (:mod:`stabletrain.cli.replay`).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import importlib
-import importlib.util
-import json
 import math
 import pickle
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, ContextManager, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
 
+import stabletrain
 from stabletrain.debug.grad_norm import compute_grad_norm
 from stabletrain.debug.nan_capture import (
     FILE_NAME,
@@ -48,16 +41,15 @@ from stabletrain.debug.nan_capture import (
     REASON_OTHER_RANK,
     VERSION,
     NaNCaptureError,
-    _default_step_fn,
-    _shell_path,
+    default_step_fn,
     largest_abs_grads,
     nonfinite_grad_names,
     persistent_buffers,
 )
+from stabletrain.utils import imports
 from stabletrain.utils.rng import get_rng_state, set_rng_state
-
-if TYPE_CHECKING:
-    from stabletrain.debug.diagnose import Diagnosis
+from stabletrain.utils.text import MEASURED_DIGITS, fmt_list, fmt_number, json_float, shell_path
+from stabletrain.utils.tree import bitwise_equal, leading_size, select_rows, to_device
 
 __all__ = [
     "load_nan_capture",
@@ -138,6 +130,21 @@ class RankCapture:
     @property
     def num_microbatches(self) -> int:
         return len(self.microbatches)
+
+    def microbatch_size(self, micro: int) -> int:
+        """Samples in microbatch ``micro``: its dataset indices, else the first dimension of its
+        first batched tensor.
+
+        Raises:
+            NaNCaptureError: The microbatch holds no batched tensor.
+        """
+        ix = self.indices[micro]
+        if isinstance(ix, Tensor):
+            return int(ix.numel())
+        size = leading_size(self.microbatches[micro])
+        if size is None:
+            raise NaNCaptureError(f"cannot tell the size of microbatch {micro}: it holds no batched tensor", self.path)
+        return size
 
 
 _REQUIRED: dict[str, Any] = {
@@ -367,7 +374,12 @@ def precision_plugin(precision: str, device_type: str, loss_scale: Optional[floa
     ``"16-mixed"`` the GradScaler starts at ``loss_scale`` (the captured scale); unlike
     ``Fabric(precision="16-mixed")`` this also works on the CPU.
     """
-    from lightning_fabric.plugins import DoublePrecision, HalfPrecision, MixedPrecision, Precision
+    from lightning_fabric.plugins import (
+        DoublePrecision,
+        HalfPrecision,
+        MixedPrecision,
+        Precision,
+    )
 
     precision = normalize_precision(precision)
     if precision == "32-true":
@@ -510,8 +522,8 @@ def forward_backward(
     prec = normalize_precision(precision or capture.precision)
     dev = torch.device(device) if device is not None else capture.default_device()
     model = model if model is not None else capture.get_model()
-    fn = step_fn or capture.step_fn or _default_step_fn
-    if fn is _default_step_fn and not callable(getattr(model, "training_step", None)):
+    fn = step_fn or capture.step_fn or default_step_fn
+    if fn is default_step_fn and not callable(getattr(model, "training_step", None)):
         raise NaNCaptureError(
             f"{type(model).__name__} has no training_step(batch) -> loss; pass step_fn=my_step_fn "
             "(the function your loop computed the loss with) to load_nan_capture"
@@ -529,7 +541,7 @@ def forward_backward(
     saved_rng = get_rng_state()
     try:
         model.to(dev)
-        if float_dtype is not None and prec in _TRUE_DTYPES:
+        if float_dtype is not None:  # e.g. the float32 replay of a .half() model runs in float32
             model.to(float_dtype)
         model.train()
         summed: dict[str, Tensor] = {}
@@ -545,8 +557,8 @@ def forward_backward(
                         reason = "; ".join(part.raw.get("unstorable", [])) or "it could not be stored"
                         raise NaNCaptureError(f"microbatch {micro} of rank {rank} is not in the capture: {reason}", part.path)
                     if (rank, micro) in row_map:
-                        batch = _select_rows(batch, row_map[(rank, micro)], _microbatch_size(part, micro))
-                    batch = _to_device(batch, dev)
+                        batch = select_rows(batch, row_map[(rank, micro)], part.microbatch_size(micro))
+                    batch = to_device(batch, dev)
                     set_rng_state(part.rng[micro])
                     with plugin.forward_context():
                         loss = fn(model, plugin.convert_input(batch))
@@ -609,6 +621,8 @@ def _float_dtype(target: str, captured: str) -> Optional[torch.dtype]:
     """The dtype floating parameters get for a replay in ``target``; None keeps the captured dtypes."""
     if target in _TRUE_DTYPES:
         return _TRUE_DTYPES[target]
+    if target == "32-true":  # whatever the parameters were stored in: 32-true computes in float32
+        return torch.float32
     if captured in _TRUE_DTYPES:  # a half/double run replayed in 32-bit or mixed precision
         return torch.float32
     return None
@@ -623,8 +637,8 @@ def _load_state(model: nn.Module, part: RankCapture, float_dtype: Optional[torch
         raise NaNCaptureError(
             f"the model does not match the capture (trained: {part.model_class}, given: "
             f"{type(model).__module__}.{type(model).__qualname__}): "
-            + (f"the capture has {_few(missing)} that the model lacks; " if missing else "")
-            + (f"the model has {_few(extra)} that the capture lacks; " if extra else "")
+            + (f"the capture has {fmt_list(missing)} that the model lacks; " if missing else "")
+            + (f"the model has {fmt_list(extra)} that the capture lacks; " if extra else "")
             + "pass an instance of the model class that was trained",
             part.path,
         )
@@ -645,56 +659,6 @@ def _load_state(model: nn.Module, part: RankCapture, float_dtype: Optional[torch
                 t.data = src.to(device=device, dtype=dtype, copy=True)
     for p in params.values():
         p.grad = None
-
-
-def _few(names: list[str], limit: int = 4) -> str:
-    shown = ", ".join(names[:limit])
-    return shown + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
-
-
-def _microbatch_size(part: RankCapture, micro: int) -> int:
-    ix = part.indices[micro]
-    if isinstance(ix, Tensor):
-        return int(ix.numel())
-    for t in _tensors(part.microbatches[micro]):
-        if t.ndim:
-            return int(t.shape[0])
-    raise NaNCaptureError(f"cannot tell the size of microbatch {micro}: it holds no batched tensor", part.path)
-
-
-def _tensors(obj: Any) -> Iterable[Tensor]:
-    if isinstance(obj, Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
-
-
-def _select_rows(obj: Any, rows: Sequence[int], n: int) -> Any:
-    if isinstance(obj, Tensor):
-        if obj.ndim and obj.shape[0] == n:
-            return obj[torch.as_tensor(list(rows), dtype=torch.long)]
-        return obj
-    if isinstance(obj, dict):
-        return {k: _select_rows(v, rows, n) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        items = [_select_rows(v, rows, n) for v in obj]
-        return items if isinstance(obj, list) else tuple(items)
-    return obj
-
-
-def _to_device(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, Tensor):
-        return obj.to(device)
-    if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        items = [_to_device(v, device) for v in obj]
-        return items if isinstance(obj, list) else tuple(items)
-    return obj
 
 
 # --------------------------------------------------------------------------------------
@@ -774,13 +738,13 @@ class ReplayResult:
             "reproduced": self.reproduced,
             "step": self.step,
             "nan_param_names": self.nan_param_names,
-            "losses": [_json_float(x) for x in self.losses],
-            "captured_losses": [_json_float(x) for x in self.captured_losses],
+            "losses": [json_float(x) for x in self.losses],
+            "captured_losses": [json_float(x) for x in self.captured_losses],
             "losses_bitwise_equal": self.losses_bitwise_equal,
             "captured_nan_param_names": self.captured_nan_param_names,
-            "gradient_norm": _json_float(self.gradient_norm),
+            "gradient_norm": json_float(self.gradient_norm),
             "gradient_norm_overflow": self.gradient_norm_overflow,
-            "largest_gradients": [{"name": n, "abs_max": _json_float(v)} for n, v in self.largest_gradients],
+            "largest_gradients": [{"name": n, "abs_max": json_float(v)} for n, v in self.largest_gradients],
             "precision": self.precision,
             "captured_precision": self.captured_precision,
             "device": self.device,
@@ -793,17 +757,17 @@ class ReplayResult:
             "ranks_reproducing_alone": self.ranks_reproducing_alone,
             "per_rank": [
                 {"rank": o.rank, "reproduced": o.reproduced, "nan_param_names": o.nan_param_names,
-                 "losses": [_json_float(x) for x in o.losses]}
+                 "losses": [json_float(x) for x in o.losses]}
                 for o in self.per_rank
             ],
             "path": self.path,
         }
 
     def __str__(self) -> str:
-        return self.report()
+        return self.to_text()
 
-    def report(self) -> str:
-        """The human-readable summary ``stabletrain replay`` prints."""
+    def to_text(self) -> str:
+        """The human-readable account ``stabletrain replay`` prints."""
         ranks = f"rank {self.ranks[0]}" if len(self.ranks) == 1 else f"ranks {', '.join(map(str, self.ranks))}"
         prec = self.precision + (" (as captured)" if self.precision == self.captured_precision else f" (captured in {self.captured_precision})")
         lines = [
@@ -814,10 +778,12 @@ class ReplayResult:
             lines.append(
                 f"  warning: no capture of rank(s) {', '.join(map(str, self.missing_ranks))}: the gradient is not the full DDP gradient"
             )
-        largest = f"largest |gradient|: {', '.join(f'{n} {_fmt(v)}' for n, v in self.largest_gradients)}"
+        largest = "largest |gradient|: " + ", ".join(
+            f"{n} {fmt_number(v, MEASURED_DIGITS)}" for n, v in self.largest_gradients
+        )
         if self.reproduced:
             if self.nan_param_names:
-                what = f"non-finite gradients in {len(self.nan_param_names)} parameter(s): {_few(self.nan_param_names, 8)}"
+                what = f"non-finite gradients in {len(self.nan_param_names)} parameter(s): {fmt_list(self.nan_param_names, 8)}"
             elif any(not math.isfinite(x) for x in self.losses):
                 what = "non-finite loss (gradients finite)"
             else:
@@ -829,12 +795,13 @@ class ReplayResult:
         else:
             lines.append("  reproduced: NO - every replayed loss and gradient is finite"
                          + (", and so is the gradient norm" if self.reason == REASON_NORM_OVERFLOW else ""))
-        lines.append(f"  gradient_norm: {_fmt(self.gradient_norm)}")
+        lines.append(f"  gradient_norm: {fmt_number(self.gradient_norm, MEASURED_DIGITS)}")
         lines.append("  microbatch  rank  loss (replay)     loss (captured)   samples")
         for i, ((rank, micro), loss) in enumerate(zip(self.microbatches, self.losses)):
-            cap = _fmt(self.captured_losses[i]) if i < len(self.captured_losses) else "-"
+            cap = fmt_number(self.captured_losses[i], MEASURED_DIGITS) if i < len(self.captured_losses) else "-"
             samples = self.sample_indices[i] if i < len(self.sample_indices) else None
-            lines.append(f"  {micro:<10}  {rank:<4}  {_fmt(loss):<16}  {cap:<16}  {_short(samples)}")
+            shown = "-" if samples is None else fmt_list(samples, 6)
+            lines.append(f"  {micro:<10}  {rank:<4}  {fmt_number(loss, MEASURED_DIGITS):<16}  {cap:<16}  {shown}")
         if self.losses_bitwise_equal is True:
             lines.append("  losses: bitwise equal to the captured ones")
         elif self.losses_bitwise_equal is False:
@@ -863,29 +830,6 @@ class ReplayResult:
                 "backward (a callback or hook that changed gradients, memory corruption)."
             )
         return "\n".join(lines)
-
-
-def _json_float(x: float) -> Any:
-    return x if math.isfinite(x) else str(x)
-
-
-def _fmt(x: float) -> str:
-    return f"{x:.6g}" if math.isfinite(x) else str(x)
-
-
-def _short(samples: Optional[list[int]], limit: int = 6) -> str:
-    if samples is None:
-        return "-"
-    shown = ", ".join(map(str, samples[:limit]))
-    return f"[{shown}{', ...' if len(samples) > limit else ''}] ({len(samples)})"
-
-
-def _bitwise_equal(a: Tensor, b: Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if bool(torch.isnan(a).all()) and bool(torch.isnan(b).all()):
-        return True
-    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
 class NaNCapture:
@@ -1000,7 +944,7 @@ class NaNCapture:
             raise NaNCaptureError(
                 f"this capture is of your own model ({cls}), which cannot be rebuilt from settings: "
                 f"pass it, e.g. load_nan_capture({str(self.path)!r}, model={cls.rsplit('.', 1)[-1]}()), "
-                f"or on the command line: stabletrain replay {_shell_path(self.path)} --model path/to/file.py:{cls.rsplit('.', 1)[-1]}",
+                f"or on the command line: stabletrain replay {shell_path(self.path)} --model path/to/file.py:{cls.rsplit('.', 1)[-1]}",
                 self.path,
             )
         from stabletrain.config import settings_from_resolved
@@ -1066,7 +1010,7 @@ class NaNCapture:
         captured = [loss for r in self.ranks for loss in r.losses]
         bitwise: Optional[bool] = None
         if len(captured) == len(full.losses) and captured:
-            bitwise = all(_bitwise_equal(a, b.to(a.device)) for a, b in zip(full.losses, captured))
+            bitwise = all(bitwise_equal(a, b.to(a.device)) for a, b in zip(full.losses, captured))
         indices = []
         for rank, micro in full.microbatches:
             ix = self.rank_capture(rank).indices[micro]
@@ -1096,18 +1040,16 @@ class NaNCapture:
             largest_gradients=full.largest_gradients,
         )
 
-    def diagnose(self, **kwargs: Any) -> "Diagnosis":
-        """:func:`stabletrain.debug.diagnose.diagnose` on this capture: which op, module and
-        sample, and why. Writes ``diagnosis.md`` and ``diagnosis.json`` next to the capture
-        unless ``write=False``.
+    def diagnose(self, **kwargs: Any) -> stabletrain.Diagnosis:
+        """:func:`stabletrain.diagnose` on this capture: which op, module and sample, and why.
+        Writes ``diagnosis.md`` and ``diagnosis.json`` next to the capture unless ``write=False``.
 
         Example::
 
             print(stabletrain.load_nan_capture("out/boom/debug/nan_capture/rank0").diagnose())
         """
-        from stabletrain.debug.diagnose import diagnose
-
-        return diagnose(self, **kwargs)
+        # Through the package's public name: replay sits below diagnose and never imports it.
+        return stabletrain.diagnose(self, **kwargs)
 
     def __repr__(self) -> str:
         return (
@@ -1116,95 +1058,8 @@ class NaNCapture:
         )
 
 
-# --------------------------------------------------------------------------------------
-# Command line
-# --------------------------------------------------------------------------------------
-
-
 def load_object(spec: str) -> Any:
-    """``path/to/file.py:Name`` or ``package.module:Name`` -> the object.
-
-    A file is imported as a module of its own name (its ``if __name__ == "__main__":``
-    block does not run), with its folder on ``sys.path`` for its own imports, once: asked
-    again for the same, unchanged file, the module already imported is used.
-    """
-    target, sep, attr = spec.rpartition(":")
-    if not sep or not target or not attr:
-        raise NaNCaptureError(f"{spec!r}: expected path/to/file.py:Name or package.module:Name")
-    if target.endswith(".py") or "/" in target or "\\" in target:
-        file = Path(target).expanduser().resolve()
-        if not file.is_file():
-            raise NaNCaptureError(f"{spec!r}: no such file {file}")
-        name = f"_stabletrain_user_{file.stem}"
-        if str(file.parent) not in sys.path:
-            sys.path.insert(0, str(file.parent))
-        module = sys.modules.get(name)
-        mtime = file.stat().st_mtime_ns
-        # The same file once (e.g. --model and --step-fn from one file): one module, whose
-        # classes and functions are the very objects the other names refer to. An edited
-        # file is imported again.
-        if (module is None or getattr(module, "__file__", None) != str(file)
-                or getattr(module, "_stabletrain_mtime", None) != mtime):
-            module_spec = importlib.util.spec_from_file_location(name, file)
-            if module_spec is None or module_spec.loader is None:
-                raise NaNCaptureError(f"{spec!r}: cannot import {file}")
-            module = importlib.util.module_from_spec(module_spec)
-            module._stabletrain_mtime = mtime  # type: ignore[attr-defined]
-            sys.modules[name] = module
-            try:
-                module_spec.loader.exec_module(module)
-            except BaseException:
-                del sys.modules[name]
-                raise
-    else:
-        if "" not in sys.path and "." not in sys.path:
-            sys.path.insert(0, "")
-        module = importlib.import_module(target)
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise NaNCaptureError(f"{spec!r}: {target} has no attribute {part!r}")
-        obj = getattr(obj, part)
-    return obj
-
-
-def replay_main(argv: list[str]) -> int:
-    """``stabletrain replay PATH [--json] [--precision P] [--device D] [--model SPEC] [--step-fn SPEC]``."""
-    parser = argparse.ArgumentParser(
-        prog="stabletrain replay",
-        description="Rerun a captured failing step offline (forward and backward, no optimizer step) and say "
-        "whether it reproduces. PATH is a rank folder, its nan_capture.pt, or the folder of all ranks.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=(
-            "examples:\n"
-            "  stabletrain replay out/boom/debug/nan_capture/rank0\n"
-            "  stabletrain replay out/boom/debug/nan_capture --json            # every rank of a DDP run\n"
-            "  stabletrain replay out/boom/debug/nan_capture/rank0 --precision 64-true\n"
-            "  stabletrain replay out/mine/debug/nan_capture/rank0 --model train.py:MyModel   # your own model\n"
-        ),
-    )
-    parser.add_argument("path", help="rank folder, nan_capture.pt, or the folder of all ranks")
-    parser.add_argument("--json", action="store_true", help="print the result as JSON")
-    parser.add_argument("--precision", choices=REPLAY_PRECISIONS, help="replay in this precision (default: as captured)")
-    parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: the captured device type when available)")
-    parser.add_argument(
-        "--model",
-        metavar="FILE.py:NAME",
-        help="your own model: a class (or function) that builds it without arguments, as file.py:Name or module:Name",
-    )
-    parser.add_argument("--step-fn", metavar="FILE.py:NAME", help="step_fn(model, batch) -> loss, if the model has no training_step")
-    ns = parser.parse_args(argv)
-    model = None
-    if ns.model:
-        factory = load_object(ns.model)
-        model = factory() if callable(factory) and not isinstance(factory, nn.Module) else factory
-        if not isinstance(model, nn.Module):
-            raise NaNCaptureError(f"--model {ns.model}: built a {type(model).__name__}, not a torch.nn.Module")
-    step_fn = load_object(ns.step_fn) if ns.step_fn else None
-    cap = load_nan_capture(ns.path, model=model, step_fn=step_fn)
-    result = cap.replay(precision=ns.precision, device=ns.device)
-    if ns.json:
-        print(json.dumps(result.to_dict(), indent=2))
-    else:
-        print(result.report())
-    return 0
+    """``path/to/file.py:Name`` or ``package.module:Name`` -> the object, for ``--model`` and
+    ``--step-fn`` and the replay templates of :func:`~stabletrain.debug.nan_capture.default_replay_command`
+    (see :func:`stabletrain.utils.imports.load_object`; errors are :class:`NaNCaptureError`)."""
+    return imports.load_object(spec, error=NaNCaptureError)

@@ -60,14 +60,16 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from statistics import median
 from pathlib import Path
+from statistics import median
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
 from stabletrain.config import TrendAlertArgs
-from stabletrain.debug.stable_lr import lr_advice
+from stabletrain.debug import advice
+from stabletrain.events import TrainerLike
+from stabletrain.utils.text import fmt_factor, fmt_number
 
 KINDS = ("exploding", "vanishing", "spike", "plateau", "nonfinite")
 SIGNALS = ("gradient_norm", "loss")
@@ -139,15 +141,15 @@ class Episode:
     def describe(self) -> str:
         """One line: what happened, where, by how much."""
         s, what = self.signal, self.steps_text()
-        v, r, f = _fmt(self.value), _fmt(self.reference), self.factor
+        v, r, f = fmt_number(self.value), fmt_number(self.reference), self.factor
         if self.kind == "exploding":
-            return f"{s} is exploding ({what}): {v}, {_fmt_factor(f)} its lowest recent level {r}"
+            return f"{s} is exploding ({what}): {v}, {fmt_factor(f)} its lowest recent level {r}"
         if self.kind == "vanishing":
             shrink = 1 / f if f > 0 else float("inf")
-            return f"{s} is vanishing ({what}): {v}, {_fmt_factor(shrink)} below its highest level {r}"
+            return f"{s} is vanishing ({what}): {v}, {fmt_factor(shrink)} below its highest level {r}"
         if self.kind == "spike":
             tail = " (during warmup: tolerated)" if self.tolerated else ""
-            return f"{s} spiked ({what}): {v}, {_fmt_factor(f)} its recent median {r}{tail}"
+            return f"{s} spiked ({what}): {v}, {fmt_factor(f)} its recent median {r}{tail}"
         if self.kind == "plateau":
             return f"{s} is on a plateau ({what}): {v}, barely below its start {r}"
         return f"{s} is not finite ({what}): {v}" + (f", {self.note}" if self.note else "")
@@ -213,25 +215,27 @@ class AlertContext:
 
 
 def next_actions(episode: Episode, context: Optional[AlertContext] = None) -> list[str]:
-    """The spec's next actions for an episode, with values from ``context`` filled in."""
+    """The spec's next actions for an episode, with values from ``context`` filled in
+    (:mod:`stabletrain.debug.advice` proposes them)."""
     c = context or AlertContext()
-    lr = c.lr
+    lr = advice.positive(c.lr)
+    now = f" (now {advice.setting_value(lr)})" if lr else ""
     precision = c.precision
-    lower = lr_advice(lr, c.history or (), episode.start_step) if lr else ""
+    lower = advice.anchored_lower_lr(lr, c.history or (), episode.start_step) if lr else ""
     if episode.kind == "exploding":
         actions = [
             f"lower the learning rate: {lower}"
             if lr
-            else "lower the learning rate (model_args.lr), e.g. by 10x"
+            else f"lower the learning rate (model_args.lr), e.g. by {advice.LR_DECREASE}x"
         ]
-        if precision in ("16-mixed", "16-true"):
-            actions.append(f"switch to a more stable precision: precision=bf16-mixed or 32-true (now {precision})")
-        elif precision in ("bf16-mixed", "bf16-true"):
-            actions.append(f"rule out reduced precision: precision=32-true (now {precision})")
-        elif precision is None:
-            actions.append("switch to a more stable precision: precision=bf16-mixed or precision=32-true")
-        if not c.gradient_clip_val:
-            actions.append("clip gradients: gradient_clip_val=1.0")
+        switch = advice.switch_precision(precision)
+        current = f" (now {precision})" if precision else ""
+        if precision in ("16-mixed", "16-true") or precision is None:
+            actions.append(f"switch to a more stable precision: {switch}{current}")
+        elif switch:
+            actions.append(f"rule out reduced precision: {switch} (now {precision})")
+        if not advice.positive(c.gradient_clip_val):
+            actions.append(f"clip gradients: gradient_clip_val={advice.CLIP_VALUE}")
         if c.resume_setting:
             actions.append(f"go back to the newest healthy checkpoint ({c.checkpoint_why}): {c.resume_setting}")
         return actions
@@ -239,7 +243,7 @@ def next_actions(episode: Episode, context: Optional[AlertContext] = None) -> li
         small = c.n_params is not None and c.n_params <= 10_000_000
         size = f" (this model has {c.n_params:,} parameters; small models often need more)" if small else ""
         actions = [
-            f"raise the learning rate: model_args.lr={_fmt(lr * 3)} (now {_fmt(lr)}){size}"
+            f"raise the learning rate: {advice.raise_lr(lr)}{now}{size}"
             if lr
             else "raise the learning rate (model_args.lr), especially for small models (~10M parameters or fewer)"
         ]
@@ -256,13 +260,17 @@ def next_actions(episode: Episode, context: Optional[AlertContext] = None) -> li
         warm = c.warmup_steps
         return [
             "a single spike is usually harmless; if spikes recur or grow, "
-            + ("clip gradients: gradient_clip_val=1.0, " if not c.gradient_clip_val else "")
-            + (f"lower model_args.lr (now {_fmt(lr)}), " if lr else "lower model_args.lr, ")
-            + (f"or warm up longer: model_args.warmup_steps={max(2 * warm, 100)}" if warm is not None else "or warm up longer (model_args.warmup_steps)")
+            + (
+                "" if advice.positive(c.gradient_clip_val)
+                else f"clip gradients: gradient_clip_val={advice.CLIP_VALUE}, "
+            )
+            + (f"lower model_args.lr{now}, " if lr else "lower model_args.lr, ")
+            + (f"or warm up longer: model_args.warmup_steps={max(2 * warm, 100)}" if warm is not None
+               else "or warm up longer (model_args.warmup_steps)")
         ]
     if episode.kind == "plateau":
         actions = [
-            f"if gradient_norm is small too, raise the learning rate: model_args.lr={_fmt(lr * 3)} (now {_fmt(lr)})"
+            f"if gradient_norm is small too, raise the learning rate: {advice.raise_lr(lr)}{now}"
             if lr
             else "if gradient_norm is small too, raise the learning rate (model_args.lr)",
             "check that inputs and labels match (a shuffled or constant label gives a flat loss)",
@@ -278,8 +286,7 @@ def next_actions(episode: Episode, context: Optional[AlertContext] = None) -> li
         rerun = "re-run from the newest healthy checkpoint (resume_from=<its path>)"
     return [
         rerun + (f" with a lower {lower}" if lr else ""),
-        "if it reproduces, isolate reduced precision: precision=32-true"
-        + (f" (now {precision})" if precision else "")
+        "if it reproduces, isolate reduced precision: precision=32-true" + (f" (now {precision})" if precision else "")
         if precision not in ("32-true", "64-true")
         else f"precision is already {precision}: reduced precision is not the cause",
         "localise it: debug_args.underflow_overflow.enabled=true, then debug_args.nancapture.enabled=true",
@@ -308,20 +315,6 @@ def theil_sen_slope(ys: Sequence[float]) -> float:
 
 def _log(v: float) -> float:
     return math.log10(v) if v > 0 else _LOG_FLOOR
-
-
-def _fmt(v: Optional[float]) -> str:
-    if v is None:
-        return "?"
-    if not math.isfinite(v):
-        return str(v)
-    return f"{v:.3g}"
-
-
-def _fmt_factor(f: float) -> str:
-    if not math.isfinite(f):
-        return "far"
-    return f"{f:.3g}x" if f < 1000 else f"{f:.1e}x"
 
 
 # --------------------------------------------------------------------------------- signals
@@ -749,7 +742,7 @@ class TrendAlerts:
         self.alerts: list[dict[str, Any]] = []
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_ROWS)
 
-    def on_train_start(self, trainer: Any) -> None:
+    def on_train_start(self, trainer: TrainerLike) -> None:
         s = trainer.settings
         self.detector = TrendDetector(self._settings or s.trend_alerts, warmup_steps=s.model_args.warmup_steps)
         self.context = AlertContext(
@@ -775,7 +768,7 @@ class TrendAlerts:
                 self.detector.update(step, row)
                 self.history.append(_history_row(step, row))
 
-    def on_log(self, trainer: Any, *, step: int, metrics: dict[str, float]) -> None:
+    def on_log(self, trainer: TrainerLike, *, step: int, metrics: dict[str, float]) -> None:
         if self.detector is None:
             self.on_train_start(trainer)
         assert self.detector is not None
@@ -793,7 +786,7 @@ class TrendAlerts:
             trainer.log_event(event)
         trainer.console.info(format_alerts(opened, self.context))
 
-    def on_train_end(self, trainer: Any) -> None:
+    def on_train_end(self, trainer: TrainerLike) -> None:
         if self.detector is not None:
             self.detector.finish()
 
@@ -820,7 +813,7 @@ def checkpoint_context(context: AlertContext, trainer: Any) -> None:
 
 
 def _step_of(path: Path) -> Optional[int]:
-    from stabletrain.checkpoint_health import read_checkpoint_health
+    from stabletrain.checkpoint import read_checkpoint_health
 
     try:
         return read_checkpoint_health(path)[0] if path.is_file() else None

@@ -52,14 +52,18 @@ import torch
 from torch import Tensor, nn
 
 from stabletrain.errors import StabletrainError
+from stabletrain.events import TrainerLike
+from stabletrain.utils.dist import ranks_with
 from stabletrain.utils.io import atomic_write_text
+from stabletrain.utils.text import fmt_column
+from stabletrain.utils.tree import named_tensors
 
 __all__ = [
     "UnderflowOverflowMonitor",
     "UnderflowOverflowError",
     "UnderflowOverflowAbort",
     "UnderflowOverflowCallback",
-    "report_path",
+    "log_path",
     "tensor_stats",
 ]
 
@@ -82,7 +86,7 @@ def _any_nonfinite(amaxes: list[Tensor]) -> Tensor:
     return flag
 
 
-def report_path(out_dir: str | Path, rank: int) -> Path:
+def log_path(out_dir: str | Path, rank: int) -> Path:
     """``<out_dir>/underflow_overflow_rank{rank}.log``."""
     return Path(out_dir) / f"underflow_overflow_rank{rank}.log"
 
@@ -129,6 +133,15 @@ def tensor_stats(t: Tensor, scratch: Optional[dict] = None) -> tuple[Tensor, Ten
 # --------------------------------------------------------------------------------------
 
 
+#: What to do after an UnderflowOverflowError, whoever raised it.
+_NEXT_STEPS = (
+    "Next: read the report (the culprit frame is last); replay the step offline to find the op and the sample: "
+    "debug_args.nancapture.enabled=true (NaNCaptureMonitor in a plain loop), then stabletrain diagnose on the "
+    "capture; if the module runs in float16 or bfloat16, rule reduced precision in or out with precision=32-true; "
+    "continue from the newest healthy checkpoint (resume_from=) once fixed."
+)
+
+
 class UnderflowOverflowError(StabletrainError):
     """A non-finite value appeared; training stopped.
 
@@ -145,7 +158,10 @@ class UnderflowOverflowError(StabletrainError):
             modules, ``grad of ...`` in backward, or ``loss``.
         value: ``"nan"``, or ``"inf"`` for an infinity of either sign.
         explanation: One sentence on how the culprit was chosen.
-        report_path: This rank's report.
+        log_path: This rank's log, ``underflow_overflow_rank{rank}.log`` (also ``report_path``).
+        rows: Rows of the batch (samples of the microbatch) whose values in that tensor are
+            non-finite, when it has the batch as first dimension and was still held when the
+            decision was made; None when unknown.
     """
 
     def __init__(
@@ -154,29 +170,32 @@ class UnderflowOverflowError(StabletrainError):
         step: int,
         rank: int,
         detected_by: Sequence[int],
-        report_path: Path,
+        log_path: Path,
         phase: Optional[str] = None,
         module: Optional[str] = None,
         module_type: Optional[str] = None,
         tensor: Optional[str] = None,
         value: Optional[str] = None,
         explanation: str = "",
+        rows: Optional[list[int]] = None,
     ):
         self.step = step
         self.rank = rank
         self.detected_by = list(detected_by)
-        self.report_path = Path(report_path)
+        self.log_path = Path(log_path)
         self.phase = phase
         self.module = module
         self.module_type = module_type
         self.tensor = tensor
         self.value = value
         self.explanation = explanation
+        self.rows = rows
         if module is not None:
             where = _display(module, module_type)
+            samples = f" Samples (rows of the batch) holding it: {rows}." if rows else ""
             msg = (
                 f"step {step}, rank {rank}, {phase}: the first non-finite value ({value}) is in {where}, "
-                f"tensor {tensor}. {explanation} The last frames, culprit last: {self.report_path}"
+                f"tensor {tensor}. {explanation}{samples} The last frames, culprit last: {self.log_path}"
             )
         else:
             others = ", ".join(str(r) for r in self.detected_by)
@@ -184,18 +203,14 @@ class UnderflowOverflowError(StabletrainError):
                 f"step {step}: rank {others} found a non-finite value"
                 f"{f' in the {phase} pass' if phase else ''} (see underflow_overflow_rank{self.detected_by[0]}.log "
                 f"beside this rank's report); rank {rank} found none and stopped with it. "
-                f"This rank's last frames: {self.report_path}"
+                f"This rank's last frames: {self.log_path}"
             )
         super().__init__(msg + "\n" + _NEXT_STEPS)
 
-
-#: What to do after an UnderflowOverflowError, whoever raised it.
-_NEXT_STEPS = (
-    "Next: read the report (the culprit frame is last); replay the step offline to find the op and the sample: "
-    "debug_args.nancapture.enabled=true (NaNCaptureMonitor in a plain loop), then stabletrain diagnose on the "
-    "capture; if the module runs in float16 or bfloat16, rule reduced precision in or out with precision=32-true; "
-    "continue from the newest healthy checkpoint (resume_from=) once fixed."
-)
+    @property
+    def report_path(self) -> Path:
+        """The same as :attr:`log_path` (the name the README uses)."""
+        return self.log_path
 
 
 class UnderflowOverflowAbort(StabletrainError):
@@ -203,15 +218,15 @@ class UnderflowOverflowAbort(StabletrainError):
 
     Attributes:
         step: The last step that ran.
-        report_path: The report holding the traced steps.
+        log_path: The log holding the traced steps.
     """
 
-    def __init__(self, step: int, report_path: Path):
+    def __init__(self, step: int, log_path: Path):
         self.step = step
-        self.report_path = Path(report_path)
+        self.log_path = Path(log_path)
         super().__init__(
             f"abort_after_batch_num={step}: stopped after step {step} as asked; "
-            f"traced steps are in {self.report_path}"
+            f"traced steps are in {self.log_path}"
         )
 
 
@@ -229,7 +244,7 @@ def _display(path: str, cls: Optional[str]) -> str:
 class _Call:
     """One call of a module's forward."""
 
-    __slots__ = ("path", "cls", "parent", "depth", "mid")
+    __slots__ = ("path", "cls", "parent", "depth", "mid", "batch")
 
     def __init__(self, path: str, cls: str, parent: Optional["_Call"], mid: int):
         self.path = path
@@ -237,6 +252,8 @@ class _Call:
         self.parent = parent
         self.depth = 0 if parent is None else parent.depth + 1
         self.mid = mid
+        #: The outermost call's batch size (first dimension of its first input), for sample rows.
+        self.batch: Optional[int] = parent.batch if parent is not None else None
 
 
 class _GradSite:
@@ -252,8 +269,9 @@ class _GradSite:
         self.dtype = dtype
 
 
-# A line: (label, role, abs min, abs max, shape, dtype); role is weight|input|output|loss|grad.
-_Line = tuple
+#: What one hook records of one tensor: (label, role, abs min, abs max, shape, dtype), the
+#: statistics as device scalars; role is weight|input|output|loss|grad.
+_StatsRow = tuple
 
 
 class _Event:
@@ -271,25 +289,15 @@ class _Event:
         self.site = site
 
 
-def _flatten(obj: Any, prefix: str, depth: int = 0) -> Iterator[tuple[str, Tensor]]:
-    """(label, tensor) for every tensor nested in tuples, lists and dicts."""
-    if isinstance(obj, Tensor):
-        yield prefix, obj
-    elif depth > 4:
-        return
-    elif isinstance(obj, (tuple, list)):
-        for i, item in enumerate(obj):
-            yield from _flatten(item, f"{prefix}[{i}]", depth + 1)
-    elif isinstance(obj, dict):
-        for key, item in obj.items():
-            yield from _flatten(item, f"{prefix}[{key!r}]", depth + 1)
+#: Containers nested deeper than this in a module's inputs or outputs are not looked into.
+_MAX_DEPTH = 4
 
 
-def _outputs(output: Any) -> Iterator[tuple[str, Tensor]]:
-    if isinstance(output, Tensor):
-        yield "output[0]", output
-    else:
-        yield from _flatten(output, "output")
+def _tensors_of(obj: Any, prefix: str) -> Iterator[tuple[str, Tensor]]:
+    """(label, tensor) of a module's inputs or outputs; a lone output tensor is ``output[0]``."""
+    if isinstance(obj, Tensor) and prefix == "output":
+        return iter([("output[0]", obj)])
+    return named_tensors(obj, prefix, max_depth=_MAX_DEPTH)
 
 
 def _value_kind(amin: float, amax: float) -> Optional[str]:
@@ -379,7 +387,7 @@ class UnderflowOverflowMonitor:
         self.abort_after_batch_num = abort_after_batch_num
         self.include_backward = include_backward
         self.auto_check = auto_check
-        self.report_path = report_path(out_dir, rank)
+        self.log_path = log_path(out_dir, rank)
         self.step = 0
         self.micro_step = 0
         self.tracing = 0 in self.trace_batch_nums
@@ -396,7 +404,7 @@ class UnderflowOverflowMonitor:
         self._grad_sites: dict[int, _GradSite] = {}
         self._weight_cache: dict[int, tuple] = {}
         self._bw_queued = False
-        self._report_text: Optional[str] = None
+        self._log_text: Optional[str] = None
         self._local = threading.local()  # per-thread scratch buffers of tensor_stats
         self._attach()
 
@@ -454,6 +462,24 @@ class UnderflowOverflowMonitor:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    # ------------------------------------------------------------------------ accessors
+
+    @property
+    def num_watched_modules(self) -> int:
+        """Modules with hooks: every module of the model, the model itself included."""
+        return len(self._info)
+
+    @property
+    def has_records(self) -> bool:
+        """Whether the hooks recorded values since the last decision (:meth:`accept`,
+        :meth:`fail`) or the last trace written (:meth:`write_trace`)."""
+        return bool(self._events)
+
+    @property
+    def log_written(self) -> bool:
+        """Whether this monitor has written its log (:attr:`log_path`) yet."""
+        return self._log_text is not None
+
     # ---------------------------------------------------------------------- step control
 
     def set_step(self, step: int) -> None:
@@ -467,7 +493,7 @@ class UnderflowOverflowMonitor:
         if self.tracing and self._events:
             self.write_trace()
         if self.abort_after_batch_num is not None and step > self.abort_after_batch_num:
-            raise UnderflowOverflowAbort(self.abort_after_batch_num, self.report_path)
+            raise UnderflowOverflowAbort(self.abort_after_batch_num, self.log_path)
         self._stepped = True
         self.step = step
         self.micro_step = 0
@@ -475,19 +501,21 @@ class UnderflowOverflowMonitor:
 
     # --------------------------------------------------------------------------- forward
 
-    def _measure(self, t: Tensor) -> tuple[Tensor, Tensor]:
+    def _measure(self, t: Tensor) -> tuple[Tensor, Tensor, Any]:
+        """``(abs min, abs max, weak reference)`` of ``t``."""
         # A tensor is often the output of one module and the input of the next, and of the
         # parents of both: measure each (tensor, version) once per forward.
         if t.is_inference():
-            return self._stats(t)
+            return (*self._stats(t), None)
         key = id(t)
         version = t._version
         hit = self._seen.get(key)
         if hit is not None and hit[0]() is t and hit[1] == version:
-            return hit[2]
+            return (*hit[2], hit[0])
         stats = self._stats(t)
-        self._seen[key] = (weakref.ref(t), version, stats)
-        return stats
+        ref = weakref.ref(t)
+        self._seen[key] = (ref, version, stats)
+        return (*stats, ref)
 
     def _weight_stats(self, p: Tensor) -> tuple[Tensor, Tensor]:
         # Weights change at the optimizer step only (which bumps their version): measure them
@@ -500,12 +528,26 @@ class UnderflowOverflowMonitor:
         self._weight_cache[id(p)] = (key, stats)
         return stats
 
-    def _line(self, label: str, role: str, t: Tensor) -> Optional[_Line]:
+    def _stats_row(self, label: str, role: str, t: Tensor, decisive: bool = True) -> Optional[_StatsRow]:
+        """A row of the log for ``t``; a ``decisive`` one takes part in the decision."""
         if not t.is_floating_point() or t.numel() == 0 or t.is_sparse:
             return None
-        amin, amax = self._measure(t) if role != "weight" else self._weight_stats(t)
-        self._pending.append(amax)
-        return (label, role, amin, amax, tuple(t.shape), t.dtype)
+        if role == "weight":
+            amin, amax = self._weight_stats(t)
+            ref = None
+        else:
+            amin, amax, ref = self._measure(t)
+        if decisive:
+            self._pending.append(amax)
+        # The reference and (id, version) let a report find the samples and who consumed the tensor.
+        return (label, role, amin, amax, tuple(t.shape), t.dtype, ref, (id(t), t._version))
+
+    def _data_flag(self, t: Tensor) -> Tensor:
+        """A device bool: does the model's input ``t`` hold a NaN/Inf that is not an additive
+        mask (a tensor of only 0 and -inf)? It takes part in the decision, without a sync."""
+        flag = ~torch.isfinite(t).all() & ~((t == 0) | torch.isneginf(t)).all()
+        self._pending.append(torch.where(flag, float("inf"), 0.0).to(torch.float32))
+        return flag
 
     def _watch_grad(self, t: Tensor, call: _Call, role: str, label: str) -> None:
         key = id(t)
@@ -527,20 +569,27 @@ class UnderflowOverflowMonitor:
             return None
         path, cls, params = self._info[id(module)]
         call = _Call(path, cls, self._stack[-1] if self._stack else None, id(module))
+        if call.parent is None:
+            first = next((t for t in named_tensors((args, kwargs), "", max_depth=_MAX_DEPTH) if t[1].ndim), None)
+            call.batch = int(first[1].shape[0]) if first is not None else None
         self._stack.append(call)
         watch = self.include_backward and torch.is_grad_enabled()
         lines = []
         with torch.no_grad():
             for name, p in params:
-                line = self._line(name, "weight", p)
+                line = self._stats_row(name, "weight", p)
                 if line is not None:
                     lines.append(line)
-            tensors = list(_flatten(args, "input"))
+            tensors = list(_tensors_of(args, "input"))
             if kwargs:
-                tensors.extend(_flatten(kwargs, "input"))
+                tensors.extend(_tensors_of(kwargs, "input"))
             for label, t in tensors:
-                line = self._line(label, "input", t)
+                # Inputs do not decide: an Inf handed to a module (an attention mask) is harmful
+                # only if it comes out of it, which its outputs show. Except in the data.
+                line = self._stats_row(label, "input", t, decisive=False)
                 if line is not None:
+                    if call.parent is None:
+                        line = line + (self._data_flag(t),)
                     lines.append(line)
                     if watch and t.requires_grad:
                         self._watch_grad(t, call, "input", label)
@@ -555,8 +604,10 @@ class UnderflowOverflowMonitor:
         watch = self.include_backward and torch.is_grad_enabled()
         lines = []
         with torch.no_grad():
-            for label, t in _outputs(output):
-                line = self._line(label, "output", t)
+            for label, t in _tensors_of(output, "output"):
+                # What the model returns decides: a NaN/Inf inside that never reaches it was
+                # neutralised (a masked softmax). The log still finds where it began.
+                line = self._stats_row(label, "output", t, decisive=call.parent is None)
                 if line is not None:
                     lines.append(line)
                     if watch and t.requires_grad:
@@ -577,7 +628,7 @@ class UnderflowOverflowMonitor:
         if self._closed or not isinstance(loss, Tensor):
             return
         with torch.no_grad():
-            line = self._line("loss", "loss", loss.detach())
+            line = self._stats_row("loss", "loss", loss.detach())
         if line is not None:
             call = _Call("", self._root_cls, None, id(self.model))
             self._events.append(_Event("forward", self.step, self.micro_step, "loss", call, [line]))
@@ -597,7 +648,7 @@ class UnderflowOverflowMonitor:
             return None
         with torch.no_grad():
             amin, amax = self._stats(grad)
-        line = ("grad", "grad", amin, amax, tuple(grad.shape), grad.dtype)
+        line = ("grad", "grad", amin, amax, tuple(grad.shape), grad.dtype, weakref.ref(grad), None)
         self._backward_event(_Event("backward", self.step, self.micro_step, "grad", None, [line], site), amax)
         return None
 
@@ -606,7 +657,7 @@ class UnderflowOverflowMonitor:
             return None
         with torch.no_grad():
             amin, amax = self._stats(grad)
-        line = (f"grad of {name}", "grad", amin, amax, tuple(grad.shape), grad.dtype)
+        line = (f"grad of {name}", "grad", amin, amax, tuple(grad.shape), grad.dtype, None, None)
         self._backward_event(_Event("backward", self.step, self.micro_step, "param", owner, [line]), amax)
         return None
 
@@ -655,41 +706,41 @@ class UnderflowOverflowMonitor:
         events = list(self._history) + self._events
         n_history = len(self._history)
         values = self._host_values(events)
-        first = None
-        if self.rank in detected:
-            for i in range(n_history, len(events)):
-                for j, line in enumerate(events[i].lines):
-                    if _value_kind(*values[(i, j)]) is not None:
-                        first = (i, j)
-                        break
-                if first is not None:
-                    break
+        found = _culprit(events, values, n_history) if self.rank in detected else None
+        first = found[:2] if found else None
         # Leave a clean state behind in case the caller catches the error and goes on.
         self._events, self._pending, self._pending_bw = [], [], []
         self._history.clear()
         if first is None:
             text = self._other_rank_section(events, values, detected, phase)
-            path = self._append_report(text)
+            path = self._append_log(text)
             raise UnderflowOverflowError(
-                step=self.step, rank=self.rank, detected_by=detected, report_path=path, phase=phase
+                step=self.step, rank=self.rank, detected_by=detected, log_path=path, phase=phase
             )
         i, j = first
         blame = _blame(events[i], j, self._root_cls)
+        if found[2]:  # an output made NaN from an Inf that came in (a fully masked softmax row)
+            blame = blame[:3] + (
+                f"Its {found[2]} held Inf (an attention mask, say) and its inputs held no NaN: an operation of "
+                "this call made NaN from that Inf (a softmax over a row that is masked everywhere, inf - inf).",
+            )
         value = _value_kind(*values[(i, j)])
+        rows = _rows(events, values, i, j)
         text = self._failure_section(events[: i + 1], values, first, blame, value)
-        path = self._append_report(text)
+        path = self._append_log(text)
         culprit_path, culprit_cls, tensor, explanation = blame
         raise UnderflowOverflowError(
             step=events[i].step,
             rank=self.rank,
             detected_by=detected,
-            report_path=path,
+            log_path=path,
             phase=events[i].phase,
             module=culprit_path,
             module_type=culprit_cls,
             tensor=tensor,
             value=value,
             explanation=explanation,
+            rows=rows,
         )
 
     # --------------------------------------------------------------------------- reports
@@ -709,14 +760,16 @@ class UnderflowOverflowMonitor:
         affect later steps."""
         events = self._events
         values = self._host_values(events)
-        first = None
-        for i, ev in enumerate(events):
-            for j, line in enumerate(ev.lines):
-                if _value_kind(*values[(i, j)]) is not None:
-                    first = (i, j)
-                    break
-            if first is not None:
-                break
+        found = _culprit(events, values, 0)
+        first = found[:2] if found else None
+        harmless = ""
+        if first is None:
+            # Nothing harmful, but say what was seen: the first non-finite output (an input
+            # that is only an attention mask is not worth a line).
+            first = next(((i, j) for i, ev in enumerate(events) for j, line in enumerate(ev.lines)
+                          if line[1] != "input" and _value_kind(*values[(i, j)])), None)
+            harmless = (" It did no harm: the model's outputs, the loss and the gradients stayed finite."
+                        if first is not None else "")
         frames = _frames(events)
         head = f"=== step {self.step}: trace (trace_batch_nums), every frame, {len(frames)} frames ==="
         lines = [head]
@@ -724,10 +777,10 @@ class UnderflowOverflowMonitor:
             blame = _blame(events[first[0]], first[1], self._root_cls)
             lines.append(
                 f"non-finite values seen in this step; the first: {_display(blame[0], blame[1])}, "
-                f"{blame[2]} ({events[first[0]].phase}). Not aborting: the step is traced."
+                f"{blame[2]} ({events[first[0]].phase}). Not aborting: the step is traced.{harmless}"
             )
         lines.extend(_render(frames, values, first, None))
-        path = self._append_report("\n".join(lines) + "\n")
+        path = self._append_log("\n".join(lines) + "\n")
         self._history.clear()
         self.accept()
         return path
@@ -771,9 +824,9 @@ class UnderflowOverflowMonitor:
         lines.extend(_render(frames, values, None, None))
         return "\n".join(lines) + "\n"
 
-    def _append_report(self, section: str) -> Path:
-        if self._report_text is None:
-            self._report_text = (
+    def _append_log(self, section: str) -> Path:
+        if self._log_text is None:
+            self._log_text = (
                 f"stabletrain underflow/overflow report, rank {self.rank}\n"
                 f"model: {self._root_cls}, {len(self._info)} modules watched, "
                 f"backward {'included' if self.include_backward else 'not included'}\n"
@@ -781,13 +834,123 @@ class UnderflowOverflowMonitor:
                 "its dtype and shape\n"
                 "frames are in execution order; [forward]/[backward], step and microbatch in each header\n\n"
             )
-        self._report_text += section + "\n"
-        return atomic_write_text(self._report_text, self.report_path)
+        self._log_text += section + "\n"
+        return atomic_write_text(self._log_text, self.log_path)
 
 
 # --------------------------------------------------------------------------------------
 # Attribution and rendering
 # --------------------------------------------------------------------------------------
+
+
+def _decisive(ev: _Event, line: _StatsRow) -> bool:
+    """Whether a non-finite value in ``line`` does harm by itself: a weight, the loss, a
+    gradient, or what the model returns."""
+    role = line[1]
+    if role in ("weight", "loss", "grad"):
+        return True
+    if role == "input":
+        return len(line) > 8 and bool(line[8])  # the model's input data, unless a mask
+    return role == "output" and ev.call is not None and ev.call.parent is None
+
+
+def _culprit(
+    events: list[_Event], values: dict[tuple[int, int], tuple[float, float]], start: int
+) -> Optional[tuple[int, int, str]]:
+    """``(event, line, inf_label)``: the line to blame among ``events[start:]``, or None when no
+    value that does harm (see :func:`_decisive`) is non-finite. ``inf_label`` names the Inf
+    input an output made NaN from (else "").
+
+    In execution order: a non-finite weight, loss or gradient; a NaN given to the model; or the
+    first non-finite module output that was not neutralised (every later module that took it
+    returned finite values). For that output: a NaN (or Inf) that came in with the same kind is
+    passed on, and blamed where it first appeared (the model's input: the data; else an input
+    no module returned: the caller's own ops); a NaN made from an Inf input is the call's own.
+    """
+    def kind(i: int, j: int) -> Optional[str]:
+        return _value_kind(*values[(i, j)])
+
+    bad = [(i, j) for i in range(start, len(events)) for j in range(len(events[i].lines)) if kind(i, j)]
+    if not any(_decisive(events[i], events[i].lines[j]) for i, j in bad):
+        return None
+    enters: dict[int, int] = {}
+    exits: dict[int, int] = {}
+    takers: dict[tuple, list[int]] = {}  # (id, version, shape, dtype) -> events that took it as input
+    for i in range(start, len(events)):
+        ev = events[i]
+        if ev.call is not None and ev.kind in ("enter", "exit"):
+            (enters if ev.kind == "enter" else exits)[id(ev.call)] = i
+        if ev.kind == "enter":
+            for line in ev.lines:
+                if line[1] == "input":
+                    takers.setdefault(_identity(line), []).append(i)
+
+    def finite_exit(i_enter: int) -> bool:
+        k = exits.get(id(events[i_enter].call))
+        return k is not None and all(not kind(k, j) for j in range(len(events[k].lines)))
+
+    def first_seen(i: int, j: int) -> tuple[int, int]:
+        """The earliest input line carrying the same tensor (the model's own input, say)."""
+        key = _identity(events[i].lines[j])
+        for i2 in range(start, i + 1):
+            for j2, line in enumerate(events[i2].lines):
+                if line[1] == "input" and _identity(line) == key:
+                    return i2, j2
+        return i, j
+
+    for i, j in bad:
+        ev, line = events[i], events[i].lines[j]
+        role = line[1]
+        if role in ("weight", "loss", "grad"):
+            return i, j, ""
+        if role == "input":
+            if len(line) > 8 and bool(line[8]):
+                return i, j, ""  # a NaN/Inf in the data that is not a mask is never there on purpose
+            continue
+        # An output: neutralised when every later module that took it returned finite values.
+        later = [k for k in takers.get(_identity(line), []) if k > i]
+        if not _decisive(ev, line) and later and all(finite_exit(k) for k in later):
+            continue
+        k_in = enters.get(id(ev.call))
+        ins = [] if k_in is None else [(k_in, jj) for jj, ln in enumerate(events[k_in].lines)
+                                        if ln[1] == "input" and kind(k_in, jj)]
+        same = [(a, b) for a, b in ins if kind(a, b) == kind(i, j)]
+        if same:
+            return (*first_seen(*same[0]), "")
+        if kind(i, j) == "nan" and ins:
+            return i, j, events[ins[0][0]].lines[ins[0][1]][0]
+        return i, j, ""
+    return None
+
+
+def _identity(line: _StatsRow) -> tuple:
+    return (line[7], line[4], line[5])
+
+
+def _rows(
+    events: list[_Event], values: dict[tuple[int, int], tuple[float, float]], i: int, j: int
+) -> Optional[list[int]]:
+    """Rows of the batch whose values are non-finite in line ``j`` of event ``i``: read from its
+    tensor when still held unchanged with the batch as first dimension; when it was freed, from
+    the first later tensor of the same pass that is (the bad rows travel with the samples,
+    except through layers that mix samples, such as BatchNorm in training)."""
+    call = events[i].call
+    batch = call.batch if call is not None else None
+    if batch is None:
+        batch = next((ev.call.batch for ev in events[: i + 1] if ev.call is not None and ev.call.batch), None)
+    if batch is None:
+        return None
+    candidates = [(i, j)] + [(k, m) for k in range(i + 1, len(events)) if events[k].phase == events[i].phase
+                             for m in range(len(events[k].lines)) if _value_kind(*values[(k, m)])]
+    for k, m in candidates:
+        ref, ident = events[k].lines[m][6], events[k].lines[m][7]
+        t = ref() if ref is not None else None
+        if t is None or (ident is not None and t._version != ident[1]) or t.ndim == 0 or t.shape[0] != batch:
+            continue
+        with torch.no_grad():
+            bad = ~torch.isfinite(t.detach()).reshape(batch, -1).all(1)
+            return torch.nonzero(bad).flatten().tolist()
+    return None
 
 
 def _innermost(roles: list[tuple[_Call, str, str]], role: str) -> Optional[tuple[_Call, str, str]]:
@@ -907,10 +1070,6 @@ def _frames(events: list[_Event]) -> list[_Frame]:
     return frames
 
 
-def _fmt(v: float) -> str:
-    return f"{v:11.3e}"
-
-
 def _render(
     frames: list[_Frame],
     values: dict[tuple[int, int], tuple[float, float]],
@@ -927,7 +1086,7 @@ def _render(
         for i, j, label, meta in frame.rows:
             amin, amax = values[(i, j)]
             flag = f"   <-- first non-finite ({_value_kind(amin, amax)})" if mark == (i, j) else ""
-            out.append(f"  {_fmt(amin)} {_fmt(amax)}  {label:<24} {meta}{flag}")
+            out.append(f"  {fmt_column(amin)} {fmt_column(amax)}  {label:<24} {meta}{flag}")
     if extra is not None:
         path, cls, phase, step, micro, explanation = extra
         name = path or "<model>"
@@ -968,7 +1127,7 @@ class UnderflowOverflowCallback:
         self.monitor: Optional[UnderflowOverflowMonitor] = None
         self._skipped = 0
 
-    def on_train_start(self, trainer: Any) -> None:
+    def on_train_start(self, trainer: TrainerLike) -> None:
         a = self.args
         self.monitor = UnderflowOverflowMonitor(
             trainer.model,
@@ -980,45 +1139,45 @@ class UnderflowOverflowCallback:
             auto_check=False,
         )
         trainer.console.info(
-            f"underflow_overflow: watching {len(self.monitor._info)} modules"
+            f"underflow_overflow: watching {self.monitor.num_watched_modules} modules"
             f"{' forward and backward' if a.include_backward else ' (forward only)'}; "
-            f"report: {self.monitor.report_path}"
+            f"report: {self.monitor.log_path}"
         )
 
-    def on_step_start(self, trainer: Any, *, step: int) -> None:
+    def on_step_start(self, trainer: TrainerLike, *, step: int) -> None:
         assert self.monitor is not None
         self.monitor.set_step(step)
 
-    def on_microbatch(self, trainer: Any, *, step: int, micro_step: int, batch: Any, indices: Any) -> None:
+    def on_microbatch(self, trainer: TrainerLike, *, step: int, micro_step: int, batch: Any, indices: Any) -> None:
         assert self.monitor is not None
         self.monitor.micro_step = micro_step
 
-    def on_before_backward(self, trainer: Any, *, step: int, micro_step: int, loss: Tensor) -> None:
+    def on_before_backward(self, trainer: TrainerLike, *, step: int, micro_step: int, loss: Tensor) -> None:
         monitor = self.monitor
         assert monitor is not None
         monitor.record_loss(loss)
         if micro_step == trainer.settings.gradient_accumulation_steps - 1 and not monitor.tracing:
             self._decide(trainer, "forward")
 
-    def on_after_backward(self, trainer: Any, *, step: int, grad_norm: Any) -> None:
+    def on_after_backward(self, trainer: TrainerLike, *, step: int, grad_norm: Any) -> None:
         monitor = self.monitor
         assert monitor is not None
         if monitor.tracing:
-            if monitor._events:
+            if monitor.has_records:
                 monitor.write_trace()
         elif monitor.include_backward:
             self._decide(trainer, "backward")
 
-    def on_after_optimizer_step(self, trainer: Any, *, step: int) -> None:
+    def on_after_optimizer_step(self, trainer: TrainerLike, *, step: int) -> None:
         stop = self.args.abort_after_batch_num
         if stop is not None and step >= stop:
             assert self.monitor is not None
-            where = f"; traced steps are in {self.monitor.report_path}" if self.monitor._report_text else ""
+            where = f"; traced steps are in {self.monitor.log_path}" if self.monitor.log_written else ""
             trainer.request_stop(
                 f"debug_args.underflow_overflow.abort_after_batch_num={stop} reached{where}"
             )
 
-    def _decide(self, trainer: Any, phase: str) -> None:
+    def _decide(self, trainer: TrainerLike, phase: str) -> None:
         monitor = self.monitor
         assert monitor is not None
         code = monitor.nonfinite_code()
@@ -1039,34 +1198,24 @@ class UnderflowOverflowCallback:
                 monitor.accept()
                 trainer.log_event({"event": "underflow_overflow_scaler_skip", "step": trainer.step, "in_a_row": self._skipped})
                 return
-        detected = self._ranks_that_found(trainer, code > 0)
+        detected = ranks_with(code > 0, trainer.fabric)
         try:
             monitor.fail(detected_by=detected, phase="forward" if worst == 2 else "backward")
         except UnderflowOverflowError as exc:
             trainer.log_event({
                 "event": "underflow_overflow", "step": exc.step, "phase": exc.phase or phase, "module": exc.module,
-                "tensor": exc.tensor, "value": exc.value, "detected_by": exc.detected_by, "report": str(exc.report_path),
+                "tensor": exc.tensor, "value": exc.value, "detected_by": exc.detected_by, "report": str(exc.log_path),
             })
             raise
-
-    @staticmethod
-    def _ranks_that_found(trainer: Any, flag: Tensor) -> list[int]:
-        if trainer.world_size == 1:
-            return [trainer.rank]
-        device = trainer.fabric.device
-        votes = torch.zeros(trainer.world_size, dtype=torch.float32, device=device)
-        votes[trainer.rank] = flag.to(device=device, dtype=torch.float32)
-        votes = trainer.fabric.all_reduce(votes, reduce_op="sum")
-        return [r for r, v in enumerate(votes.tolist()) if v > 0]
 
     def _close(self) -> None:
         if self.monitor is not None:
             self.monitor.close()
 
-    def on_train_end(self, trainer: Any) -> None:
+    def on_train_end(self, trainer: TrainerLike) -> None:
         self._close()
 
-    def on_exception(self, trainer: Any, *, exception: BaseException) -> None:
+    def on_exception(self, trainer: TrainerLike, *, exception: BaseException) -> None:
         self._close()
 
 

@@ -9,47 +9,22 @@ before training starts, with the pip command that installs it.
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 from pathlib import Path
 
 from stabletrain.config import TrainSettings
-from stabletrain.loggers.base import Logger
+from stabletrain.loggers.base import LOGGER_IMPORTS, OPTIONAL_LOGGERS, Logger, install_hint
 from stabletrain.loggers.jsonl import JsonlLogger
+from stabletrain.utils.imports import is_importable
 
-__all__ = ["Logger", "JsonlLogger", "build_loggers", "check_loggers", "OPTIONAL_LOGGERS"]
-
-#: logger name -> (top-level module it needs, pip extra that installs it)
-OPTIONAL_LOGGERS: dict[str, tuple[str, str]] = {
-    "tensorboard": ("tensorboard", "tensorboard"),
-    "mlflow": ("mlflow", "mlflow"),
-    "wandb": ("wandb", "wandb"),
-}
-#: logger name -> the module its logger imports (TensorBoard's writer lives in torch).
-LOGGER_IMPORTS: dict[str, str] = {
-    "tensorboard": "torch.utils.tensorboard",
-    "mlflow": "mlflow",
-    "wandb": "wandb",
-}
-
-
-def library_available(module: str) -> bool:
-    """True when ``module`` can be imported (checked without importing it)."""
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def install_hint(name: str) -> str:
-    module, extra = OPTIONAL_LOGGERS[name]
-    return f'pip install "stabletrain[{extra}]" (or pip install {module})'
+__all__ = ["Logger", "JsonlLogger", "build_loggers", "check_loggers", "OPTIONAL_LOGGERS", "install_hint"]
 
 
 def _wanted(settings: TrainSettings, name: str) -> bool:
     """Whether logger ``name`` is on; tensorboard's "auto" means on when its library is installed."""
     enabled = getattr(settings.loggers, name).enabled
     if enabled == "auto":
-        return library_available(OPTIONAL_LOGGERS[name][0])
+        return is_importable(OPTIONAL_LOGGERS[name][0])
     return bool(enabled)
 
 
@@ -66,7 +41,7 @@ def check_loggers(settings: TrainSettings, try_import: bool = True) -> list[str]
     problems = []
     for name, (module, _) in OPTIONAL_LOGGERS.items():
         enabled = getattr(settings.loggers, name).enabled
-        if enabled is True and not library_available(module):
+        if enabled is True and not is_importable(module):
             problems.append(
                 f"loggers.{name}.enabled: true, but the {module} package is not installed; "
                 f"run {install_hint(name)}, or set loggers.{name}.enabled=false"

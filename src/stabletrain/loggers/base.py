@@ -2,9 +2,29 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 from typing import Any
+
+from stabletrain.utils import imports
+
+#: logger name -> (top-level module it needs, pip extra that installs it)
+OPTIONAL_LOGGERS: dict[str, tuple[str, str]] = {
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "mlflow": ("mlflow", "mlflow"),
+    "wandb": ("wandb", "wandb"),
+}
+#: logger name -> the module its logger imports (TensorBoard's writer lives in torch).
+LOGGER_IMPORTS: dict[str, str] = {
+    "tensorboard": "torch.utils.tensorboard",
+    "mlflow": "mlflow",
+    "wandb": "wandb",
+}
+
+
+def install_hint(name: str) -> str:
+    """The pip command that installs logger ``name``'s library."""
+    module, extra = OPTIONAL_LOGGERS[name]
+    return f'pip install "stabletrain[{extra}]" (or pip install {module})'
 
 
 class Logger:
@@ -46,13 +66,5 @@ def flatten_params(params: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def import_optional(module: str, logger: str) -> Any:
     """Import a logger's library, or raise ConfigError with the pip command that installs it."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as exc:
-        from stabletrain.errors import ConfigError
-        from stabletrain.loggers import install_hint
-
-        raise ConfigError(
-            f"loggers.{logger}: cannot import {module} ({exc}); run {install_hint(logger)}, "
-            f"or set loggers.{logger}.enabled=false"
-        ) from None
+    fix = f"run {install_hint(logger)}, or set loggers.{logger}.enabled=false"
+    return imports.import_optional(module, f"loggers.{logger}", fix)

@@ -29,7 +29,7 @@ class Console:
             return
         self._end_line()
         print(message, file=self.stream, flush=True)
-        self._to_log(message)
+        self.log_only(message)
 
     def progress(self, line: str) -> None:
         """The progress line: redrawn in place on a terminal."""
@@ -42,14 +42,15 @@ class Console:
             self._line_open = True
         else:
             print(line, file=self.stream, flush=True)
-        self._to_log(line)
+        self.log_only(line)
 
     def _end_line(self) -> None:
         if self._line_open:
             self.stream.write("\n")
             self._line_open = False
 
-    def _to_log(self, text: str) -> None:
+    def log_only(self, text: str) -> None:
+        """Append ``text`` to ``train.log`` without printing it (e.g. the resolved settings)."""
         if self._log is not None and not self._log.closed:
             stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
             for line in text.splitlines() or [""]:

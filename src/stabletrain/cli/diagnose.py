@@ -1,0 +1,56 @@
+"""``stabletrain diagnose PATH``: which op, module and sample made a captured step fail, and why
+(:func:`stabletrain.diagnose`).
+
+    stabletrain diagnose out/boom/debug/nan_capture/rank0
+    stabletrain diagnose out/mine/debug/nan_capture/rank0 --model train.py:MyModel --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from stabletrain.cli import user_code
+
+HELP = "which op, module and sample made a captured step NaN, and why: stabletrain diagnose PATH [--json]"
+
+
+def run(argv: list[str]) -> int:
+    """``stabletrain diagnose PATH [--json] [--device D] [--model SPEC] [--step-fn SPEC] [--no-write]``."""
+    from stabletrain.debug.diagnose import diagnose
+    from stabletrain.debug.nan_capture import NaNCaptureError
+
+    parser = argparse.ArgumentParser(
+        prog="stabletrain diagnose",
+        description="From a NaN capture to a verdict: the op where the harmful NaN/Inf was born (module, phase, dtype, "
+        "source line), "
+        "the cause (precision-induced, deterministic numerical, not reproducible), the samples that trigger it, "
+        "whether the weights were already bad, and what to change. Writes diagnosis.md and diagnosis.json next "
+        "to the capture.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=(
+            "examples:\n"
+            "  stabletrain diagnose out/boom/debug/nan_capture/rank0\n"
+            "  stabletrain diagnose out/boom/debug/nan_capture/rank0 --json\n"
+            "  stabletrain diagnose out/mine/debug/nan_capture/rank0 --model train.py:MyModel   # your own model\n"
+        ),
+    )
+    parser.add_argument("path", help="rank folder, nan_capture.pt, the folder of all ranks, or the run folder")
+    parser.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
+    parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: the captured device type when available)")
+    user_code.add_options(parser)
+    parser.add_argument("--no-write", action="store_true", help="do not write diagnosis.md and diagnosis.json")
+    ns = parser.parse_args(argv)
+    model, step_fn = user_code.load(ns)
+    try:
+        result = diagnose(ns.path, model=model, step_fn=step_fn, device=ns.device, write=not ns.no_write)
+    except NaNCaptureError as exc:
+        # The loader's hints name the replay command; the same options work here.
+        raise NaNCaptureError(str(exc).replace("stabletrain replay ", "stabletrain diagnose "), exc.path) from None
+    if ns.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(result.to_markdown())
+        if result.files:
+            print(f"\nWritten: {', '.join(result.files)}")
+    return 0

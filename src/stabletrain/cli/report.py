@@ -1,0 +1,26 @@
+"""``stabletrain report OUT [--no-plots]``: trends and plots of a run (:func:`stabletrain.report`)."""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "trends and plots of a run: stabletrain report out/my_run"
+
+
+def run(argv: list[str]) -> int:
+    """Parse the arguments and write ``OUT/report/``."""
+    parser = argparse.ArgumentParser(
+        prog="stabletrain report",
+        description=(
+            "Read OUT/metrics.jsonl, find exploding/vanishing/spiking/plateau/non-finite episodes "
+            "and write OUT/report/: summary.md, gradient_norm.png, loss.png and, when per-layer "
+            "norms were logged, gradient_norm_layers.png."
+        ),
+    )
+    parser.add_argument("out", help="a training run's output folder, e.g. out/my_run")
+    parser.add_argument("--no-plots", action="store_true", help="write the summary only")
+    ns = parser.parse_args(argv)
+    from stabletrain.reporting import report
+
+    report(ns.out, plots=not ns.no_plots)
+    return 0

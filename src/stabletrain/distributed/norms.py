@@ -1,0 +1,92 @@
+"""Global gradient norms of sharded (DTensor) gradients: local squares, one all-reduce.
+
+Under FSDP2 each rank's ``param.grad`` is a DTensor whose local part is that rank's shard, so a
+norm of the local parts is a fraction of the true one (PyTorch issue 170862, torchtitan issue
+766). The squared norm of a sharded tensor is the sum of its shards' squared norms, so the
+global per-parameter norms are: per-shard norms (one ``_foreach_norm``), squared, summed over
+the mesh dimensions that shard them (one all-reduce of the whole vector), square root. The
+vector keeps one entry per parameter, so per-layer norms and the names of non-finite
+gradients are global too, and every rank holds the same values: a decision taken from them
+(NaN found, clip) is the same on every rank without another collective.
+
+The all-reduce is queued on the device like a kernel (NCCL on GPUs, gloo on CPUs) and nothing
+is read back to the host. ``torch.nn.utils.get_total_norm`` on DTensor gradients also costs one
+all-reduce but yields only the total, not the per-parameter norms.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+#: The process groups, in order, whose sum of squares a parameter's norm needs; () = none.
+ReduceKey = tuple[Any, ...]
+
+
+def dtensor_type() -> Any:
+    """``DTensor`` if ``torch.distributed.tensor`` was imported, else None: nothing can be a
+    DTensor before that module is loaded, and importing it costs time at every start."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return None if module is None else module.DTensor
+
+
+def local_grad(grad: Any) -> tuple[Tensor, ReduceKey]:
+    """The part of ``grad`` held by this rank and the groups to sum its squared norm over.
+
+    A plain tensor is its own local part and needs no reduction (DDP's gradients are already
+    averaged on every rank). A DTensor's squared norm is summed over each mesh dimension that
+    shards it (``Shard``); dimensions that replicate it (``Replicate``, the replica groups of
+    HSDP) hold copies and are not summed.
+
+    Raises:
+        ValueError: A gradient is ``Partial`` (not yet reduced), which no FSDP gradient is after
+            backward; its norm would be meaningless.
+    """
+    dt = dtensor_type()
+    if dt is None or not isinstance(grad, dt):
+        return grad, ()
+    from torch.distributed.tensor import Replicate, Shard
+
+    groups = []
+    for dim, placement in enumerate(grad.placements):
+        if isinstance(placement, Shard):
+            groups.append(grad.device_mesh.get_group(dim))
+        elif not isinstance(placement, Replicate):
+            raise ValueError(
+                f"gradient norm: a DTensor gradient with placement {placement} on mesh dimension {dim} is not "
+                "reduced yet; compute norms after backward has finished (FSDP reduce-scatters gradients then)."
+            )
+    return grad.to_local(), tuple(groups)
+
+
+def sum_squares_over_mesh(squares: Tensor, keys: Sequence[ReduceKey]) -> Tensor:
+    """Sum ``squares[i]`` (this rank's squared norm of parameter i) over the groups ``keys[i]``.
+
+    One in-place all-reduce per distinct key (one for plain FSDP), on a copy of the selected
+    entries when several keys are mixed. No host synchronisation.
+
+    Returns:
+        The global squared norms, same shape and device as ``squares``.
+    """
+    import torch.distributed as dist
+
+    distinct: dict[ReduceKey, list[int]] = {}
+    for i, key in enumerate(keys):
+        if key:
+            distinct.setdefault(key, []).append(i)
+    if len(distinct) == 1 and len(next(iter(distinct.values()))) == len(keys):
+        (key,) = distinct
+        for group in key:
+            dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=group)
+        return squares
+    out = squares.clone()
+    for key, idx in distinct.items():
+        index = torch.tensor(idx, device=squares.device)
+        part = out.index_select(0, index)
+        for group in key:
+            dist.all_reduce(part, op=dist.ReduceOp.SUM, group=group)
+        out.index_copy_(0, index, part)
+    return out
