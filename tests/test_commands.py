@@ -10,14 +10,16 @@ from stabletrain.config import load_settings
 
 def test_a_command_from_settings_has_absolute_quoted_paths_and_only_the_changed_settings(tmp_path):
     out = tmp_path / "my runs" / "it's here"
-    settings = load_settings({"out": out, "steps": 40, "model_args": {"lr": 3.0, "betas": [0.8, 0.9]}, "overwrite": True})
+    settings = load_settings({"out": out, "steps": 40, "model_args": {"lr": 3.0, "betas": [0.8, 0.9]},
+                              "overwrite": True})
     command = train_command(settings, resume_from=out / "checkpoints" / "step_000004.ckpt",
                             extra={"model_args.lr": 0.6})
     args = shlex.split(command)
     assert args[:3] == ["stabletrain", "train", f"out={out.resolve()}"]
     assert "steps=40" in args and "model_args.betas=[0.8, 0.9]" in args and "model_args.lr=0.6" in args
     assert "model_args.lr=3.0" not in args, "the extra setting replaces the run's"
-    assert "overwrite=true" not in args and args[-2] == f"resume_from={(out / 'checkpoints' / 'step_000004.ckpt').resolve()}"
+    checkpoint = (out / "checkpoints" / "step_000004.ckpt").resolve()
+    assert "overwrite=true" not in args and args[-2] == f"resume_from={checkpoint}"
 
 
 def test_a_command_from_the_cli_keeps_its_arguments_and_replaces_how_it_starts(tmp_path, monkeypatch):

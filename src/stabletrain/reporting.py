@@ -374,7 +374,8 @@ def _markdown(
 ) -> str:
     md = [f"# stabletrain report: {out.name}", ""]
     md.append(f"Run `{out}`: {_span_text(data)}. {_run_line(data)}.".replace(". .", "."))
-    md += ["", f"**Verdict: {verdict}**", "", _checkpoint_line(out), "", "| signal | status | episodes |", "|---|---|---|"]
+    md += ["", f"**Verdict: {verdict}**", "", _checkpoint_line(out), ""]
+    md += ["| signal | status | episodes |", "|---|---|---|"]
     for signal, st in status.items():
         mine = _of_signal(episodes, signal)
         cell = "; ".join(
@@ -565,7 +566,8 @@ def _mark_run_events(ax: Any, data: RunData) -> None:
         if grew.any():
             ax.scatter(data.steps[grew], np.full(grew.sum(), 0.03), transform=trans, marker="^", color="#8c564b",
                        s=26, label="fp16 skipped steps", zorder=5, clip_on=False)
-    guard = [ev["step"] for ev in data.events if ev.get("event") == "nonfinite_step" and isinstance(ev.get("step"), int)]
+    guard = [ev["step"] for ev in data.events
+             if ev.get("event") == "nonfinite_step" and isinstance(ev.get("step"), int)]
     for i, step in enumerate(guard):
         ax.axvline(step, color="#9467bd", lw=1.6, label="first non-finite step (guard)" if i == 0 else None, zorder=4)
 

@@ -190,7 +190,8 @@ class Trainer:
         # Without a Fabric no process was launched: this is the first one.
         first = fabric is None or fabric.global_rank == 0
         problems = trainer_checks.setup_problems(
-            self.settings, None if fabric is None else fabric.world_size, is_rank_zero=first, fabric_problems=fabric_problems
+            self.settings, None if fabric is None else fabric.world_size, is_rank_zero=first,
+            fabric_problems=fabric_problems,
         )
         if problems:
             raise ConfigError(problems)
@@ -312,7 +313,8 @@ class Trainer:
             others = [c for c in list_checkpoints(checkpoint_dir(self.out))
                       if c.healthy and c.path.resolve() != source.resolve()]
             best = others[-1] if others else None
-            fix = f"resume_from={best.path} (step {best.step}, healthy)" if best else "overwrite=true (no healthy checkpoint)"
+            fix = (f"resume_from={best.path} (step {best.step}, healthy)" if best
+                   else "overwrite=true (no healthy checkpoint)")
             problems.append(f"{which}: {source} holds NaN/Inf ({', '.join(bad[:4])}); continue from {fix} instead")
         if problems:
             raise ConfigError(problems)
@@ -329,7 +331,8 @@ class Trainer:
             for row in read_run(metrics).rows:
                 if row["step"] < self.step:
                     self.safety.health.observe(row["step"], row)
-        note = "" if health is None else f" ({'healthy' if health.get('healthy') else 'not healthy'}: {health.get('why')})"
+        verdict = "healthy" if health and health.get("healthy") else "not healthy"
+        note = "" if health is None else f" ({verdict}: {health.get('why')})"
         self.console.info(f"Resumed from step {self.step}: {source}{note}")
         self.log_event({"event": "resume", "step": self.step, "checkpoint": str(source)})
 
@@ -431,7 +434,8 @@ class Trainer:
         if self.safety.interrupted is not None:
             from stabletrain.stop_messages import interrupt_message
 
-            text, command = interrupt_message(self, self.safety.interrupted, path or checkpoint_dir(self.out) / "last.ckpt")
+            last = path or checkpoint_dir(self.out) / "last.ckpt"
+            text, command = interrupt_message(self, self.safety.interrupted, last)
             self.console.info(text)
             raise TrainingInterrupted(text, signal_name=self.safety.interrupted, step=self.step,
                                       checkpoint=checkpoint_dir(self.out) / "last.ckpt", command=command)

@@ -226,7 +226,10 @@ def test_wandb_read_back_from_the_offline_run_directory(run_all_loggers):
     summaries = [r["summary"]["update"] for r in records if r["type"] == "summary"]
     events = [s["events"] for s in summaries if "events" in s][-1]
     logged = [e for e in run_all_loggers["events"]]
-    assert [(e["event"], e.get("kind"), e["step"]) for e in events] == [(e["event"], e.get("kind"), e["step"]) for e in logged]
+    def key(e):
+        return e["event"], e.get("kind"), e["step"]
+
+    assert [key(e) for e in events] == [key(e) for e in logged]
     assert [e["event"] for e in logged][-1] == "nonfinite_step", "the guard's stop is an event for every logger"
 
 

@@ -1346,7 +1346,8 @@ def _lr_text(settings: Optional[dict[str, Any]], rows: Sequence[dict[str, Any]] 
     if lr is None:
         return f"a {advice.LR_DECREASE}x lower learning rate (model_args.lr)"
     value, why = advice.anchored_lr(lr, rows, unstable_from)
-    return f"model_args.lr={advice.setting_value(value)} or lower (was {advice.setting_value(lr)}{'; ' + why if why else ''})"
+    why = f"; {why}" if why else ""
+    return f"model_args.lr={advice.setting_value(value)} or lower (was {advice.setting_value(lr)}{why})"
 
 
 def _first_unhealthy(d: Diagnosis, step: int) -> int:
@@ -1393,7 +1394,8 @@ def _next_actions(d: Diagnosis, cap: NaNCapture, out: Optional[Path]) -> list[st
             ck = next(c for c in w.checkpoints if c["path"] == w.healthy_checkpoint)
             where = ("rerun your training command with resume_interrupted=true"
                      if Path(w.healthy_checkpoint).name == "last.ckpt" else
-                     f"rerun your training command with resume_from={shlex.quote(str(Path(w.healthy_checkpoint).resolve()))}")
+                     "rerun your training command with "
+                     f"resume_from={shlex.quote(str(Path(w.healthy_checkpoint).resolve()))}")
             why = f": {ck['why']}" if ck.get("why") else ""
             actions.append(
                 f"Resume from before the damage: the newest checkpoint with healthy {state} is step {ck['step']} "
