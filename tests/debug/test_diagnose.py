@@ -583,31 +583,3 @@ def test_ddmin_finds_one_minimal_culprit_set():
     assert _ddmin(list(range(32)), fails) == [13]
     assert len(calls) <= 2 * 5, "a bisection: about 2 log2(32) checks"
     assert sorted(_ddmin(list(range(16)), lambda s: 3 in s and 11 in s)) == [3, 11], "a pair needed together"
-
-
-def test_readme_diagnose_example_is_what_the_code_prints(tmp_path, capsys, monkeypatch):
-    """The README's plain-loop example, run and diagnosed as shown, prints the README's
-    account line for line (all but the timing line)."""
-    import re
-    import shlex
-    from pathlib import Path
-
-    from stabletrain.cli import main
-
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    example = re.search(r"<!-- nancapture-example -->\n```python\n(.*?)```", readme, re.S).group(1)
-    (tmp_path / "example.py").write_text(example)
-    subprocess.run([sys.executable, "example.py"], cwd=tmp_path, env=cli_env(), check=True, capture_output=True, timeout=300)
-    block = re.search(r"\$ (stabletrain diagnose out/plain/[^\n]+)\n(.*?)```", readme, re.S)
-    assert block, "the README shows the diagnosis of the plain-loop example"
-    command, shown = block.group(1), block.group(2)
-    monkeypatch.chdir(tmp_path)
-    capsys.readouterr()
-    assert main(shlex.split(command)[1:]) == 0
-    printed = capsys.readouterr().out
-
-    def untimed(text):
-        return [line for line in text.strip().splitlines() if not line.startswith("Diagnosed in ")]
-
-    assert untimed(printed) == untimed(shown)
-    assert "The sample at dataset index 77 of microbatch 1" in printed
