@@ -35,7 +35,7 @@ from torch.utils.data import default_collate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import interleaved, machine, median  # noqa: E402
+from common import machine, median  # noqa: E402
 
 import stabletrain  # noqa: E402
 from stabletrain import compute_grad_norm  # noqa: E402
@@ -76,21 +76,37 @@ def make_step(model, batches, guarded: bool):
     return step, guard
 
 
+def interleaved_times(variants: dict, rounds: int) -> dict[str, dict[str, list[float]]]:
+    """Per round, one step of each variant in turn (order alternating), wall and CPU seconds;
+    the first round is a warm-up."""
+    names = list(variants)
+    out = {n: {"wall": [], "cpu": []} for n in names}
+    for r in range(rounds + 1):
+        for name in (names if r % 2 else names[::-1]):
+            w0, c0 = time.perf_counter(), time.process_time()
+            variants[name]()
+            w1, c1 = time.perf_counter(), time.process_time()
+            if r:
+                out[name]["wall"].append(w1 - w0)
+                out[name]["cpu"].append(c1 - c0)
+    return out
+
+
 def guard_calls_alone(model, batch, n: int = 200) -> float:
-    """Seconds per step of the guard's calls alone (gradients and AdamW state present)."""
+    """CPU seconds per step of the guard's calls alone (gradients and AdamW state present)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loss = model.training_step(batch)
     loss.backward()
     optimizer.step()  # AdamW's state exists from now on
     gn = compute_grad_norm(model.named_parameters())
     guard = StepGuard(model, optimizer)
-    start = time.perf_counter()
+    start = time.process_time()
     for i in range(n):
         guard.check_gradients(i, gn.total, [loss.detach()])
         guard.visible()
         guard.check_update(i)
         guard.visible()
-    return (time.perf_counter() - start) / n
+    return (time.process_time() - start) / n
 
 
 def trainer_syncs(guard: bool, nancapture: bool) -> dict[int, int]:
@@ -116,20 +132,24 @@ def main() -> None:
         with CountSyncs() as c:
             fn()
         syncs[name] = c.count
-    times = interleaved({"no guard": plain_step, "guard": guarded_step}, repeats=1, rounds=ns.rounds)
+    times = interleaved_times({"no guard": plain_step, "guard": guarded_step}, rounds=ns.rounds)
     alone = guard_calls_alone(copy.deepcopy(base), batches[0])
-    plain, guarded = times["no guard"], times["guard"]
-    ratios = [g / p for g, p in zip(guarded, plain)]
-    q = statistics.quantiles(ratios, n=4)
     print(f"machine: {machine()}")
     print(f"model: built-in language model (defaults, batch 32), AdamW; {ns.rounds} rounds of one step per variant, "
           "interleaved")
-    print(f"{'':12}{'ms/step (median)':>18}{'host syncs/step':>17}")
+    print(f"{'':12}{'wall ms/step':>14}{'CPU ms/step':>13}{'host syncs/step':>17}   (medians)")
     for name in ("no guard", "guard"):
-        print(f"{name:12}{median(times[name]) * 1e3:>18.1f}{syncs[name]:>17}")
-    print(f"ratio guard / no guard: median over rounds {median(ratios):.3f}x (quartiles {q[0]:.3f}-{q[2]:.3f})")
-    print(f"the guard's calls alone: {alone * 1e3:.3f} ms/step = {alone / median(plain) * 100:.2f}% of a step "
-          f"-> {1 + alone / median(plain):.4f}x (goal <= 1.01x)")
+        t = times[name]
+        print(f"{name:12}{median(t['wall']) * 1e3:>14.1f}{median(t['cpu']) * 1e3:>13.1f}{syncs[name]:>17}")
+    for kind in ("wall", "cpu"):
+        ratios = [g / p for g, p in zip(times["guard"][kind], times["no guard"][kind])]
+        q = statistics.quantiles(ratios, n=4)
+        total = sum(times["guard"][kind]) / sum(times["no guard"][kind])
+        print(f"ratio guard / no guard, {kind} time: median over rounds {median(ratios):.3f}x "
+              f"(quartiles {q[0]:.3f}-{q[2]:.3f}), total {total:.3f}x")
+    plain = median(times["no guard"]["cpu"])
+    print(f"the guard's calls alone: {alone * 1e3:.3f} ms/step = {alone / plain * 100:.2f}% of a step's CPU time "
+          f"-> {1 + alone / plain:.4f}x (goal <= 1.01x)")
 
     print("host syncs per step of stabletrain.train (12 steps, logged at 0, 10, 11; checkpoint after 6):")
     counts = {(g, n): trainer_syncs(g, n) for g in (False, True) for n in (False, True)}
