@@ -19,8 +19,8 @@ from stabletrain.debug.diagnose import (
     NOT_REPRODUCIBLE,
     PRECISION_INDUCED,
     Diagnosis,
-    _ddmin,
 )
+from stabletrain.debug.diagnose.search import ddmin as _ddmin
 from stabletrain.trainer import train
 
 from conftest import cli_env, tiny_lm
