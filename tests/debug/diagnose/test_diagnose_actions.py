@@ -105,14 +105,14 @@ CASES: dict[str, tuple[Evidence, Optional[dict[str, Any]], dict[str, Any], bool,
     "huge-weights-healthy-checkpoint": (
         evidence(weights=damaged("huge", checkpoints(True, True, False), nonfinite=False)), RUN, {}, True,
         ["Resume from before the damage: the newest checkpoint with healthy weights is step 2 (|w| up to 0.5); "
-         "copy /runs/boom/checkpoints/step_000002.ckpt over /runs/boom/checkpoints/last.ckpt, then rerun your "
-         f"training command with resume_interrupted=true and {LR}.",
+         "rerun your training command with resume_from=/runs/boom/checkpoints/step_000002.ckpt "
+         f"and {LR}.",
          f"Keep single steps from blowing the weights up: {CLIP}.", REPLAY_ACTION],
     ),
     "huge-weights-no-healthy-checkpoint": (
         evidence(weights=damaged("huge", checkpoints(False, False), nonfinite=False)), RUN, {}, True,
-        [f"No checkpoint of this run has healthy weights (all reach |w| >= 1e+03 or hold NaN): start again with "
-         f"overwrite=true and {LR}.", "Keep single steps from blowing the weights up", REPLAY_ACTION],
+        [f"No checkpoint of this run has healthy weights (the newest, step 2: |w| up to 2e+03, huge from 1e+03): "
+         f"start again with overwrite=true and {LR}.", "Keep single steps from blowing the weights up", REPLAY_ACTION],
     ),
     "nonfinite-weights-16-true-adamw": (
         evidence(precision="16-true", weights=damaged("nonfinite", []), origin="weights",
@@ -131,8 +131,8 @@ CASES: dict[str, tuple[Evidence, Optional[dict[str, Any]], dict[str, Any], bool,
         evidence(weights=damaged("nonfinite", checkpoints(True, False), nonfinite=False, buffers=("norm.mean",)),
                  origin="buffers", finding=op(inputs_nonfinite=True)), RUN, {}, True,
         ["Resume from before the damage: the newest checkpoint with healthy weights and buffers is step 1 "
-         "(|w| up to 0.5); copy /runs/boom/checkpoints/step_000001.ckpt over /runs/boom/checkpoints/last.ckpt, then "
-         "rerun your training command with resume_interrupted=true and the same settings.",
+         "(|w| up to 0.5); rerun your training command with resume_from=/runs/boom/checkpoints/step_000001.ckpt "
+         "and the same settings.",
          "Find what put NaN/Inf into norm.mean: the forward pass updates them from the data", REPLAY_ACTION],
     ),
     "precision-conversion-of-the-batch": (

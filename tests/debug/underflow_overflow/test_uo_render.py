@@ -9,6 +9,7 @@ from uo_builders import INF, NAN, calls, fwd, grad, row
 
 from stabletrain.debug.underflow_overflow import UnderflowOverflowAbort, UnderflowOverflowError, log_path
 from stabletrain.debug.underflow_overflow.attribution import Blame
+from stabletrain.debug.underflow_overflow.errors import NEXT_STEPS
 from stabletrain.debug.underflow_overflow.records import Event, Role, host_values
 from stabletrain.debug.underflow_overflow.render import (
     LogFile,
@@ -143,15 +144,16 @@ def test_error_messages_name_the_culprit_the_samples_and_the_log(tmp_path):
                                  rows=[1, 3])
     assert str(err) == (
         "step 4, rank 0, backward: the first non-finite value (nan) is in module a (Lin), tensor grad of input[0]. "
-        f"Why. Samples (rows of the batch) holding it: [1, 3]. The last frames, culprit last: {log}"
+        f"Why. Samples (rows of the batch) holding it: [1, 3]. The last frames, culprit last: {log}\n{NEXT_STEPS}"
     )
+    assert NEXT_STEPS.startswith("Next: read the report") and "stabletrain diagnose" in NEXT_STEPS
     model = UnderflowOverflowError(step=4, rank=0, detected_by=[0], log_path=log, phase="forward", module="",
                                    module_type="Net", tensor="loss", value="inf", explanation="Why.")
     assert "is in the model itself (Net), tensor loss. Why. The last frames" in str(model)
     bystander = UnderflowOverflowError(step=4, rank=2, detected_by=[0, 1], log_path=log, phase="forward")
     assert str(bystander) == (
         "step 4: rank 0, 1 found a non-finite value in the forward pass (see underflow_overflow_rank0.log beside "
-        f"this rank's report); rank 2 found none and stopped with it. This rank's last frames: {log}"
+        f"this rank's report); rank 2 found none and stopped with it. This rank's last frames: {log}\n{NEXT_STEPS}"
     )
     assert bystander.module is None and bystander.report_path == Path(log)
     assert str(UnderflowOverflowAbort(2, log)) == (

@@ -5,9 +5,10 @@ of the arithmetic, per kind of op). See ``docs/diagnose.md``.
 from __future__ import annotations
 
 import math
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -49,10 +50,15 @@ class RunContext:
     clip: str
 
     @classmethod
-    def of(cls, cap: NaNCapture, out: Optional[Path]) -> RunContext:
+    def of(cls, cap: NaNCapture, out: Optional[Path], unstable_from: Optional[int] = None) -> RunContext:
         settings = cap.settings or {}
         clip = advice.clip(settings.get("gradient_clip_val") if settings else None, known=bool(settings))
-        return cls(cap, out, settings, lr_text(settings), clip)
+        rows: list[dict[str, Any]] = []
+        if out is not None and (out / "metrics.jsonl").is_file():
+            from stabletrain.run_history import read_run
+
+            rows = read_run(out / "metrics.jsonl").rows
+        return cls(cap, out, settings, lr_text(settings, rows, unstable_from), clip)
 
     @property
     def image_task(self) -> bool:
@@ -61,7 +67,7 @@ class RunContext:
 
 def next_actions(ev: Evidence, cap: NaNCapture, out: Optional[Path]) -> list[str]:
     """Concrete next steps for the cause ``ev`` shows, ending with the command that replays the step."""
-    ctx = RunContext.of(cap, out)
+    ctx = RunContext.of(cap, out, _instability_start(ev, cap.step))
     if ev.cause == NOT_REPRODUCIBLE:
         return not_reproducible(ev, ctx)
     if damaged_before(ev):
@@ -76,13 +82,26 @@ def next_actions(ev: Evidence, cap: NaNCapture, out: Optional[Path]) -> list[str
     return actions
 
 
-def lr_text(settings: Optional[dict[str, Any]]) -> str:
-    """A learning rate :data:`~stabletrain.debug.advice.LR_DECREASE` times lower than the run's, as a setting."""
+def lr_text(settings: Optional[dict[str, Any]], rows: Sequence[dict[str, Any]] = (),
+            unstable_from: Optional[int] = None) -> str:
+    """The lr to try, as a setting: anchored to the highest lr that trained stably, or the
+    default, else :data:`~stabletrain.debug.advice.LR_DECREASE` times lower than the run's
+    (:func:`stabletrain.debug.advice.anchored_lr`), never a tenth of an absurd value."""
     model_args = (settings or {}).get("model_args")
     lr = advice.positive(model_args.get("lr")) if isinstance(model_args, dict) else None
     if lr is None:
         return f"a {advice.LR_DECREASE}x lower learning rate (model_args.lr)"
-    return f"{advice.lower_lr(lr)} or lower (was {advice.setting_value(lr)})"
+    value, why = advice.anchored_lr(lr, rows, unstable_from)
+    why = f"; {why}" if why else ""
+    return f"model_args.lr={advice.setting_value(value)} or lower (was {advice.setting_value(lr)}{why})"
+
+
+def _instability_start(ev: Evidence, step: int) -> int:
+    """Where the instability began: at the newest healthy checkpoint when the weights were
+    already damaged, else the captured step."""
+    w = ev.weights
+    ck = next((c for c in w.checkpoints if c["path"] == w.healthy_checkpoint), None) if w.healthy_checkpoint else None
+    return min(step, int(ck["step"])) if ck is not None else step
 
 
 def replay_command(cap: NaNCapture) -> str:
@@ -153,14 +172,17 @@ def _resume_before_the_damage(ev: Evidence, ctx: RunContext, state: str, lr: str
     w = ev.weights
     if w.healthy_checkpoint:
         ck = next(c for c in w.checkpoints if c["path"] == w.healthy_checkpoint)
-        last = Path(w.healthy_checkpoint).parent / "last.ckpt"
-        where = ("" if Path(w.healthy_checkpoint).name == "last.ckpt" else
-                 f"copy {w.healthy_checkpoint} over {last}, then ")
+        path = Path(w.healthy_checkpoint)
+        where = (RESUME if path.name == "last.ckpt" else
+                 f"rerun your training command with resume_from={shlex.quote(str(path.resolve()))}")
+        why = f": {ck['why']}" if ck.get("why") else ""
         return (f"Resume from before the damage: the newest checkpoint with healthy {state} is step {ck['step']} "
-                f"(|w| up to {fmt_number(ck['abs_max'])}); {where}{RESUME} and {lr}.")
+                f"(|w| up to {fmt_number(ck['abs_max'])}{why}); {where} and {lr}.")
     if w.checkpoints:
-        return (f"No checkpoint of this run has healthy {state} (all reach |w| >= {fmt_number(w.threshold)} or hold "
-                f"NaN): start again with overwrite=true and {lr}.")
+        newest = w.checkpoints[-1]
+        why = newest.get("why") or f"|w| up to {fmt_number(newest['abs_max'])}, huge from {fmt_number(w.threshold)}"
+        return (f"No checkpoint of this run has healthy {state} (the newest, step {newest['step']}: {why}): "
+                f"start again with overwrite=true and {lr}.")
     if ctx.out is not None and ctx.out.is_dir():
         return (f"No checkpoint of this run was found under {ctx.out / 'checkpoints'} (written before step "
                 f"{ctx.cap.step}): start again with overwrite=true and {lr}.")

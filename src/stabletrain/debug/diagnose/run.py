@@ -23,6 +23,7 @@ from stabletrain.debug.diagnose.search import isolate, not_searched
 from stabletrain.debug.diagnose.types import HUGE_WEIGHT, Evidence
 from stabletrain.debug.diagnose.weights import history, nonfinite_buffers, param_stats, run_folder, weights_report
 from stabletrain.debug.nan_capture import REASON_OTHER_RANK
+from stabletrain.debug.optimizer_step import REASON_OPTIMIZER_STEP, OptimizerStepDiagnosis, diagnose_optimizer_step
 from stabletrain.debug.replay import NaNCapture, load_nan_capture, normalize_precision
 from stabletrain.utils.io import atomic_write_text
 
@@ -39,8 +40,12 @@ def diagnose(
     write: bool = True,
     huge_weight: float = HUGE_WEIGHT,
     max_subset_replays: int = 64,
-) -> Diagnosis:
+) -> Union[Diagnosis, OptimizerStepDiagnosis]:
     """Diagnose a NaN capture offline: which op, which module, which sample, and why.
+
+    A capture of the guard's (``reason == "optimizer_step"``: finite gradients, the optimizer
+    step wrote NaN/Inf) gets :func:`~stabletrain.debug.optimizer_step.diagnose_optimizer_step`:
+    the step replayed from the captured state and the reason (eps, dtype range).
 
     Args:
         capture: A loaded :class:`~stabletrain.debug.replay.NaNCapture`, or a path that
@@ -69,6 +74,8 @@ def diagnose(
     clock = PhaseTimer(timings)
     with clock("load"):
         cap = _load(capture, model, step_fn)
+        if cap.reason == REASON_OPTIMIZER_STEP:  # the guard's capture: the optimizer step did it
+            return diagnose_optimizer_step(cap, device=None if device is None else torch.device(device), write=write)
         replay_model = cap.get_model()
         precision = normalize_precision(cap.precision)
         dev = torch.device(device) if device is not None else cap.default_device()

@@ -90,6 +90,12 @@ def scan_checkpoints(folder: Path, threshold: float, names: set[str], buffer_nam
         step = int(state.get("step", -1))
         if step not in seen:
             seen[step] = _checkpoint_health(path, step, state.get("model", {}), threshold, names, buffer_names)
+            health = state.get("health") if isinstance(state.get("health"), dict) else None
+            # The health the run recorded (finite, and no instability under way) decides too;
+            # the magnitude rule alone stands in for checkpoints of older versions without it.
+            if health is not None:
+                seen[step]["healthy"] = seen[step]["healthy"] and bool(health.get("healthy"))
+                seen[step]["why"] = str(health.get("why", ""))
     return [seen[s] for s in sorted(seen)]
 
 

@@ -15,6 +15,15 @@ from .render import abort_message, bystander_message, failure_message
 __all__ = ["UnderflowOverflowError", "UnderflowOverflowAbort"]
 
 
+#: What to do after an UnderflowOverflowError, whoever raised it.
+NEXT_STEPS = (
+    "Next: read the report (the culprit frame is last); replay the step offline to find the op and the sample: "
+    "debug_args.nancapture.enabled=true (NaNCaptureMonitor in a plain loop), then stabletrain diagnose on the "
+    "capture; if the module runs in float16 or bfloat16, rule reduced precision in or out with precision=32-true; "
+    "continue from the newest healthy checkpoint (resume_from=) once fixed."
+)
+
+
 class UnderflowOverflowError(StabletrainError):
     """A non-finite value appeared; training stopped.
 
@@ -68,7 +77,7 @@ class UnderflowOverflowError(StabletrainError):
             msg = failure_message(step, rank, phase, where, tensor, value, explanation, rows, self.log_path)
         else:
             msg = bystander_message(step, rank, self.detected_by, phase, self.log_path)
-        super().__init__(msg)
+        super().__init__(msg + "\n" + NEXT_STEPS)
 
     @property
     def report_path(self) -> Path:
