@@ -23,7 +23,7 @@ from PIL import Image
 from pydantic import BaseModel
 
 import stabletrain
-from stabletrain.checkpoint import CheckpointError, load_checkpoint, unreadable_reason
+from stabletrain.checkpoint import CheckpointError, fallback_advice, load_checkpoint, unreadable_reason
 from stabletrain.config import (
     COMMON_FABRIC_NAMES,
     TrainSettings,
@@ -208,19 +208,40 @@ def test_unreadable_last_ckpt_names_the_newest_readable_one(tmp_path, trained_ru
     why = "the file is empty (0 bytes)" if damage == "empty" else "the file is cut short or is not a checkpoint"
     step2 = out / "checkpoints" / "step_000002.ckpt"
     assert problem.startswith(f"resume_interrupted: cannot read {last}: {why}")
-    assert problem.endswith(f"The newest whole checkpoint is {step2} (step 2); continue from it with "
-                            f"resume_from={shlex.quote(str(step2))} in place of resume_interrupted=true")
+    # The run's own command, continuing from step 2 in place of resume_interrupted.
+    assert f". The newest healthy checkpoint is {step2} (step 2); continue from it: stabletrain train out=" in problem
+    assert problem.endswith(f" resume_from={shlex.quote(str(step2))}") and "resume_interrupted" not in problem[30:]
     assert snapshot(out) == before, "nothing under out/ may change"
 
-    # Reading it directly (as resume_from or diagnose would) names the same file, and that one loads.
+    # Reading it directly (as diagnose would) names the same file, and that one loads.
     with pytest.raises(CheckpointError) as info:
         load_checkpoint(last)
     message = str(info.value)
     assert message.startswith(f"cannot read checkpoint {last}: {why}")
-    assert message.endswith(f"The newest readable checkpoint is {step2} (step 2); continue from it with "
+    assert message.endswith(f"The newest healthy checkpoint is {step2} (step 2); continue from it: "
                             f"resume_from={shlex.quote(str(step2))}")
     assert load_checkpoint(step2)["step"] == 2
     assert snapshot(out) == before
+
+
+def test_printed_command_for_an_unreadable_last_ckpt_resumes_from_the_named_one(tmp_path, trained_run):
+    out = _copy_run(trained_run, tmp_path / "my run")  # a space: the command must quote it
+    (out / "checkpoints" / "last.ckpt").write_bytes(b"")
+    settings = tiny_lm(steps=4, checkpoint_every_num_steps=2)  # trained_run's
+    args = [f"{k}={json.dumps(v)}" for k, v in settings.items() if k != "model_args"]
+    args += [f"model_args.{k}={json.dumps(v)}" for k, v in settings["model_args"].items()]
+    result = run_cli("train", f"out={out}", *args, "resume_interrupted=true", cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    command = result.stderr.split("continue from it: ", 1)[1].strip()
+    assert command.startswith("stabletrain train ") and "resume_interrupted" not in command
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = cli_env()
+    env["PATH"] = str(Path(sys.executable).parent) + ":" + env.get("PATH", "")  # the venv's stabletrain
+    pasted = subprocess.run(command, shell=True, cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300)
+    assert pasted.returncode == 0, pasted.stderr[-2000:]
+    assert f"Resumed from step 2: {out / 'checkpoints' / 'step_000002.ckpt'}" in pasted.stdout
+    assert load_checkpoint(out / "checkpoints" / "last.ckpt")["step"] == 4
 
 
 def test_unreadable_checkpoint_without_an_alternative_says_start_again(tmp_path, trained_run):
@@ -229,11 +250,44 @@ def test_unreadable_checkpoint_without_an_alternative_says_start_again(tmp_path,
         p.write_bytes(b"")
     with pytest.raises(CheckpointError) as info:
         load_checkpoint(out / "checkpoints" / "last.ckpt")
-    assert str(info.value).endswith(f"No other readable checkpoint in {out / 'checkpoints'}; start again with "
+    assert str(info.value).endswith(f"No other checkpoint in {out / 'checkpoints'} can be read; start again: "
                                     "overwrite=true")
     result = run_cli("train", f"out={out}", "resume_interrupted=true", "steps=6", cwd=tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "is whole; start again with overwrite=true" in result.stderr
+    assert (f"can be read; start again: stabletrain train out={out} steps=6 overwrite=true"
+            in " ".join(result.stderr.split()))
+
+
+def _rewrite_health(path: Path, health: Any) -> None:
+    import torch
+
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if health is None:
+        state.pop("health", None)
+    else:
+        state["health"] = health
+    torch.save(state, path)
+
+
+def test_unreadable_checkpoint_prefers_a_healthy_one_and_says_when_none_is(tmp_path, trained_run):
+    out = _copy_run(trained_run, tmp_path / "run")
+    folder = out / "checkpoints"
+    last, step2 = folder / "last.ckpt", folder / "step_000002.ckpt"
+    (folder / "step_000003.ckpt").write_bytes(last.read_bytes())  # step 4's state under another name
+    _rewrite_health(folder / "step_000003.ckpt", {"healthy": False, "why": "loss at step 3 is 88, 16x the median"})
+    last.write_bytes(b"")
+    # The newer file is readable but not healthy: the healthy step 2 is named.
+    assert fallback_advice(last).startswith(f"The newest healthy checkpoint is {step2} (step 2);")
+    # Written by an older stabletrain (no health recorded): named, and said so.
+    _rewrite_health(step2, None)
+    assert fallback_advice(last) == (
+        f"The newest readable checkpoint is {step2}, step 2 (health not recorded: written by an older "
+        f"stabletrain); continue from it: resume_from={shlex.quote(str(step2))}")
+    # Only unhealthy ones: start again, and the newest is named with why.
+    _rewrite_health(step2, {"healthy": False, "why": "the weight norm is 1e3, 500x its start"})
+    assert fallback_advice(last) == (
+        f"No other checkpoint in {folder} is healthy (the newest, {folder / 'step_000003.ckpt'}, is step 4 "
+        "(not healthy: loss at step 3 is 88, 16x the median)); start again: overwrite=true")
 
 
 def test_corrupt_checkpoint_contents_fail_with_the_reason_not_an_index_error(tmp_path, trained_run):
@@ -246,7 +300,7 @@ def test_corrupt_checkpoint_contents_fail_with_the_reason_not_an_index_error(tmp
         z.writestr("archive/data.pkl", b"\x80\x02garbage")
     assert unreadable_reason(last) is None
     with pytest.raises(CheckpointError, match=r"cannot read checkpoint .*last.ckpt: RuntimeError: .*The newest "
-                                              r"readable checkpoint is .*step_000002.ckpt \(step 2\)"):
+                                              r"healthy checkpoint is .*step_000002.ckpt \(step 2\)"):
         load_checkpoint(last)
 
 

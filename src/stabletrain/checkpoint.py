@@ -9,7 +9,11 @@ Files under ``out/checkpoints/``:
 
 * ``last.ckpt``: the newest state, rewritten at every checkpoint and at the end of training;
 * ``step_000100.ckpt``: the state after 100 optimizer steps (training resumes at step 100);
-  the newest ``max_checkpoints_to_keep`` of these are kept.
+  the newest ``max_checkpoints_to_keep`` of these are kept, and also the newest healthy one
+  while newer checkpoints are not healthy (see :mod:`stabletrain.checkpoint_health`).
+
+Every checkpoint is verified finite before it is written and records its ``health``; a state
+that is not finite is never written (the trainer stops instead).
 """
 
 from __future__ import annotations
@@ -18,14 +22,15 @@ import datetime
 import json
 import os
 import re
-import shlex
 import shutil
 import tempfile
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from stabletrain.errors import StabletrainError
+from stabletrain.utils.text import shell_path
 
 # torch is imported where a checkpoint is written or read, so that the command line can check
 # a run's checkpoints (unreadable_reason) before it loads torch.
@@ -78,6 +83,8 @@ def save_checkpoint(state: dict[str, Any], out: Path, periodic: bool, keep: int)
         **state,
     }
     last = folder / "last.ckpt"
+    if (state.get("health") or {}).get("healthy") is False:
+        _keep_newest_healthy(folder)
     if periodic:
         target = folder / periodic_name(int(state["step"]))
         atomic_torch_save(state, target)
@@ -86,6 +93,14 @@ def save_checkpoint(state: dict[str, Any], out: Path, periodic: bool, keep: int)
     else:
         atomic_torch_save(state, last)
     return last
+
+
+def _keep_newest_healthy(folder: Path) -> None:
+    """Before an unhealthy state overwrites last.ckpt: if last.ckpt holds the only copy of the
+    newest healthy checkpoint (its step_N.ckpt was rotated away), give it its periodic name."""
+    best = newest_healthy(folder)
+    if best is not None and best.path.name == "last.ckpt":
+        _atomic_copy(best.path, folder / periodic_name(best.step))
 
 
 def _atomic_copy(src: Path, dst: Path) -> None:
@@ -100,16 +115,27 @@ def _atomic_copy(src: Path, dst: Path) -> None:
 
 
 def _prune(folder: Path, keep: int) -> None:
+    """Keep the newest ``keep`` periodic files; while the newest checkpoint is not healthy,
+    also the newest healthy one (the place to resume from after the instability)."""
     periodic = sorted((int(m.group(1)), p) for p in folder.iterdir() if (m := _PERIODIC.match(p.name)))
-    for _, path in periodic[: max(0, len(periodic) - keep)]:
-        path.unlink(missing_ok=True)
+    doomed = [path for _, path in periodic[: max(0, len(periodic) - keep)]]
+    if not doomed:
+        return
+    infos = list_checkpoints(folder)
+    protect = None
+    if infos and infos[-1].healthy is False:
+        healthy = [c for c in infos if c.healthy and c.path.name != "last.ckpt"]
+        protect = healthy[-1].path if healthy else None
+    for path in doomed:
+        if path != protect:
+            path.unlink(missing_ok=True)
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
     """Load a checkpoint safely (no code runs); raise CheckpointError with the reason otherwise.
 
-    When the file cannot be read, the error names the newest readable checkpoint beside it and
-    how to continue from that one.
+    When the file is missing or cannot be read, the error names the checkpoint beside it to
+    continue from (:func:`fallback_advice`).
     """
     import torch
 
@@ -117,12 +143,12 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     if path.is_dir():
         path = checkpoint_dir(path) / "last.ckpt" if (checkpoint_dir(path) / "last.ckpt").exists() else path / "last.ckpt"
     if not path.exists():
-        raise CheckpointError(f"no checkpoint at {path}")
+        raise CheckpointError(f"no checkpoint at {path}. {fallback_advice(path)}")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # truncated, corrupt, or holding pickled objects
+    except Exception as exc:  # empty, truncated, corrupt, or holding pickled objects
         reason = unreadable_reason(path) or _exception_text(exc)
-        raise CheckpointError(f"cannot read checkpoint {path}: {reason}. {_fallback_advice(path)}") from None
+        raise CheckpointError(f"cannot read checkpoint {path}: {reason}. {fallback_advice(path)}") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a stabletrain checkpoint")
     if int(state.get("version", 0)) > VERSION:
@@ -154,38 +180,55 @@ def unreadable_reason(path: str | Path) -> Optional[str]:
     return None
 
 
-def readable_checkpoints(folder: str | Path, exclude: Optional[Path] = None) -> list[tuple[Optional[int], Path]]:
-    """``(step, path)`` of the checkpoints in ``folder`` that look whole (:func:`unreadable_reason`),
-    newest first: ``last.ckpt`` (its step is unknown without reading it: None), then ``step_N.ckpt``
-    by descending N. ``exclude`` is left out (the file that failed)."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        return []
-    periodic = sorted(((int(m.group(1)), p) for p in folder.iterdir() if (m := _PERIODIC.match(p.name))), reverse=True)
-    candidates: list[tuple[Optional[int], Path]] = [(None, folder / "last.ckpt"), *periodic]
-    exclude = Path(exclude).resolve() if exclude is not None else None
-    return [
-        (step, p) for step, p in candidates
-        if p.is_file() and p.resolve() != exclude and unreadable_reason(p) is None
-    ]
+def fallback_checkpoint(failed: str | Path) -> Optional[CheckpointInfo]:
+    """The checkpoint to continue from when ``failed`` cannot be read: among the others in its
+    folder that read, the newest recorded healthy, else the newest whose health was not
+    recorded (older stabletrain); None when every other one is unreadable or not healthy."""
+    failed = Path(failed)
+    others = [c for c in list_checkpoints(failed.parent) if c.path.resolve() != failed.resolve()]
+    healthy = [c for c in others if c.healthy]
+    unknown = [c for c in others if c.healthy is None]
+    return (healthy or unknown or [None])[-1]
 
 
-def _fallback_advice(failed: Path) -> str:
-    """Where to continue from when ``failed`` cannot be read: the newest checkpoint beside it that loads."""
-    import torch
+def _setting(**start: Any) -> str:
+    """The start settings as ``key=value`` words: paths absolute and quoted, booleans as true/false."""
+    def word(v: Any) -> str:
+        return shell_path(v) if isinstance(v, Path) else json.dumps(v)
 
-    for step, path in readable_checkpoints(failed.parent, exclude=failed):
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception:
-            continue
-        if isinstance(state, dict) and state.get("format") == FORMAT:
-            step = int(state.get("step", step or 0))
-            return (
-                f"The newest readable checkpoint is {path} (step {step}); continue from it with "
-                f"resume_from={shlex.quote(str(path.resolve()))}"
-            )
-    return f"No other readable checkpoint in {failed.parent}; start again with overwrite=true"
+    return " ".join(f"{k}={word(v)}" for k, v in start.items())
+
+
+def fallback_advice(failed: str | Path, command: Optional[Callable[..., str]] = None) -> str:
+    """A sentence: where to continue from when ``failed`` (missing or unreadable) cannot be
+    used, by the rule of :func:`fallback_checkpoint`, or to start again.
+
+    Args:
+        failed: The checkpoint file that could not be read.
+        command: Builds what to run from start settings, called as ``command(resume_from=path)``
+            or ``command(overwrite=True)`` (e.g. :func:`stabletrain.commands.train_command` with
+            the run's settings bound); by default the settings themselves
+            (``resume_from=/abs/path``).
+
+    Example::
+
+        fallback_advice(Path("out/run/checkpoints/last.ckpt"))
+        # "The newest healthy checkpoint is out/run/checkpoints/step_000200.ckpt (step 200); continue
+        #  from it: resume_from=/abs/out/run/checkpoints/step_000200.ckpt"
+    """
+    failed = Path(failed)
+    build = command or _setting
+    best = fallback_checkpoint(failed)
+    if best is not None:
+        which, where = ("healthy", f"{best.path} (step {best.step})") if best.healthy else (
+            "readable", f"{best.path}, {best.reason()}")
+        return f"The newest {which} checkpoint is {where}; continue from it: {build(resume_from=best.path)}"
+    others = [c for c in list_checkpoints(failed.parent) if c.path.resolve() != failed.resolve()]
+    if others:  # all recorded unhealthy
+        found = f"is healthy (the newest, {others[-1].path}, is {others[-1].reason()})"
+    else:
+        found = "can be read"
+    return f"No other checkpoint in {failed.parent} {found}; start again: {build(overwrite=True)}"
 
 
 def _exception_text(exc: BaseException) -> str:
@@ -213,3 +256,80 @@ def _get(d: dict[str, Any], dotted: str) -> Any:
             return None
         d = d.get(part)  # type: ignore[assignment]
     return d
+
+
+# --------------------------------------------------------------------------------------
+# Recorded health, read back: one rule for every message (see stabletrain.checkpoint_health)
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class CheckpointInfo:
+    """A checkpoint file of a run and its recorded health (``healthy`` None: written by an
+    older stabletrain, health unknown)."""
+
+    path: Path
+    step: int
+    healthy: Optional[bool]
+    why: str
+    health: Optional[dict[str, Any]] = None
+
+    def reason(self) -> str:
+        """``step 200 (healthy: ...)``, for messages."""
+        if self.healthy is None:
+            return f"step {self.step} (health not recorded: written by an older stabletrain)"
+        return f"step {self.step} ({'healthy' if self.healthy else 'not healthy'}: {self.why})"
+
+
+_CACHE: dict[tuple[str, int, int], tuple[int, Optional[dict[str, Any]]]] = {}
+
+
+def read_checkpoint_health(path: str | Path) -> tuple[int, Optional[dict[str, Any]]]:
+    """``(step, health)`` of a checkpoint file without reading its tensors (memory-mapped).
+
+    Raises:
+        OSError, RuntimeError, ValueError: The file cannot be read as a checkpoint.
+    """
+    path = Path(path)
+    st = path.stat()
+    key = (str(path.resolve()), st.st_mtime_ns, st.st_size)
+    if key not in _CACHE:
+        import torch
+
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        if not isinstance(state, dict) or "step" not in state:
+            raise ValueError(f"{path} is not a stabletrain checkpoint")
+        health = state.get("health")
+        _CACHE[key] = (int(state["step"]), dict(health) if isinstance(health, dict) else None)
+    return _CACHE[key]
+
+
+def list_checkpoints(folder: str | Path) -> list[CheckpointInfo]:
+    """The run's checkpoints oldest first, one per step: ``step_*.ckpt`` files, and
+    ``last.ckpt`` where no periodic file holds its step (a periodic file is preferred: the
+    next run overwrites last.ckpt). Unreadable files are skipped."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    files = sorted(p for p in folder.iterdir() if _PERIODIC.match(p.name)) + [folder / "last.ckpt"]
+    seen: dict[int, CheckpointInfo] = {}
+    for path in files:
+        if not path.is_file():
+            continue
+        try:
+            step, health = read_checkpoint_health(path)
+        except Exception:  # truncated, foreign or unreadable: not a place to resume from
+            continue
+        if step in seen:
+            continue
+        healthy = None if health is None else bool(health.get("healthy"))
+        seen[step] = CheckpointInfo(path, step, healthy, str((health or {}).get("why", "")), health)
+    return [seen[s] for s in sorted(seen)]
+
+
+def newest_healthy(folder: str | Path, before_step: Optional[int] = None) -> Optional[CheckpointInfo]:
+    """The newest checkpoint recorded healthy (optionally holding at most ``before_step``
+    steps), or None."""
+    healthy = [c for c in list_checkpoints(folder)
+               if c.healthy and (before_step is None or c.step <= before_step)]
+    return healthy[-1] if healthy else None

@@ -16,16 +16,13 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import os
-import shlex
 from pathlib import Path
 from typing import Any
 
-from stabletrain.checkpoint import (
-    checkpoint_dir,
-    readable_checkpoints,
-    unreadable_reason,
-)
+from stabletrain.checkpoint import checkpoint_dir, fallback_advice, unreadable_reason
+from stabletrain.commands import train_command
 from stabletrain.config import TrainSettings, load_settings, partial_settings
 from stabletrain.errors import ConfigError
 
@@ -35,7 +32,6 @@ __all__ = [
     "check_without_torch",
     "data_path_problems",
     "out_dir_problems",
-    "settings_warnings",
 ]
 
 TEXT_DATA_HINT = "give a UTF-8 text file, or omit data for the built-in generated text"
@@ -74,7 +70,7 @@ def _problems_despite(settings: TrainSettings, rejected: list[str]) -> list[str]
     problems = []
     if not reads("task", "model", "data") and isinstance(settings.data, (str, os.PathLike)):
         problems.extend(data_path_problems(_task_name(settings), Path(settings.data)))
-    if not reads("out", "overwrite", "resume_interrupted") and not _launched_as_later_rank():
+    if not reads("out", "overwrite", "resume_interrupted", "resume_from") and not _launched_as_later_rank():
         problems.extend(out_dir_problems(settings))
     return problems
 
@@ -125,19 +121,32 @@ def data_path_problems(task: str, path: Path) -> list[str]:
 
 def out_dir_problems(settings: TrainSettings) -> list[str]:
     """Whether the ``out`` folder can take the run: empty or absent for a new run (or
-    ``overwrite``), holding a readable ``last.ckpt`` for ``resume_interrupted``."""
-    out = Path(settings.out)
+    ``overwrite``); for ``resume_interrupted`` a whole ``last.ckpt``, for ``resume_from`` a whole
+    file. An unreadable checkpoint's problem names the one to continue from instead
+    (:func:`stabletrain.checkpoint.fallback_advice`), with the command."""
+    s = settings
+    out = Path(s.out)
     last = checkpoint_dir(out) / "last.ckpt"
-    if settings.resume_interrupted:
+    if s.resume_interrupted and s.resume_from is not None:
+        return [
+            f"resume_from: given together with resume_interrupted=true; use one: resume_from={s.resume_from} "
+            f"continues from that file, resume_interrupted=true from {last}"
+        ]
+    if s.resume_from is not None:
+        source = Path(s.resume_from)
+        if not source.is_file():
+            return [f"resume_from: no checkpoint file at {source}; pass a .ckpt file, e.g. {last}"]
+        return _unreadable("resume_from", source, s)
+    if s.resume_interrupted:
         if not last.exists():
-            return [f"resume_interrupted: no checkpoint to resume from at {last} (run without resume_interrupted)"]
-        reason = unreadable_reason(last)
-        if reason is not None:
-            return [f"resume_interrupted: cannot read {last}: {reason}. {_readable_alternative(last)}"]
-        return []
+            return [
+                f"resume_interrupted: no checkpoint to resume from at {last}: the run stopped before its first "
+                "checkpoint; start again with overwrite=true instead of resume_interrupted=true"
+            ]
+        return _unreadable("resume_interrupted", last, s)
     if out.exists() and not out.is_dir():
         return [f"out: {out} exists and is not a folder"]
-    if out.is_dir() and any(out.iterdir()) and not settings.overwrite:
+    if out.is_dir() and any(out.iterdir()) and not s.overwrite:
         return [
             f"out: {out} is not empty; pass overwrite=true to replace its outputs, "
             "resume_interrupted=true to continue its run, or choose another folder"
@@ -145,32 +154,11 @@ def out_dir_problems(settings: TrainSettings) -> list[str]:
     return []
 
 
-def _readable_alternative(failed: Path) -> str:
-    found = readable_checkpoints(failed.parent, exclude=failed)
-    if not found:
-        return f"No other checkpoint in {failed.parent} is whole; start again with overwrite=true"
-    step, path = found[0]
-    at = f" (step {step})" if step is not None else ""
-    return (
-        f"The newest whole checkpoint is {path}{at}; continue from it with "
-        f"resume_from={shlex.quote(str(path.resolve()))} in place of resume_interrupted=true"
-    )
-
-
-def settings_warnings(settings: TrainSettings) -> list[str]:
-    """Settings that are valid but probably not what was meant, one sentence each."""
-    warnings = []
-    args = settings.model_args
-    if args.warmup_steps >= settings.steps:
-        tenth = settings.steps // 10
-        example = f"e.g. {tenth}, a tenth of steps" if tenth else "e.g. 0, no warmup"
-        peak = "reaches model_args.lr only at the last step" if args.warmup_steps == settings.steps else (
-            f"never reaches model_args.lr={args.lr:g} (it ends at {settings.steps / args.warmup_steps:.0%} of it)"
-        )
-        warnings.append(
-            f"model_args.warmup_steps={args.warmup_steps} is not below steps={settings.steps}: the learning rate "
-            f"rises for the whole run, {peak}, and the {args.lr_schedule} schedule after warmup never starts; "
-            f"lower model_args.warmup_steps ({example}) or raise steps"
-        )
-    return warnings
-
+def _unreadable(setting: str, path: Path, settings: TrainSettings) -> list[str]:
+    reason = unreadable_reason(path)  # no torch: the size and the zip index
+    if reason is None:
+        return []
+    # Naming the checkpoint to use instead reads the others' recorded health, which needs torch;
+    # only this error pays for loading it.
+    advice = fallback_advice(path, command=functools.partial(train_command, settings))
+    return [f"{setting}: cannot read {path}: {reason}. {advice}"]
