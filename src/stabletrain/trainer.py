@@ -42,6 +42,7 @@ from stabletrain.trainer_checks import resolve_precision, settings_warnings, val
 from stabletrain.utils.dist import max_over_ranks
 from stabletrain.utils.io import atomic_write_text
 from stabletrain.utils.rng import get_rng_state, seed_everything, set_rng_state
+from stabletrain.utils.text import shell_path
 
 #: Files and folders a run writes directly under ``out/``; ``overwrite=True`` removes these only.
 RUN_OUTPUTS = (
@@ -314,7 +315,7 @@ class Trainer:
             others = [c for c in list_checkpoints(checkpoint_dir(self.out))
                       if c.healthy and c.path.resolve() != source.resolve()]
             best = others[-1] if others else None
-            fix = (f"resume_from={best.path} (step {best.step}, healthy)" if best
+            fix = (f"resume_from={shell_path(best.path)} (step {best.step}, healthy)" if best
                    else "overwrite=true (no healthy checkpoint)")
             problems.append(f"{which}: {source} holds NaN/Inf ({', '.join(bad[:4])}); continue from {fix} instead")
         if problems:

@@ -5,7 +5,6 @@ of the arithmetic, per kind of op). See ``docs/diagnose.md``.
 from __future__ import annotations
 
 import math
-import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -174,7 +173,7 @@ def _resume_before_the_damage(ev: Evidence, ctx: RunContext, state: str, lr: str
         ck = next(c for c in w.checkpoints if c["path"] == w.healthy_checkpoint)
         path = Path(w.healthy_checkpoint)
         where = (RESUME if path.name == "last.ckpt" else
-                 f"rerun your training command with resume_from={shlex.quote(str(path.resolve()))}")
+                 f"rerun your training command with resume_from={shell_path(path)}")
         why = f": {ck['why']}" if ck.get("why") else ""
         return (f"Resume from before the damage: the newest checkpoint with healthy {state} is step {ck['step']} "
                 f"(|w| up to {fmt_number(ck['abs_max'])}{why}); {where} and {lr}.")
