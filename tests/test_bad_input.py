@@ -244,6 +244,29 @@ def test_printed_command_for_an_unreadable_last_ckpt_resumes_from_the_named_one(
     assert load_checkpoint(out / "checkpoints" / "last.ckpt")["step"] == 4
 
 
+def test_unreadable_resume_from_file_names_the_newest_healthy_one(tmp_path, trained_run):
+    out = _copy_run(trained_run, tmp_path / "run")
+    step2, last = out / "checkpoints" / "step_000002.ckpt", out / "checkpoints" / "last.ckpt"
+    step2.write_bytes(step2.read_bytes()[:3000])
+    before = snapshot(out)
+    with pytest.raises(ConfigError) as info:
+        stabletrain.train(out=out, **tiny_lm(steps=6, checkpoint_every_num_steps=2, resume_from=step2))
+    [problem] = info.value.problems
+    assert problem.startswith(f"resume_from: cannot read {step2}: the file is cut short or is not a checkpoint")
+    assert f". The newest healthy checkpoint is {last} (step 4); continue from it: stabletrain train " in problem
+    assert problem.endswith(f" resume_from={shlex.quote(str(last))}")
+    assert snapshot(out) == before
+
+
+def test_empty_resume_from_is_an_error(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        stabletrain.train(out=tmp_path / "run", resume_from="", **tiny_lm())
+    assert info.value.problems == ["resume_from: empty; give a checkpoint file, e.g. "
+                                   "resume_from=out/my_run/checkpoints/step_000200.ckpt, or leave the setting out "
+                                   "(got '')"]
+    assert not (tmp_path / "run").exists()
+
+
 def test_unreadable_checkpoint_without_an_alternative_says_start_again(tmp_path, trained_run):
     out = _copy_run(trained_run, tmp_path / "run")
     for p in (out / "checkpoints").iterdir():
@@ -504,6 +527,8 @@ def _cli_without_torch(cwd: Path, *args: str) -> subprocess.CompletedProcess:
         (["train", "out=run", "model=cnn", "data=missing", "steps=0"], "data: folder not found: missing"),
         (["train", "out=full"], "out: full is not empty"),
         (["train", "out=full", "resume_interrupted=true"], "resume_interrupted: no checkpoint to resume from"),
+        (["train", "out=full", "resume_from=full/none.ckpt"], "resume_from: no checkpoint file at full/none.ckpt"),
+        (["train", "out=run", "resume_from="], "resume_from: empty; give a checkpoint file"),
     ],
 )
 def test_settings_errors_and_help_come_before_torch_is_imported(tmp_path, args, expected):

@@ -384,6 +384,15 @@ class TrainSettings(_Settings):
             raise ValueError("empty; give an output folder, e.g. out=out/my_run (out=. for the current folder)")
         return v
 
+    @field_validator("resume_from", mode="before")
+    @classmethod
+    def _resume_from_given(cls, v: Any) -> Any:
+        # Path("") is the current folder, which is no checkpoint file; null means not resuming.
+        if isinstance(v, str) and not v.strip():
+            raise ValueError("empty; give a checkpoint file, e.g. resume_from=out/my_run/checkpoints/step_000200.ckpt, "
+                             "or leave the setting out")
+        return v
+
     @field_validator("num_workers")
     @classmethod
     def _workers(cls, v: Union[int, str]) -> Union[int, str]:
