@@ -188,7 +188,8 @@ def fallback_checkpoint(failed: str | Path) -> Optional[CheckpointInfo]:
     others = [c for c in list_checkpoints(failed.parent) if c.path.resolve() != failed.resolve()]
     healthy = [c for c in others if c.healthy]
     unknown = [c for c in others if c.healthy is None]
-    return (healthy or unknown or [None])[-1]
+    pick = healthy or unknown
+    return pick[-1] if pick else None
 
 
 def _setting(**start: Any) -> str:
