@@ -97,6 +97,20 @@ def parse_settings(model: type[BaseModel], value: Settings, name: str) -> Any:
         raise ConfigError(problems) from None
 
 
+def parse_tool_settings(debug_args: Settings, trend_alerts: Settings) -> tuple[DebugArgs, TrendAlertArgs]:
+    """Both settings groups of the integrations, every problem of both in one ConfigError."""
+    problems: list[str] = []
+    parsed = []
+    for model, value, name in ((DebugArgs, debug_args, "debug_args"), (TrendAlertArgs, trend_alerts, "trend_alerts")):
+        try:
+            parsed.append(parse_settings(model, value, name))
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+    if problems:
+        raise ConfigError(problems)
+    return parsed[0], parsed[1]
+
+
 def encode_status(failed: Tensor, total: Tensor) -> Tensor:
     """One float32 device scalar that carries a step's failure flag and its gradient norm.
 
@@ -329,8 +343,7 @@ class StepTools:
         self.model = model
         self.framework = framework
         self.out_dir = Path(out_dir)
-        self.debug_args: DebugArgs = parse_settings(DebugArgs, debug_args, "debug_args")
-        self.trend_args: TrendAlertArgs = parse_settings(TrendAlertArgs, trend_alerts, "trend_alerts")
+        self.debug_args, self.trend_args = parse_tool_settings(debug_args, trend_alerts)
         self.rank = d_rank if rank is None else int(rank)
         self.world_size = d_world if world_size is None else int(world_size)
         self.scaler = scaler if scaler is not None and getattr(scaler, "is_enabled", lambda: False)() else None

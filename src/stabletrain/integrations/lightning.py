@@ -20,8 +20,11 @@ Where each tool runs, in Lightning's own order of a training step (automatic opt
     optimizer.step()
     on_train_batch_end                    # the step is over (abort_after_batch_num)
 
-Logged keys (through the LightningModule's loggers, at ``Trainer(log_every_n_steps)``, under
-Lightning's step numbering, which counts optimizer steps from 0 as stabletrain does):
+Logged keys, on Lightning's logging steps (``Trainer(log_every_n_steps)``) to every logger of
+the Trainer (``trainer.loggers``, as Lightning's ``LearningRateMonitor`` logs), at the step
+Lightning logs that step's own metrics under (optimizer steps counted from 0, as stabletrain
+does). They are host floats already read with the step's decision, so Lightning does not read
+them back again:
 
 ==========================  =================================================================
 ``gradient_norm``           L2 norm over all parameter gradients, pre-clip, unscaled
@@ -53,8 +56,7 @@ import torch
 from torch import Tensor, nn
 
 from stabletrain import ConfigError, NaNCaptureError
-from stabletrain.config import DebugArgs, TrendAlertArgs
-from stabletrain.integrations._common import Settings, StepTools, parse_settings
+from stabletrain.integrations._common import Settings, StepTools, parse_tool_settings
 
 try:
     import lightning.pytorch as pl
@@ -138,13 +140,14 @@ class StabletrainCallback(pl.Callback):
     ):
         super().__init__()
         # Validated now: a typo fails when the callback is made, not when training starts.
-        self.debug_args = parse_settings(DebugArgs, debug_args, "debug_args")
-        self.trend_alerts = parse_settings(TrendAlertArgs, trend_alerts, "trend_alerts")
+        self.debug_args, self.trend_alerts = parse_tool_settings(debug_args, trend_alerts)
         self.gradient_norm_per_layer = gradient_norm_per_layer
         self.out_dir = out_dir
         self.warmup_steps = warmup_steps
         self.tools: Optional[StepTools] = None
         self.alerts: list[dict[str, Any]] = []
+        #: The last step's gradient norm, a device tensor (reading it is a host sync).
+        self.last_gradient_norm: Optional[Tensor] = None
         self._module: Optional[nn.Module] = None
         self._batch_idx = 0
 
@@ -238,12 +241,15 @@ class StabletrainCallback(pl.Callback):
         # Lightning logs on steps where (step + 1) % log_every_n_steps == 0 (step from 0).
         logging_step = (trainer.global_step + 1) % max(1, trainer.log_every_n_steps) == 0
         values = tools.grads_final(optimizer, read=logging_step)
-        # A host float when this step already read it; else the device tensor, read by Lightning
-        # only on its logging steps.
-        norm: Any = values.gradient_norm if values.gradient_norm is not None else values.grad_norm.total
-        pl_module.log("gradient_norm", norm, on_step=True, on_epoch=False, prog_bar=False, logger=True)
-        if self.gradient_norm_per_layer and logging_step:
-            pl_module.log_dict(tools.layer_norms(values), on_step=True, on_epoch=False, logger=True)
+        if logging_step and values.gradient_norm is not None:
+            # Host floats, straight to the loggers (as Lightning's LearningRateMonitor does):
+            # self.log would turn them into tensors that Lightning reads back once more.
+            metrics = {"gradient_norm": values.gradient_norm}
+            if self.gradient_norm_per_layer:
+                metrics.update(tools.layer_norms(values))
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+        self.last_gradient_norm = values.grad_norm.total
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         tools = self.tools

@@ -59,8 +59,7 @@ import torch
 from torch import Tensor, nn
 
 from stabletrain import NaNCaptureError
-from stabletrain.config import DebugArgs, TrendAlertArgs
-from stabletrain.integrations._common import Settings, StepTools, dist_rank_and_world, parse_settings, shell_path
+from stabletrain.integrations._common import Settings, StepTools, dist_rank_and_world, parse_tool_settings, shell_path
 
 try:
     from transformers import TrainerCallback
@@ -157,8 +156,7 @@ class StabletrainCallback(TrainerCallback):
 
     def __init__(self, *, debug_args: Settings = None, trend_alerts: Settings = None,
                  out_dir: Optional[Union[str, Path]] = None):
-        self.debug_args = parse_settings(DebugArgs, debug_args, "debug_args")
-        self.trend_alerts = parse_settings(TrendAlertArgs, trend_alerts, "trend_alerts")
+        self.debug_args, self.trend_alerts = parse_tool_settings(debug_args, trend_alerts)
         self.out_dir = out_dir
         self.tools: Optional[StepTools] = None
         self.alerts: list[dict[str, Any]] = []
