@@ -378,6 +378,7 @@ class StepTools:
         self._read: Optional[tuple[float, float]] = None
         self._uo_skipped = 0
         self._closed = False
+        self._cleanups: list[Callable[[], None]] = []
 
     # ------------------------------------------------------------------ per step
 
@@ -502,11 +503,18 @@ class StepTools:
 
     # ------------------------------------------------------------------ cleanup
 
+    def add_cleanup(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on :meth:`close`, also when a decision raises (an integration removes
+        its wrappers there: the Hugging Face Trainer has no exception hook)."""
+        self._cleanups.append(fn)
+
     def close(self) -> None:
         """Remove every hook and let go of held batches (idempotent)."""
         if self._closed:
             return
         self._closed = True
+        for fn in self._cleanups:
+            fn()
         if self.nan is not None:
             self.nan.close()
         if self.uo is not None:

@@ -214,12 +214,16 @@ class StabletrainCallback(pl.Callback):
 
         pl_module.training_step = training_step
         self._module = pl_module
+        tools.add_cleanup(self._unwrap)
 
-    def _close(self) -> None:
+    def _unwrap(self) -> None:
         if self._module is not None:
             # The instance attribute goes; the class's training_step is visible again.
             self._module.__dict__.pop("training_step", None)
             self._module = None
+
+    def _close(self) -> None:
+        self._unwrap()
         if self.tools is not None:
             self.tools.close()
 

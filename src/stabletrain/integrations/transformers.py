@@ -243,14 +243,18 @@ class StabletrainCallback(TrainerCallback):
 
         forward.__doc__ = original.__doc__
         model.forward = forward
+        tools.add_cleanup(self._unwrap)  # also when a decision raises out of Trainer.train()
 
-    def _close(self) -> None:
+    def _unwrap(self) -> None:
         if self._model is not None:
             if self._forward_before is not None:
                 self._model.forward = self._forward_before
             else:
                 self._model.__dict__.pop("forward", None)
             self._model = None
+
+    def _close(self) -> None:
+        self._unwrap()
         if self.tools is not None:
             self.tools.close()
 
