@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stabletrain import NaNDetectedError, UnderflowOverflowError, load_nan_capture
+from stabletrain import NaNDetectedError, UnderflowOverflowError, diagnose, load_nan_capture
 
 accelerate = pytest.importorskip("accelerate")
 from accelerate import Accelerator  # noqa: E402
@@ -81,6 +81,9 @@ def test_norm_equals_accelerates_and_capture_replays(tmp_path):
     assert cap.ranks[0].indices[0].tolist() == [28, 29]
     result = cap.replay()
     assert result.reproduced and result.losses_bitwise_equal
+    d = diagnose(cap, write=False)
+    assert (d.finding.module, d.finding.phase) == ("distance", "backward")
+    assert d.data.dataset_indices == [29]
 
 
 def test_norms_before_the_fault_equal_clip_grad_norm(tmp_path):
