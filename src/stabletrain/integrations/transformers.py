@@ -33,9 +33,9 @@ runs. The callback reads each microbatch's own loss: with nancapture on, a non-f
 stops training before the optimizer step; the trend alerts report the loss as not finite at
 the next logging step, whatever the Trainer's log shows.
 
-The Trainer logs the gradient norm itself as ``grad_norm`` (transformers >= 4.38: pre-clip,
-unscaled); the callback's own norm equals it (the tests check) and is what its decisions and
-alerts use. It adds no key to the Trainer's logs.
+The Trainer logs the gradient norm itself as ``grad_norm``, pre-clip and unscaled (transformers
+5 always; older versions only when ``max_grad_norm > 0``); the callback's own norm equals it
+(the tests check) and is what its decisions and alerts use. It adds no key to the Trainer's logs.
 
 A capture replays with the model's class and config, rebuilt by ``from_config`` with random
 weights and then given the captured ones, and the step function ``model(**batch).loss``::
