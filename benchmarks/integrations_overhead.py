@@ -84,9 +84,9 @@ def lightning_runner(base: torch.nn.Module, batches: list[Any]) -> Callable[[boo
             callbacks.insert(0, StabletrainCallback(debug_args=NAN_ON))
         with tempfile.TemporaryDirectory() as out:
             trainer = L.Trainer(
-                max_steps=steps, accelerator="cpu", devices=1, logger=L.loggers.CSVLogger(out), log_every_n_steps=LOG_EVERY,
-                callbacks=callbacks, default_root_dir=out, enable_progress_bar=False, enable_model_summary=False,
-                enable_checkpointing=False,
+                max_steps=steps, accelerator="cpu", devices=1, logger=L.loggers.CSVLogger(out),
+                log_every_n_steps=LOG_EVERY, callbacks=callbacks, default_root_dir=out, enable_progress_bar=False,
+                enable_model_summary=False, enable_checkpointing=False,
             )
             loader = torch.utils.data.DataLoader(batches, batch_size=None)
             trainer.fit(LitLM(copy.deepcopy(base)), loader)
@@ -106,7 +106,8 @@ def transformers_runner(batches: list[Any]) -> Callable[[bool, int], list[float]
 
     transformers.utils.logging.set_verbosity_error()
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=256, n_positions=128, n_embd=256, n_layer=4, n_head=8, bos_token_id=0, eos_token_id=0)
+    config = GPT2Config(vocab_size=256, n_positions=128, n_embd=256, n_layer=4, n_head=8,
+                        bos_token_id=0, eos_token_id=0)
     base = GPT2LMHeadModel(config)
     rows = [{"input_ids": ids, "labels": ids} for b in batches for ids in b["input_ids"]]
 
@@ -237,7 +238,8 @@ def main() -> None:
         plain, monitored, out = accelerate_steps(base, batches)
         times: dict[bool, list[float]] = {False: [], True: []}
         for i in range(ns.accelerate_steps + 2):
-            for variant, step in (((False, plain), (True, monitored)) if i % 2 == 0 else ((True, monitored), (False, plain))):
+            pair = ((False, plain), (True, monitored))
+            for variant, step in (pair if i % 2 == 0 else pair[::-1]):
                 start = time.perf_counter()
                 step()
                 if i >= 2:

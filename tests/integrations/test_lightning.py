@@ -28,10 +28,12 @@ from stabletrain.integrations.lightning import StabletrainCallback  # noqa: E402
 HERE = Path(__file__).resolve().parent
 
 
-def fit(model, data, tmp_path, callbacks, *, accumulate=2, batch_size=4, max_steps=8, log_every_n_steps=1, **kwargs):
+def fit(model, data, tmp_path, callbacks, *, accumulate=2, batch_size=4, max_steps=8, log_every_n_steps=1,
+        **kwargs):
     """Lightning's own loop on the CPU; CSV metrics in tmp_path/csv/version_0/metrics.csv."""
     trainer = L.Trainer(
-        max_steps=max_steps, accumulate_grad_batches=accumulate, log_every_n_steps=log_every_n_steps, callbacks=callbacks,
+        max_steps=max_steps, accumulate_grad_batches=accumulate, log_every_n_steps=log_every_n_steps,
+        callbacks=callbacks,
         accelerator="cpu", devices=1, default_root_dir=tmp_path, logger=CSVLogger(tmp_path, name="csv"),
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, **kwargs,
     )
@@ -155,7 +157,8 @@ def test_one_host_read_per_step_with_gradient_norm_and_nancapture(tmp_path):
     """Lightning's loop with and without the callback (gradient_norm logged, nancapture on,
     trend alerts on), the same steps: the callback adds one host synchronisation per step."""
     counts = {}
-    for name, callbacks in (("without", []), ("with", [StabletrainCallback(debug_args={"nancapture": {"enabled": True}})])):
+    nancapture = {"nancapture": {"enabled": True}}
+    for name, callbacks in (("without", []), ("with", [StabletrainCallback(debug_args=nancapture)])):
         torch.manual_seed(0)
         with CountSyncs() as syncs:
             fit(SiameseLit(dropout=0.0), PairData(), tmp_path / name, callbacks, max_steps=6, log_every_n_steps=3)

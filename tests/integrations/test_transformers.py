@@ -7,7 +7,6 @@ import math
 import shlex
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch

@@ -8,7 +8,8 @@ One line each, no switch of trainer::
 
     # Hugging Face Trainer (pip install "stabletrain[transformers]")
     from stabletrain.integrations.transformers import StabletrainCallback
-    trainer = transformers.Trainer(model, args, callbacks=[StabletrainCallback(debug_args={"nancapture": {"enabled": True}})])
+    callback = StabletrainCallback(debug_args={"nancapture": {"enabled": True}})
+    trainer = transformers.Trainer(model, args, callbacks=[callback])
 
     # Accelerate loops (pip install "stabletrain[accelerate]")
     from stabletrain.integrations.accelerate import StepMonitor

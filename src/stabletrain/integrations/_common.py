@@ -503,6 +503,11 @@ class StepTools:
 
     # ------------------------------------------------------------------ cleanup
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran (after the run, or when a decision raised)."""
+        return self._closed
+
     def add_cleanup(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on :meth:`close`, also when a decision raises (an integration removes
         its wrappers there: the Hugging Face Trainer has no exception hook)."""

@@ -200,7 +200,7 @@ class StabletrainCallback(pl.Callback):
 
         @functools.wraps(original)
         def training_step(*args: Any, **kwargs: Any) -> Any:
-            if tools is None or tools._closed or not torch.is_grad_enabled():
+            if tools is None or tools.closed or not torch.is_grad_enabled():
                 return original(*args, **kwargs)
             batch = args[0] if args else kwargs.get("batch")
             step_args = args[1:]

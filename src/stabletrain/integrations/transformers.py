@@ -4,7 +4,8 @@ One line::
 
     from stabletrain.integrations.transformers import StabletrainCallback
 
-    trainer = Trainer(model, args, train_dataset=ds, callbacks=[StabletrainCallback(debug_args={"nancapture": {"enabled": True}})])
+    callback = StabletrainCallback(debug_args={"nancapture": {"enabled": True}})
+    trainer = Trainer(model, args, train_dataset=ds, callbacks=[callback])
 
 The Trainer's callbacks do not receive the batch, ``on_pre_optimizer_step`` runs after
 clipping (so the gradients there are the clipped ones, and a non-finite norm has already
@@ -218,7 +219,7 @@ class StabletrainCallback(TrainerCallback):
         tools = self.tools
 
         def forward(*args: Any, **kwargs: Any) -> Any:
-            if tools is None or tools._closed or not tools.in_step or not (model.training and torch.is_grad_enabled()):
+            if tools is None or tools.closed or not tools.in_step or not (model.training and torch.is_grad_enabled()):
                 return original(*args, **kwargs)
             if args:  # the Trainer passes keywords; a positional call is stored by parameter name
                 bound = signature.bind_partial(*args, **kwargs)
@@ -261,14 +262,14 @@ class StabletrainCallback(TrainerCallback):
     # ------------------------------------------------------------------ the step
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.tools is not None and not self.tools._closed:
+        if self.tools is not None and not self.tools.closed:
             self.tools.begin_step(state.global_step)
 
     def _end_of_backward(self) -> None:
         """The step's last backward pass has finished (DDP's reduction included); the Trainer
         has not clipped yet. Decides on every rank; raises there."""
         tools = self.tools
-        if tools is None or tools._closed or not tools.in_step or tools.decided:
+        if tools is None or tools.closed or not tools.in_step or tools.decided:
             return
         values = tools.grads_final(self._optimizer)
         if values.gradient_norm is not None:
@@ -278,13 +279,13 @@ class StabletrainCallback(TrainerCallback):
         # Only when the backward hook could not run (no output of the model required a
         # gradient): decide now, on the clipped gradients.
         tools = self.tools
-        if tools is not None and not tools._closed and tools.in_step and not tools.decided \
+        if tools is not None and not tools.closed and tools.in_step and not tools.decided \
                 and (tools.nan is not None or tools.uo is not None):
             self._end_of_backward()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         tools = self.tools
-        if tools is not None and not tools._closed and tools.in_step and tools.end_step():
+        if tools is not None and not tools.closed and tools.in_step and tools.end_step():
             control.should_training_stop = True
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Optional[dict[str, float]] = None,
