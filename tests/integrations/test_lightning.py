@@ -105,6 +105,17 @@ def test_partial_accumulation_at_epoch_end_counts_micro_steps_apart(tmp_path):
     assert result.reproduced and result.losses_bitwise_equal
 
 
+def test_bf16_mixed_is_captured_and_replayed_in_it(tmp_path):
+    torch.manual_seed(0)
+    callback = StabletrainCallback(debug_args={"nancapture": {"enabled": True}})
+    with pytest.raises(NaNDetectedError) as info:
+        fit(SiameseLit(), PairData(bad=29), tmp_path, [callback], precision="bf16-mixed")
+    cap = load_nan_capture(info.value.capture_path, model=SiameseLit())
+    assert cap.precision == "bf16-mixed" and cap.step == 3
+    result = cap.replay()
+    assert result.reproduced and result.losses_bitwise_equal, "the replay runs Lightning's autocast the same way"
+
+
 def test_underflow_overflow_names_module_phase_and_step(tmp_path):
     torch.manual_seed(0)
     callback = StabletrainCallback(debug_args={"underflow_overflow": {"enabled": True}})

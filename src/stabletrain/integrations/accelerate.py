@@ -170,6 +170,11 @@ class StepMonitor:
         """
         return self.tools.grads_final(optimizer, read=read)
 
+    def layer_norms(self, values: StepValues) -> dict[str, float]:
+        """``gradient_norm/<parameter>`` and ``gradient_norm/<module>`` of a checked step, as host
+        floats (one read), in the unwrapped model's names: log them on your logging steps."""
+        return self.tools.layer_norms(values)
+
     def end_step(self) -> bool:
         """The step is over. True when underflow_overflow's ``abort_after_batch_num`` asks
         to stop after it."""
