@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import bench_model_and_batches, machine, median  # noqa: E402
 
-from stabletrain.integrations._common import StepTools  # noqa: E402
+from stabletrain.integrations.common import StepTools  # noqa: E402
 from stabletrain.utils.sync import CountSyncs  # noqa: E402
 
 NAN_ON = {"nancapture": {"enabled": True}}

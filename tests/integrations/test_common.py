@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from stabletrain import ConfigError
-from stabletrain.integrations._common import (
+from stabletrain.integrations.common import (
     StepTools,
     decode_status,
     encode_status,

@@ -17,6 +17,6 @@ One line each, no switch of trainer::
 
 Each runs the plain-loop tools (gradient norm, ``underflow_overflow``, ``nancapture`` with
 offline replay and ``stabletrain diagnose``, trend alerts) at the framework's own points of
-a step; ``_common.StepTools`` holds what they share. The submodules import their framework,
+a step; ``common.StepTools`` holds what they share. The submodules import their framework,
 this package imports nothing.
 """

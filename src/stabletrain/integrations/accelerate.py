@@ -50,7 +50,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor, nn
 
-from stabletrain.integrations._common import Settings, StepTools, StepValues
+from stabletrain.integrations.common import Settings, StepTools, StepValues
 
 try:
     import accelerate  # noqa: F401
@@ -162,7 +162,7 @@ class StepMonitor:
                 the trend alerts on them.
 
         Returns:
-            :class:`~stabletrain.integrations._common.StepValues`: ``grad_norm`` (device
+            :class:`~stabletrain.integrations.common.StepValues`: ``grad_norm`` (device
             tensors), ``gradient_norm`` and ``loss`` (host floats, when read), ``alerts``.
 
         Raises:

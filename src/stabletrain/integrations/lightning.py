@@ -56,7 +56,7 @@ import torch
 from torch import Tensor, nn
 
 from stabletrain import ConfigError, NaNCaptureError
-from stabletrain.integrations._common import Settings, StepTools, parse_tool_settings
+from stabletrain.integrations.common import Settings, StepTools, parse_tool_settings
 
 try:
     import lightning.pytorch as pl
@@ -117,7 +117,7 @@ class StabletrainCallback(pl.Callback):
         warmup_steps: Loss and gradient-norm spikes before this step are tolerated.
 
     Attributes:
-        tools: The run's :class:`~stabletrain.integrations._common.StepTools` while training.
+        tools: The run's :class:`~stabletrain.integrations.common.StepTools` while training.
         alerts: Every trend alert of the run, as ``{"event": "trend_alert", ...}`` rows.
 
     Example::

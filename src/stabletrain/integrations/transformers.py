@@ -60,7 +60,7 @@ import torch
 from torch import Tensor, nn
 
 from stabletrain import NaNCaptureError
-from stabletrain.integrations._common import Settings, StepTools, dist_rank_and_world, parse_tool_settings, shell_path
+from stabletrain.integrations.common import Settings, StepTools, dist_rank_and_world, parse_tool_settings, shell_path
 
 try:
     from transformers import TrainerCallback
@@ -149,7 +149,7 @@ class StabletrainCallback(TrainerCallback):
         out_dir: Where ``debug/`` goes; default ``TrainingArguments(output_dir)``.
 
     Attributes:
-        tools: The run's :class:`~stabletrain.integrations._common.StepTools` while training.
+        tools: The run's :class:`~stabletrain.integrations.common.StepTools` while training.
         alerts: Every trend alert of the run, as ``{"event": "trend_alert", ...}`` rows.
         gradient_norms: ``{step: gradient_norm}`` for every step whose norm was read on the
             host (every step with nancapture on, else the logging steps), steps from 0.

@@ -444,7 +444,8 @@ class StepTools:
         self._read = None
         if self.uo is not None:
             if self.uo.tracing:
-                self.uo.write_trace()
+                if self.uo.has_records:
+                    self.uo.write_trace()
             elif self.uo.include_backward:
                 self._guard(self._uo_decide, "backward")
         if self.nan is not None:

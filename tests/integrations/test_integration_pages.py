@@ -18,7 +18,7 @@ PAGES = {
 @pytest.mark.parametrize("page, example", PAGES.items())
 def test_page_shows_its_example_file_verbatim(page, example):
     text = (ROOT / "docs" / "integrations" / page).read_text()
-    marker = f"<!-- example: examples/integrations/{example} -->\n```python\n"
+    marker = f"<!-- file: examples/integrations/{example} -->\n```python\n"
     assert marker in text, f"{page} has no example block for {example}"
     block = text.split(marker, 1)[1].split("```\n", 1)[0]
     assert block == (ROOT / "examples" / "integrations" / example).read_text()
