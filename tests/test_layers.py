@@ -66,20 +66,30 @@ RANKS: dict[str, int] = {
     "config": 3,
     "checkpoint": 4,
     "data": 4,
+    "commands": 4,  # pasteable `stabletrain train` commands, from settings
+    "signals": 4,  # SIGINT/SIGTERM recorded for the trainer
     "tasks": 5,
     "loggers": 5,
+    "run_history": 5,  # metrics.jsonl read as one timeline across resumes
     "events": 6,
     "debug": 7,
     "debug.grad_norm": 7,
     "debug.op_trace": 7,
     "debug.advice": 7,
+    "debug.guard": 7,  # the always-on guard: device-side checks, usable in any loop
+    "debug.optimizer_damage": 7,
     "debug.nan_capture": 8,
     "debug.underflow_overflow": 8,
     "debug.trends": 8,
     "debug.replay": 9,
+    "debug.optimizer_step": 9,  # captures an optimizer step by a re-run, replays it (diagnose calls it)
+    "checkpoint_health": 9,  # health judged with the trend detector
     "debug.diagnose": 10,
     "reporting": 11,
     "trainer": 11,
+    "trainer_checks": 11,
+    "safety": 11,  # the trainer's guard, checkpoint verification and signals
+    "stop_messages": 11,
     "integrations": 11,
     "cli": 12,
     "__main__": 13,

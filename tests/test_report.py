@@ -14,6 +14,7 @@ from PIL import Image
 import stabletrain
 from stabletrain.loggers.jsonl import JsonlLogger
 from stabletrain.reporting import KIND_COLORS, RunData, report, signal_figure
+from stabletrain.safety import NonFiniteCheckpointError
 from stabletrain.trainer import train
 
 from conftest import run_cli, tiny_lm
@@ -21,9 +22,12 @@ from conftest import run_cli, tiny_lm
 
 @pytest.fixture(scope="module")
 def boom(tmp_path_factory):
-    """The built-in task with SGD at lr=10: explodes, then NaN; per-layer norms logged."""
+    """The built-in task with SGD at lr=10: explodes, then NaN; per-layer norms logged. The
+    guard is off so that NaN steps are logged to the end, where the final checkpoint is refused."""
     out = tmp_path_factory.mktemp("report") / "boom"
-    train(out=out, gradient_norm_per_layer=True, **tiny_lm(steps=16, model_args={"optimizer": "sgd", "lr": 10.0}))
+    with pytest.raises(NonFiniteCheckpointError):
+        train(out=out, gradient_norm_per_layer=True, guard={"enabled": False},
+              **tiny_lm(steps=16, model_args={"optimizer": "sgd", "lr": 10.0}))
     return out
 
 
@@ -70,12 +74,12 @@ def test_report_of_an_exploding_run(boom, capsys):
     assert f"stabletrain report: {boom} (steps 0-15, 16 logged points (every step))" in printed
     exploding = next(e for e in r.episodes if e.kind == "exploding" and e.signal == "gradient_norm")
     assert f"gradient_norm: non-finite - exploding at steps {exploding.start_step}-{exploding.end_step}" in printed
-    assert "verdict: non-finite" in printed and "model_args.lr=1 (now 10)" in printed
+    assert "verdict: non-finite" in printed and "model_args.lr=0.001 (now 10; the default" in printed
 
     md = (boom / "report" / "summary.md").read_text()
     assert "**Verdict: non-finite**" in md
     assert f"### gradient_norm: exploding, steps {exploding.start_step}-{exploding.end_step}" in md
-    assert "- lower the learning rate: model_args.lr=1 (now 10)" in md
+    assert "- lower the learning rate: model_args.lr=0.001 (now 10; the default" in md
     assert "![gradient_norm](gradient_norm.png)" in md and "![gradient_norm_layers](gradient_norm_layers.png)" in md
     # The same episodes the live alerts recorded during training.
     _, events = RunData(boom).rows, RunData(boom).events

@@ -9,6 +9,7 @@ Public API (imported lazily, so ``import stabletrain`` is cheap and has no side 
     stabletrain.diagnose(path)                  # which op, module and sample, and why
     stabletrain.report(out)                     # trends, plots and a summary of a run
     stabletrain.TrendDetector()                 # live trend alerts in any loop
+    stabletrain.StepGuard(model, optimizer)     # the trainer's always-on guard, in any loop
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ _EXPORTS = {
     "ReplayResult": "stabletrain.debug.replay",
     "diagnose": "stabletrain.debug.diagnose",
     "Diagnosis": "stabletrain.debug.diagnose",
+    "StepGuard": "stabletrain.debug.guard",
+    "NonFiniteStepError": "stabletrain.debug.guard",
+    "NonFiniteCheckpointError": "stabletrain.safety",
+    "TrainingInterrupted": "stabletrain.signals",
 }
 
 __all__ = ["__version__", *_EXPORTS]

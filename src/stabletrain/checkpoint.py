@@ -9,7 +9,11 @@ Files under ``out/checkpoints/``:
 
 * ``last.ckpt``: the newest state, rewritten at every checkpoint and at the end of training;
 * ``step_000100.ckpt``: the state after 100 optimizer steps (training resumes at step 100);
-  the newest ``max_checkpoints_to_keep`` of these are kept.
+  the newest ``max_checkpoints_to_keep`` of these are kept, and also the newest healthy one
+  while newer checkpoints are not healthy (see :mod:`stabletrain.checkpoint_health`).
+
+Every checkpoint is verified finite before it is written and records its ``health``; a state
+that is not finite is never written (the trainer stops instead).
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ import os
 import re
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -74,6 +79,8 @@ def save_checkpoint(state: dict[str, Any], out: Path, periodic: bool, keep: int)
         **state,
     }
     last = folder / "last.ckpt"
+    if (state.get("health") or {}).get("healthy") is False:
+        _keep_newest_healthy(folder)
     if periodic:
         target = folder / periodic_name(int(state["step"]))
         atomic_torch_save(state, target)
@@ -82,6 +89,14 @@ def save_checkpoint(state: dict[str, Any], out: Path, periodic: bool, keep: int)
     else:
         atomic_torch_save(state, last)
     return last
+
+
+def _keep_newest_healthy(folder: Path) -> None:
+    """Before an unhealthy state overwrites last.ckpt: if last.ckpt holds the only copy of the
+    newest healthy checkpoint (its step_N.ckpt was rotated away), give it its periodic name."""
+    best = newest_healthy(folder)
+    if best is not None and best.path.name == "last.ckpt":
+        _atomic_copy(best.path, folder / periodic_name(best.step))
 
 
 def _atomic_copy(src: Path, dst: Path) -> None:
@@ -96,9 +111,20 @@ def _atomic_copy(src: Path, dst: Path) -> None:
 
 
 def _prune(folder: Path, keep: int) -> None:
+    """Keep the newest ``keep`` periodic files; while the newest checkpoint is not healthy,
+    also the newest healthy one (the place to resume from after the instability)."""
     periodic = sorted((int(m.group(1)), p) for p in folder.iterdir() if (m := _PERIODIC.match(p.name)))
-    for _, path in periodic[: max(0, len(periodic) - keep)]:
-        path.unlink(missing_ok=True)
+    doomed = [path for _, path in periodic[: max(0, len(periodic) - keep)]]
+    if not doomed:
+        return
+    infos = list_checkpoints(folder)
+    protect = None
+    if infos and infos[-1].healthy is False:
+        healthy = [c for c in infos if c.healthy and c.path.name != "last.ckpt"]
+        protect = healthy[-1].path if healthy else None
+    for path in doomed:
+        if path != protect:
+            path.unlink(missing_ok=True)
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -106,12 +132,15 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if path.is_dir():
         path = checkpoint_dir(path) / "last.ckpt" if (checkpoint_dir(path) / "last.ckpt").exists() else path / "last.ckpt"
+    later = ("; continue from another checkpoint of the run (resume_from=<its path>; the newest healthy one is "
+             "named in train.log and by stabletrain report) or start again with overwrite=true")
     if not path.exists():
-        raise CheckpointError(f"no checkpoint at {path}")
+        raise CheckpointError(f"no checkpoint at {path}{later}")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # truncated, corrupt, or holding pickled objects
-        raise CheckpointError(f"cannot read checkpoint {path}: {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise CheckpointError(f"cannot read checkpoint {path}: {type(exc).__name__}: {first}{later}") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a stabletrain checkpoint")
     if int(state.get("version", 0)) > VERSION:
@@ -141,3 +170,78 @@ def _get(d: dict[str, Any], dotted: str) -> Any:
             return None
         d = d.get(part)  # type: ignore[assignment]
     return d
+
+
+# --------------------------------------------------------------------------------------
+# Recorded health, read back: one rule for every message (see stabletrain.checkpoint_health)
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class CheckpointInfo:
+    """A checkpoint file of a run and its recorded health (``healthy`` None: written by an
+    older stabletrain, health unknown)."""
+
+    path: Path
+    step: int
+    healthy: Optional[bool]
+    why: str
+    health: Optional[dict[str, Any]] = None
+
+    def reason(self) -> str:
+        """``step 200 (healthy: ...)``, for messages."""
+        if self.healthy is None:
+            return f"step {self.step} (health not recorded: written by an older stabletrain)"
+        return f"step {self.step} ({'healthy' if self.healthy else 'not healthy'}: {self.why})"
+
+
+_CACHE: dict[tuple[str, int, int], tuple[int, Optional[dict[str, Any]]]] = {}
+
+
+def read_checkpoint_health(path: str | Path) -> tuple[int, Optional[dict[str, Any]]]:
+    """``(step, health)`` of a checkpoint file without reading its tensors (memory-mapped).
+
+    Raises:
+        OSError, RuntimeError, ValueError: The file cannot be read as a checkpoint.
+    """
+    path = Path(path)
+    st = path.stat()
+    key = (str(path.resolve()), st.st_mtime_ns, st.st_size)
+    if key not in _CACHE:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        if not isinstance(state, dict) or "step" not in state:
+            raise ValueError(f"{path} is not a stabletrain checkpoint")
+        health = state.get("health")
+        _CACHE[key] = (int(state["step"]), dict(health) if isinstance(health, dict) else None)
+    return _CACHE[key]
+
+
+def list_checkpoints(folder: str | Path) -> list[CheckpointInfo]:
+    """The run's checkpoints oldest first, one per step: ``step_*.ckpt`` files, and
+    ``last.ckpt`` where no periodic file holds its step (a periodic file is preferred: the
+    next run overwrites last.ckpt). Unreadable files are skipped."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    files = sorted(p for p in folder.iterdir() if _PERIODIC.match(p.name)) + [folder / "last.ckpt"]
+    seen: dict[int, CheckpointInfo] = {}
+    for path in files:
+        if not path.is_file():
+            continue
+        try:
+            step, health = read_checkpoint_health(path)
+        except Exception:  # truncated, foreign or unreadable: not a place to resume from
+            continue
+        if step in seen:
+            continue
+        healthy = None if health is None else bool(health.get("healthy"))
+        seen[step] = CheckpointInfo(path, step, healthy, str((health or {}).get("why", "")), health)
+    return [seen[s] for s in sorted(seen)]
+
+
+def newest_healthy(folder: str | Path, before_step: Optional[int] = None) -> Optional[CheckpointInfo]:
+    """The newest checkpoint recorded healthy (optionally holding at most ``before_step``
+    steps), or None."""
+    healthy = [c for c in list_checkpoints(folder)
+               if c.healthy and (before_step is None or c.step <= before_step)]
+    return healthy[-1] if healthy else None

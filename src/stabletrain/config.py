@@ -150,6 +150,26 @@ class NaNCaptureArgs(_Settings):
     )
 
 
+class GuardArgs(_Settings):
+    """The always-on guard (``guard.*``): a blow-up stops the run at once, nothing damaged is saved.
+
+    Every step it decides on the device whether the loss and the gradient norm are finite
+    (before the optimizer step) and whether the parameters and the optimizer state still are
+    (after it); the flags are read where the loop reads values anyway (logged steps,
+    checkpoints, nancapture's per-step read), so steps that are not logged pay no host
+    synchronisation. Under fp16 loss scaling a step the GradScaler skips is not a failure;
+    ``debug_args.nancapture.max_skipped_steps`` skipped steps in a row are.
+    """
+
+    enabled: bool = Field(
+        True,
+        description=(
+            "Stop at the first step whose loss, gradient norm, parameters or optimizer state go non-finite "
+            "(checkpoints are verified finite whatever this says)."
+        ),
+    )
+
+
 class DebugArgs(_Settings):
     """On-demand debugging tools (``debug_args.*``)."""
 
@@ -300,6 +320,13 @@ class TrainSettings(_Settings):
         3, ge=0, description="Periodic step_*.ckpt files kept besides last.ckpt; 0 keeps only last.ckpt."
     )
     resume_interrupted: bool = Field(False, description="Continue from out/checkpoints/last.ckpt.")
+    resume_from: Optional[Path] = Field(
+        None,
+        description=(
+            "Continue from this checkpoint file (e.g. out/checkpoints/step_000200.ckpt), with the same checks "
+            "as resume_interrupted; metrics.jsonl continues and later rows of the same steps win."
+        ),
+    )
     overwrite: bool = Field(False, description="Start afresh in a non-empty out folder, replacing its outputs.")
     seed: int = Field(0, ge=0, description="Random seed for initialisation, data order and dropout.")
     accelerator: str = Field("auto", description="cpu, cuda, gpu, mps or auto.")
@@ -311,6 +338,7 @@ class TrainSettings(_Settings):
     )
     torch_compile_args: TorchCompileArgs = Field(default_factory=TorchCompileArgs)
     debug_args: DebugArgs = Field(default_factory=DebugArgs)
+    guard: GuardArgs = Field(default_factory=GuardArgs)
     loggers: LoggersArgs = Field(default_factory=LoggersArgs)
     trend_alerts: TrendAlertArgs = Field(default_factory=TrendAlertArgs)
     callbacks: list[Any] = Field(

@@ -17,17 +17,21 @@ on callbacks that define that method. What a callback may use of ``trainer`` is
         unscale gradients (fp16 loss scaling only)
         grad_norm = compute_grad_norm(...)        # device tensors, no host sync
         on_after_backward(trainer, step=step, grad_norm=grad_norm)   # gradients final and unscaled
+        guard: loss and grad_norm finite?         # on the device; stops here if already known
         clip gradients to gradient_clip_val (reusing grad_norm.total)
         on_before_optimizer_step(trainer, step=step)
-        optimizer.step(); optimizer.zero_grad()
+        optimizer.step()
+        guard: parameters and optimizer state finite?   # on the device
+        optimizer.zero_grad()
         on_after_optimizer_step(trainer, step=step)
         if logging step:
-            metrics = {...}                       # host floats: one sync, on logged steps only
+            metrics = {...}                       # host floats: one sync (the guard's verdict with it)
             on_log(trainer, step=step, metrics=metrics)
+        stop on SIGINT/SIGTERM or a guard verdict  # ranks agree (one host all-reduce under DDP)
         if checkpoint step:
             on_checkpoint_save(trainer, step=step, state=state)   # may add entries to state
-            write checkpoints/last.ckpt
-    on_train_end(trainer)
+            verify finite on the device, record health; write checkpoints/last.ckpt
+    on_train_end(trainer)                          # after the final checkpoint
 
     on_exception(trainer, exception=exc)          # any exception escaping the loop
     on_checkpoint_load(trainer, state=state)      # when resuming, before on_train_start

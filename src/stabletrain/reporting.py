@@ -7,8 +7,9 @@ writes ``out/report/``:
 =============================  =================================================================
 File                           What
 =============================  =================================================================
-``summary.md``                 stable / exploding / vanishing / spiking / plateau / non-finite
-                               per signal, each episode's step range and the next actions
+``summary.md``                 stable / exploding / vanishing / spiking / plateau / non-finite /
+                               too few logged steps per signal, each episode's step range, the
+                               newest healthy checkpoint and the next actions
 ``gradient_norm.png``          gradient_norm over steps, log scale, trend line, lr, episodes shaded
 ``loss.png``                   the same for the loss
 ``gradient_norm_layers.png``   per-layer heatmap (log10 norm per layer and step), when the run
@@ -17,6 +18,13 @@ File                           What
 
 The summary is also printed. Plots need matplotlib (``pip install "stabletrain[plots]"``);
 without it the summary is still written.
+
+A run whose loss or gradient norm went non-finite (logged, or found by the guard between logged
+steps) or grew by two orders of magnitude or more is never "stable"; with fewer logged points
+than the detector needs for a band (``trend_alerts.persist`` + 1) and nothing found, the verdict
+is "too few logged steps". A resumed run is read as one timeline: the rows logged after a resume
+replace those of the same and later steps (see :mod:`stabletrain.run_history`); the plots mark
+the resumes, the steps the fp16 GradScaler skipped and the first non-finite step.
 """
 
 from __future__ import annotations
@@ -30,12 +38,15 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from stabletrain.config import TrendAlertArgs
-from stabletrain.debug.trends import AlertContext, Episode, TrendDetector, next_actions
+from stabletrain.debug.trends import AlertContext, Episode, TrendDetector, checkpoint_context, next_actions
 from stabletrain.errors import StabletrainError
-from stabletrain.loggers.jsonl import read_metrics
+from stabletrain.run_history import read_run
 
 #: Worst first: the overall verdict is the worst status of any signal.
-STATUS_ORDER = ("non-finite", "exploding", "vanishing", "plateau", "spiking", "stable")
+TOO_FEW = "too few logged steps"
+STATUS_ORDER = ("non-finite", "exploding", "vanishing", "plateau", "spiking", TOO_FEW, "stable")
+#: Growth over the lowest earlier value that makes a series "exploding" whatever the detector says.
+ORDERS_OF_MAGNITUDE = 100.0
 _STATUS_OF_KIND = {
     "nonfinite": "non-finite",
     "exploding": "exploding",
@@ -79,7 +90,8 @@ class Report:
 
 
 class RunData:
-    """The series of one run, deduplicated by step (a resumed run re-logs some steps)."""
+    """The series of one run, one row per step: after a resume the later rows win (see
+    :mod:`stabletrain.run_history`)."""
 
     def __init__(self, out: Path):
         self.out = out
@@ -89,12 +101,10 @@ class RunData:
                 f"no metrics.jsonl in {out}: pass the out folder of a training run "
                 "(stabletrain report out/my_run), trained with loggers.jsonl.enabled=true"
             )
-        rows, self.events = read_metrics(path)
-        by_step: dict[int, dict[str, Any]] = {}
-        for row in rows:
-            if isinstance(row.get("step"), int):
-                by_step[row["step"]] = row  # the last logged value of a step wins
-        self.rows = [by_step[s] for s in sorted(by_step)]
+        history = read_run(path)
+        self.events = history.events
+        self.resumes = history.resumes
+        self.rows = history.rows
         if not self.rows:
             raise StabletrainError(f"{path} holds no logged steps yet")
         settings_path = out / "settings.json"
@@ -147,15 +157,24 @@ def report(out: str | Path, *, quiet: bool = False, plots: bool = True) -> Repor
     for row in data.rows:
         detector.update(row["step"], row)
     episodes = detector.finish()
+    episodes += _missed_episodes(data, episodes)
     context = AlertContext.from_settings(settings)
+    context.history = [{k: r.get(k) for k in ("step", "lr", "loss", "gradient_norm")} for r in data.rows]
+    checkpoint_context(context, _Folder(out / "checkpoints"))
+    min_points = (args or TrendAlertArgs()).persist + 1
 
     status: dict[str, str] = {}
     for signal in ("gradient_norm", "loss"):
         if not any(signal in r for r in data.rows):
             continue
         kinds = [_STATUS_OF_KIND[e.kind] for e in _of_signal(episodes, signal) if not e.tolerated]
-        status[signal] = min(kinds, key=STATUS_ORDER.index) if kinds else "stable"
-    verdict = min(status.values(), key=STATUS_ORDER.index) if status else "stable"
+        if kinds:
+            status[signal] = min(kinds, key=STATUS_ORDER.index)
+        else:
+            status[signal] = TOO_FEW if sum(signal in r for r in data.rows) < min_points else "stable"
+    if any(e.signal == "parameters" for e in episodes):
+        status["parameters"] = "non-finite"
+    verdict = min(status.values(), key=STATUS_ORDER.index) if status else TOO_FEW
 
     folder = out / "report"
     folder.mkdir(parents=True, exist_ok=True)
@@ -180,6 +199,69 @@ def report(out: str | Path, *, quiet: bool = False, plots: bool = True) -> Repor
 # ----------------------------------------------------------------------------- summaries
 
 
+class _Folder:
+    """What :func:`~stabletrain.debug.trends.checkpoint_context` needs of a trainer."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+
+    def healthy_checkpoint(self) -> Any:
+        from stabletrain.checkpoint import newest_healthy
+
+        return newest_healthy(self.folder)
+
+
+def _missed_episodes(data: RunData, episodes: Sequence[Episode]) -> list[Episode]:
+    """What the detector cannot see but the run shows: a non-finite step the guard found
+    between logged steps (or parameters the optimizer made non-finite), a checkpoint refused
+    for NaN/Inf, and a series that grew by orders of magnitude without an exploding episode."""
+    found: list[Episode] = []
+    kinds = {(e.kind, e.signal) for e in episodes}
+    for ev in data.events:
+        step = ev.get("step")
+        if not isinstance(step, int):
+            continue
+        if ev.get("event") == "nan_detected":  # nancapture stopped the run before logging the step
+            signal = "loss" if ev.get("reason") == "nonfinite_loss" else "gradient_norm"
+            if ev.get("reason") in ("nonfinite_loss", "nonfinite_gradients", "gradient_norm_overflow") and (
+                    "nonfinite", signal) not in kinds:
+                found.append(Episode("nonfinite", signal, step, step, step, math.nan,
+                                     note=f"found by nancapture ({ev.get('reason')})", open=False))
+                kinds.add(("nonfinite", signal))
+        elif ev.get("event") == "nonfinite_step":
+            what = ev.get("nonfinite") or []
+            for signal in ("loss", "gradient_norm"):
+                if signal in what and ("nonfinite", signal) not in kinds:
+                    found.append(Episode("nonfinite", signal, step, step, step, math.nan,
+                                         note="found by the guard", open=False))
+                    kinds.add(("nonfinite", signal))
+            if ev.get("origin") == "optimizer_step" or not ({"loss", "gradient_norm"} & set(what)):
+                note = "the optimizer step made " + " and ".join(w.replace("_", " ") for w in what)
+                found.append(Episode("nonfinite", "parameters", step, step, step, math.nan, note=note + " non-finite",
+                                     open=False))
+        elif ev.get("event") == "checkpoint_refused" and not any(k == "nonfinite" for k, _ in kinds):
+            found.append(Episode("nonfinite", "parameters", step, step, step, math.nan,
+                                 note="a checkpoint was refused: " + ", ".join(ev.get("nonfinite") or [])[:200],
+                                 open=False))
+    for signal in ("gradient_norm", "loss"):
+        # Only where the detector saw nothing (a spike is already not "stable").
+        if any(e.signal == signal and not e.tolerated for e in episodes):
+            continue
+        tolerated = [(e.start_step, e.end_step) for e in episodes if e.signal == signal and e.tolerated]
+        values = data.series(signal)
+        low, low_step = math.inf, None
+        for step, v in zip(data.steps.tolist(), values.tolist()):
+            if not math.isfinite(v) or v <= 0 or any(a <= step <= b for a, b in tolerated):
+                continue
+            if low_step is not None and v >= ORDERS_OF_MAGNITUDE * low:
+                found.append(Episode("exploding", signal, low_step, step, step, v, low, open=False,
+                                     note=f"grew {math.log10(v / low):.1f} orders of magnitude"))
+                break
+            if v < low:
+                low, low_step = v, step
+    return found
+
+
 def _of_signal(episodes: Sequence[Episode], signal: str) -> list[Episode]:
     """The episodes of one signal: each has its own step range (a non-finite gradient_norm
     and the loss that followed it are two episodes, each starting where its signal did)."""
@@ -189,6 +271,8 @@ def _of_signal(episodes: Sequence[Episode], signal: str) -> list[Episode]:
 def _span_text(data: RunData) -> str:
     steps = data.steps
     every = int(np.median(np.diff(steps))) if len(steps) > 1 else 1
+    if isinstance(data.settings.get("log_every_num_steps"), int):
+        every = data.settings["log_every_num_steps"]  # the guard may log its last steps in between
     cadence = "every step" if every == 1 else f"every {every} steps"
     return f"steps {steps[0]}-{steps[-1]}, {len(steps)} logged points ({cadence})"
 
@@ -214,6 +298,8 @@ def _run_line(data: RunData) -> str:
 
 def _signal_line(signal: str, status: str, episodes: Sequence[Episode]) -> str:
     mine = _of_signal(episodes, signal)
+    if signal == "parameters":
+        return "parameters: non-finite - " + "; ".join(f"{e.note} at {e.steps_text()}" for e in mine)
     if not mine:
         return f"{signal}: {status}"
     groups: dict[str, list[str]] = {}
@@ -224,12 +310,28 @@ def _signal_line(signal: str, status: str, episodes: Sequence[Episode]) -> str:
     return f"{signal}: {status} - {detail}"
 
 
+def _checkpoint_line(out: Path) -> str:
+    """The newest healthy checkpoint, the same one the run's messages and diagnose name."""
+    from stabletrain.checkpoint import list_checkpoints, newest_healthy
+
+    folder = out / "checkpoints"
+    infos = list_checkpoints(folder)
+    if not infos:
+        return "checkpoints: none written"
+    best = newest_healthy(folder)
+    if best is None:
+        return f"checkpoints: none of {len(infos)} is healthy (newest: {infos[-1].reason()})"
+    return f"newest healthy checkpoint: {best.path} (step {best.step}: {best.why})"
+
+
 def _actions(episodes: Sequence[Episode], context: AlertContext) -> list[str]:
     seen: dict[str, None] = {}
     ordered = sorted(
         (e for e in episodes if not e.tolerated), key=lambda e: STATUS_ORDER.index(_STATUS_OF_KIND[e.kind])
     )
     for e in ordered:
+        if e.signal == "parameters":
+            e = Episode("nonfinite", "loss", e.start_step, e.end_step, e.detected_step, e.value)
         for a in next_actions(e, context):
             seen.setdefault(a, None)
     return list(seen)
@@ -249,6 +351,7 @@ def _terminal(
     for signal, st in status.items():
         lines.append("  " + _signal_line(signal, st, episodes))
     lines.append(f"verdict: {verdict}")
+    lines.append(_checkpoint_line(out))
     actions = _actions(episodes, context)
     if actions:
         lines.append("next:")
@@ -271,7 +374,8 @@ def _markdown(
 ) -> str:
     md = [f"# stabletrain report: {out.name}", ""]
     md.append(f"Run `{out}`: {_span_text(data)}. {_run_line(data)}.".replace(". .", "."))
-    md += ["", f"**Verdict: {verdict}**", "", "| signal | status | episodes |", "|---|---|---|"]
+    md += ["", f"**Verdict: {verdict}**", "", _checkpoint_line(out), ""]
+    md += ["| signal | status | episodes |", "|---|---|---|"]
     for signal, st in status.items():
         mine = _of_signal(episodes, signal)
         cell = "; ".join(
@@ -416,6 +520,7 @@ def signal_figure(data: RunData, signal: str, status: str, episodes: Sequence[Ep
     ax.plot(steps, shown, color="#4c72b0", lw=0.9, alpha=0.55, marker="o" if few else None, ms=2.5, label=signal)
     window = max(3, min(20, len(steps) // 10))
     ax.plot(steps, _rolling_median(shown, window), color="#1a2f5a", lw=2.0, label=f"trend (median of {window})")
+    _mark_run_events(ax, data)
     bad = ~finite
     if bad.any():
         trans = blended_transform_factory(ax.transData, ax.transAxes)
@@ -444,6 +549,27 @@ def signal_figure(data: RunData, signal: str, status: str, episodes: Sequence[Ep
               fontsize=8, frameon=False)
     fig.tight_layout()
     return fig
+
+
+def _mark_run_events(ax: Any, data: RunData) -> None:
+    """Resumes (dashed lines), steps the fp16 GradScaler skipped (ticks at the bottom) and the
+    first non-finite step the guard found (a solid line)."""
+    from matplotlib.transforms import blended_transform_factory
+
+    trans = blended_transform_factory(ax.transData, ax.transAxes)
+    for i, step in enumerate(data.resumes):
+        ax.axvline(step, color="#2ca02c", ls="--", lw=1.2, label="resumed" if i == 0 else None, zorder=4)
+    skipped = data.series("skipped_steps")
+    if np.isfinite(skipped).any():
+        prev = np.concatenate([[0.0], skipped[:-1]])
+        grew = np.isfinite(skipped) & (skipped > np.nan_to_num(prev, nan=0.0))
+        if grew.any():
+            ax.scatter(data.steps[grew], np.full(grew.sum(), 0.03), transform=trans, marker="^", color="#8c564b",
+                       s=26, label="fp16 skipped steps", zorder=5, clip_on=False)
+    guard = [ev["step"] for ev in data.events
+             if ev.get("event") == "nonfinite_step" and isinstance(ev.get("step"), int)]
+    for i, step in enumerate(guard):
+        ax.axvline(step, color="#9467bd", lw=1.6, label="first non-finite step (guard)" if i == 0 else None, zorder=4)
 
 
 def _layer_rows(keys: Sequence[str]) -> list[tuple[str, list[str]]]:

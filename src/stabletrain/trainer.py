@@ -12,7 +12,6 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -20,7 +19,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from stabletrain import __version__
+from stabletrain import __version__, trainer_checks
 from stabletrain.checkpoint import (
     CheckpointError,
     checkpoint_dir,
@@ -28,15 +27,19 @@ from stabletrain.checkpoint import (
     resume_conflicts,
     save_checkpoint,
 )
-from stabletrain.config import IMAGE_MODEL_ARGS, LANGUAGE_MODEL_ARGS, TrainSettings, load_settings, partial_settings
-from stabletrain.data.loader import build_loader, samples_needed
+from stabletrain.checkpoint import CheckpointInfo, newest_healthy
+from stabletrain.config import TrainSettings
+from stabletrain.data.loader import build_loader
 from stabletrain.debug.grad_norm import GradNorm, clip_grad_norm_with_total, compute_grad_norm, layer_grad_norms
 from stabletrain.errors import ConfigError, StabletrainError
 from stabletrain.events import CallbackList
-from stabletrain.loggers import Logger, build_loggers, check_loggers
+from stabletrain.loggers import Logger, build_loggers
 from stabletrain.loggers.console import Console, format_duration, progress_line
-from stabletrain.tasks import build_task, check_task, num_samples, resolve_task_name
-from stabletrain.utils.dist import any_rank, max_over_ranks
+from stabletrain.safety import SafetyNet
+from stabletrain.signals import TrainingInterrupted, wait_for_launcher
+from stabletrain.tasks import build_task, resolve_task_name
+from stabletrain.trainer_checks import resolve_precision, validate_settings
+from stabletrain.utils.dist import max_over_ranks
 from stabletrain.utils.io import atomic_write_text
 from stabletrain.utils.rng import get_rng_state, seed_everything, set_rng_state
 
@@ -79,6 +82,10 @@ def train(out: str | Path, **settings: Any) -> TrainResult:
 
     Raises:
         ConfigError: Invalid settings, listed all at once, before training starts.
+        NonFiniteStepError: A step went non-finite (the guard, ``guard.enabled``); nothing
+            damaged was saved, and the message names where to continue from.
+        NonFiniteCheckpointError: A checkpoint would have held NaN/Inf; it was not written.
+        TrainingInterrupted: SIGINT or SIGTERM; a checkpoint was written (``exit_code`` 130/143).
 
     Example::
 
@@ -86,52 +93,6 @@ def train(out: str | Path, **settings: Any) -> TrainResult:
         stabletrain.train(out="out/demo", steps=200, model_args={"lr": 1e-3})
     """
     return Trainer(validate_settings({"out": out, **settings})).fit()
-
-
-#: Settings the task checks (model name, data) read; with one of them rejected they cannot run.
-_TASK_CHECK_KEYS = (
-    "task",
-    "model",
-    "data",
-    "transform_args",
-    *(f"model_args.{k}" for k in LANGUAGE_MODEL_ARGS + IMAGE_MODEL_ARGS),
-)
-
-
-def validate_settings(settings: dict[str, Any]) -> TrainSettings:
-    """:func:`~stabletrain.config.load_settings`, reporting more mistakes when some values are invalid.
-
-    When pydantic rejects values, the checks that do not read them (the data path, the
-    model name, the out folder, the loggers) still run on the other settings, and their
-    problems join pydantic's in one :class:`ConfigError`.
-
-    Raises:
-        ConfigError: Every problem found, one line each.
-
-    Example::
-
-        validate_settings({"out": "out/x", "steps": 0, "data": "missing.txt"})
-        # ConfigError: Invalid settings (2 problems): steps: ..., data: file not found: missing.txt ...
-    """
-    try:
-        return load_settings(settings)
-    except ConfigError as exc:
-        partial, rejected = partial_settings(settings)
-        if partial is None:
-            raise
-        more = Trainer(partial)._check_despite(rejected)
-        if not more:
-            raise
-        raise ConfigError(exc.problems + more) from None
-
-
-def resolve_precision(precision: str, accelerator: str) -> str:
-    """'auto' becomes bf16-mixed on a GPU that supports it, else 32-true."""
-    if precision != "auto":
-        return precision
-    if accelerator in ("auto", "cuda", "gpu") and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
-        return "bf16-mixed"
-    return "32-true"
 
 
 class _TrainingStep(nn.Module):
@@ -156,7 +117,9 @@ class Trainer:
     ``settings``, ``model`` (the user's module, unwrapped), ``optimizer``, ``scaler`` (fp16
     GradScaler or None), ``precision`` (resolved), ``out``, ``rank``, ``world_size``, ``step``,
     ``task``, ``console``, ``loggers``; methods ``any_rank``, ``max_over_ranks``,
-    ``request_stop``, ``log_event``, ``resolved_settings``, ``checkpoint_state``.
+    ``request_stop``, ``log_event``, ``resolved_settings``, ``checkpoint_state``,
+    ``healthy_checkpoint``. ``safety`` holds the guard, checkpoint health and the stop signals
+    (:mod:`stabletrain.safety`).
     """
 
     def __init__(self, settings: TrainSettings, fabric: Any = None):
@@ -178,7 +141,7 @@ class Trainer:
         from lightning_fabric import Fabric
 
         s = self.settings
-        available = _available_accelerators()
+        available = trainer_checks.available_accelerators()
         if s.accelerator not in available:
             # Fabric's own error for 'gpu' names no alternative; say what this machine has.
             raise ConfigError(
@@ -200,108 +163,12 @@ class Trainer:
                 f"precision={s.precision!r}: {exc}"
             ) from None
 
-    def _check(self, world_size: Optional[int], is_rank_zero: bool, fabric_problems: Sequence[str] = ()) -> None:
-        """Every configuration problem at once, before anything is written or trained.
-
-        ``world_size`` is None when Fabric refused the settings (``fabric_problems``); the
-        checks that need it are skipped then.
-        """
-        s = self.settings
-        task_problems = check_task(s)
-        problems = list(task_problems)
-        if world_size is not None:
-            per_step = world_size * s.gradient_accumulation_steps
-            if s.batch_size % per_step:
-                problems.append(
-                    f"batch_size: {s.batch_size} is not divisible by devices x num_nodes x "
-                    f"gradient_accumulation_steps = {world_size} x {s.gradient_accumulation_steps} = {per_step}; "
-                    f"use a multiple of {per_step}, e.g. {max(per_step, s.batch_size // per_step * per_step)}"
-                )
-            elif not any(p.startswith("data:") for p in task_problems):
-                problems.extend(self._check_dataset_size(world_size))
-        problems.extend(check_loggers(s, try_import=is_rank_zero))
-        problems.extend(_check_debug(s))
-        problems.extend(fabric_problems)
-        if is_rank_zero:
-            problems.extend(self._check_out_dir())
-        if problems:
-            raise ConfigError(problems)
-
-    def _check_despite(self, rejected: list[str]) -> list[str]:
-        """The checks that read none of the ``rejected`` settings (see :func:`validate_settings`)."""
-
-        def reads(*keys: str) -> bool:
-            return any(r == k or r.startswith(k + ".") or k.startswith(r + ".") for r in rejected for k in keys)
-
-        s = self.settings
-        problems = []
-        if not reads(*_TASK_CHECK_KEYS):
-            problems.extend(check_task(s))
-        elif not reads("data") and isinstance(s.data, (str, os.PathLike)) and not Path(s.data).exists():
-            problems.append(f"data: not found: {s.data}")
-        if not reads("loggers"):
-            problems.extend(check_loggers(s))
-        if not reads("out", "overwrite", "resume_interrupted"):
-            problems.extend(self._check_out_dir())
-        return problems
-
     def _check_dataset_size(self, world_size: int) -> list[str]:
-        """The loader drops incomplete microbatches: every rank needs at least one full one."""
-        s = self.settings
-        try:
-            n = num_samples(s)
-        except (OSError, ValueError, TypeError):
-            return []  # unreadable data; building the task reports it
-        accum = s.gradient_accumulation_steps
-        microbatch = s.batch_size // (world_size * accum)
-        needed = samples_needed(microbatch, world_size)
-        if n >= needed:
-            return []
-        name = resolve_task_name(s)
-        if s.data is None:
-            what = f"the built-in {name} data"
-        elif isinstance(s.data, (str, os.PathLike)):
-            what = str(s.data)
-        else:
-            what = f"the dataset ({type(s.data).__name__})"
-        unit = ""
-        if name == "language_model":
-            unit = f" (windows of model_args.context_length + 1 = {s.model_args.context_length + 1} tokens)"
-        if world_size == 1 and accum == 1:
-            need = f"one batch of batch_size={s.batch_size} needs {needed}"
-        else:
-            need = (
-                f"batch_size={s.batch_size} / (devices x num_nodes x gradient_accumulation_steps = "
-                f"{world_size} x {accum}) = {microbatch} samples per microbatch, on each of {world_size} "
-                f"process(es), needs {needed}"
-            )
-        if n >= world_size:
-            largest = n // world_size * world_size * accum
-            fix = f"lower batch_size to {largest} or less, or give more data"
-        else:
-            fix = f"give at least {world_size} samples (one per process) or use fewer devices"
-        if name == "language_model":
-            fix += " (or lower model_args.context_length)"
-        return [f"data: {what} holds {n} samples{unit}, too few: {need}; {fix}"]
-
-    def _check_out_dir(self) -> list[str]:
-        s = self.settings
-        last = checkpoint_dir(self.out) / "last.ckpt"
-        if s.resume_interrupted:
-            if not last.exists():
-                return [f"resume_interrupted: no checkpoint to resume from at {last} (run without resume_interrupted)"]
-            return []
-        if self.out.exists() and not self.out.is_dir():
-            return [f"out: {self.out} exists and is not a folder"]
-        if self.out.is_dir() and any(self.out.iterdir()) and not s.overwrite:
-            return [
-                f"out: {self.out} is not empty; pass overwrite=true to replace its outputs, "
-                "resume_interrupted=true to continue its run, or choose another folder"
-            ]
-        return []
+        return trainer_checks.dataset_size_problems(self.settings, world_size)
 
     def _prepare_out_dir(self) -> None:
-        if self.settings.overwrite and not self.settings.resume_interrupted and self.out.is_dir():
+        resuming = self.settings.resume_interrupted or self.settings.resume_from is not None
+        if self.settings.overwrite and not resuming and self.out.is_dir():
             for name in RUN_OUTPUTS:
                 path = self.out / name
                 if path.is_dir():
@@ -322,8 +189,13 @@ class Trainer:
         # started by the launcher (rank > 0) skip the out/ checks; rank 0 owns the folder.
         # Without a Fabric no process was launched: this is the first one.
         first = fabric is None or fabric.global_rank == 0
-        self._check(None if fabric is None else fabric.world_size, is_rank_zero=first, fabric_problems=fabric_problems)
-        assert fabric is not None  # _check raised otherwise
+        problems = trainer_checks.setup_problems(
+            self.settings, None if fabric is None else fabric.world_size, is_rank_zero=first,
+            fabric_problems=fabric_problems,
+        )
+        if problems:
+            raise ConfigError(problems)
+        assert fabric is not None  # the checks raised otherwise
         if first:
             self._prepare_out_dir()
         self.fabric = fabric
@@ -345,10 +217,12 @@ class Trainer:
         seed_everything(s.seed)
         self.task = build_task(s)
         self.model = self.task.model
+        source = s.resume_from if s.resume_from is not None else (
+            checkpoint_dir(self.out) / "last.ckpt" if s.resume_interrupted else None)
         state = None
-        if s.resume_interrupted:
-            state = load_checkpoint(checkpoint_dir(self.out) / "last.ckpt")
-            self._check_resume(state)
+        if source is not None:
+            state = load_checkpoint(source)
+            self._check_resume(state, Path(source))
             self.model.load_state_dict(state["model"])
         self.optimizer = self._build_optimizer()
         if state is not None:
@@ -369,9 +243,42 @@ class Trainer:
                 dynamic=compile_args.dynamic,
             )
         self.fabric_module, self.fabric_optimizer = fabric.setup(module, self.optimizer)
+        self.microbatch_size = s.batch_size // (self.world_size * s.gradient_accumulation_steps)
+        self.build_loader()
+        self.loggers = build_loggers(s, self.out) if self.is_rank_zero else []
+        self.callbacks = CallbackList([*_build_debug_callbacks(self), *s.callbacks])
+        self.safety = SafetyNet(self)
+        if self.is_rank_zero:
+            self._write_settings()
+        if state is not None:
+            # Restored last so that nothing above (model init, loader setup) draws from the RNGs.
+            set_rng_state(state["rng"][self.rank])
+            self.callbacks("on_checkpoint_load", self, state=state)
+            self._resumed(state, Path(source))  # type: ignore[arg-type]
+        self.safety.start()
+        try:
+            self._loop()
+        except BaseException as exc:
+            self.callbacks("on_exception", self, exception=exc)
+            self._report_exception(exc)
+            if isinstance(exc, TrainingInterrupted) and self.rank > 0:
+                self._close()
+                wait_for_launcher()
+            raise
+        finally:
+            self.safety.close()
+            self._close()
+        return TrainResult(
+            out=self.out,
+            steps_done=self.step,
+            last_metrics=dict(self.last_metrics),
+            checkpoint=checkpoint_dir(self.out) / "last.ckpt",
+            stop_reason=self.stop_reason,
+        )
 
-        accum = s.gradient_accumulation_steps
-        self.microbatch_size = s.batch_size // (self.world_size * accum)
+    def build_loader(self) -> None:
+        """(Re)build the data loader at ``microbatches_consumed`` (resume, re-runs)."""
+        s = self.settings
         num_workers = s.num_workers
         if num_workers == "auto":
             num_workers = 0 if self.task.in_memory else min(8, max(0, (os.cpu_count() or 1) - 1))
@@ -383,49 +290,71 @@ class Trainer:
             world_size=self.world_size,
             start=self.microbatches_consumed,
             num_workers=int(num_workers),
-            pin_memory=fabric.device.type == "cuda",
+            pin_memory=self.fabric.device.type == "cuda",
         )
+        self.data_iter = iter(self.loader)
 
-        self.loggers = build_loggers(s, self.out) if self.is_rank_zero else []
-        self.callbacks = CallbackList([*_build_debug_callbacks(self), *s.callbacks])
-        if self.is_rank_zero:
-            self._write_settings()
-        if state is not None:
-            # Restored last so that nothing above (model init, loader setup) draws from the RNGs.
-            set_rng_state(state["rng"][self.rank])
-            self.callbacks("on_checkpoint_load", self, state=state)
-            self.log_event({"event": "resume", "step": self.step, "checkpoint": str(checkpoint_dir(self.out) / "last.ckpt")})
-        try:
-            self._loop()
-        except BaseException as exc:
-            self.callbacks("on_exception", self, exception=exc)
-            if isinstance(exc, KeyboardInterrupt):
-                self.console.info(
-                    f"Interrupted at step {self.step}. Continue with resume_interrupted=true "
-                    f"(from the last checkpoint in {checkpoint_dir(self.out)})."
-                )
-            raise
-        finally:
-            self._close()
-        return TrainResult(
-            out=self.out,
-            steps_done=self.step,
-            last_metrics=dict(self.last_metrics),
-            checkpoint=checkpoint_dir(self.out) / "last.ckpt",
-            stop_reason=self.stop_reason,
-        )
-
-    def _check_resume(self, state: dict[str, Any]) -> None:
+    def _check_resume(self, state: dict[str, Any], source: Path) -> None:
         saved = json.loads(state["settings"])
         current = self.resolved_settings()
         problems = resume_conflicts(saved, current)
+        which = "resume_from" if self.settings.resume_from is not None else "resume_interrupted"
         if self.settings.steps <= int(state["step"]):
             problems.append(
                 f"steps: the checkpoint already holds {int(state['step'])} steps; "
                 f"set steps above that to train on (got {self.settings.steps})"
             )
+        from stabletrain.checkpoint_health import nonfinite_entries
+
+        bad = nonfinite_entries(state)
+        if bad:
+            from stabletrain.checkpoint import list_checkpoints
+
+            others = [c for c in list_checkpoints(checkpoint_dir(self.out))
+                      if c.healthy and c.path.resolve() != source.resolve()]
+            best = others[-1] if others else None
+            fix = (f"resume_from={best.path} (step {best.step}, healthy)" if best
+                   else "overwrite=true (no healthy checkpoint)")
+            problems.append(f"{which}: {source} holds NaN/Inf ({', '.join(bad[:4])}); continue from {fix} instead")
         if problems:
             raise ConfigError(problems)
+
+    def _resumed(self, state: dict[str, Any], source: Path) -> None:
+        """Continue the run's history (health, trends) and say where it resumed from."""
+        from stabletrain.run_history import read_run
+
+        health = state.get("health") if isinstance(state.get("health"), dict) else None
+        if health and isinstance(health.get("initial_weight_norm"), float):
+            self.safety.health.initial_weight_norm = health["initial_weight_norm"]
+        metrics = self.out / "metrics.jsonl"
+        if metrics.is_file():
+            for row in read_run(metrics).rows:
+                if row["step"] < self.step:
+                    self.safety.health.observe(row["step"], row)
+        verdict = "healthy" if health and health.get("healthy") else "not healthy"
+        note = "" if health is None else f" ({verdict}: {health.get('why')})"
+        self.console.info(f"Resumed from step {self.step}: {source}{note}")
+        self.log_event({"event": "resume", "step": self.step, "checkpoint": str(source)})
+
+    def _report_exception(self, exc: BaseException) -> None:
+        """Errors that end a run go to train.log too (the console gets them from the CLI)."""
+        from stabletrain.stop_messages import keyboard_interrupt_message
+
+        if isinstance(exc, KeyboardInterrupt):
+            self.console.info(keyboard_interrupt_message(self))
+        elif not isinstance(exc, TrainingInterrupted):
+            self.console.log_only(f"ERROR {type(exc).__name__}: {exc}")
+
+    def resume_advice(self, failing_step: Optional[int] = None) -> str:
+        """Where to continue after a failure at ``failing_step``: the newest healthy checkpoint,
+        why, and the command to paste (or ``overwrite=true`` when there is none)."""
+        from stabletrain.stop_messages import resume_advice
+
+        return resume_advice(self, failing_step)[0]
+
+    def healthy_checkpoint(self, before_step: Optional[int] = None) -> Optional[CheckpointInfo]:
+        """The newest checkpoint of this run recorded healthy (see :mod:`stabletrain.checkpoint_health`)."""
+        return newest_healthy(checkpoint_dir(self.out), before_step=before_step)
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         args = self.settings.model_args
@@ -489,19 +418,27 @@ class Trainer:
 
     def _loop(self) -> None:
         s = self.settings
-        self.data_iter = iter(self.loader)
         self.callbacks("on_train_start", self)
         self._t_start = self._t_last = time.perf_counter()
         self._steps_at_last_log = self.step
         while self.step < s.steps and self.stop_reason is None:
             self.train_step()
             self.step += 1
+            self.safety.end_of_step()
             if self.step % s.checkpoint_every_num_steps == 0 and self.step < s.steps and self.stop_reason is None:
                 self._save_checkpoint(periodic=True)
         if self.stop_reason is not None:
             self.console.info(f"Stopped after step {self.step - 1}: {self.stop_reason}")
-        self._save_checkpoint(periodic=False)
+        path = self._save_checkpoint(periodic=False)
         self.callbacks("on_train_end", self)
+        if self.safety.interrupted is not None:
+            from stabletrain.stop_messages import interrupt_message
+
+            last = path or checkpoint_dir(self.out) / "last.ckpt"
+            text, command = interrupt_message(self, self.safety.interrupted, last)
+            self.console.info(text)
+            raise TrainingInterrupted(text, signal_name=self.safety.interrupted, step=self.step,
+                                      checkpoint=checkpoint_dir(self.out) / "last.ckpt", command=command)
         if self.is_rank_zero:
             elapsed = time.perf_counter() - self._t_start
             loss = self.last_metrics.get("loss", float("nan"))
@@ -511,7 +448,7 @@ class Trainer:
             )
 
     def train_step(self) -> None:
-        """One optimizer step: accumulate microbatches, norm, clip, step, log, checkpoint."""
+        """One optimizer step: accumulate microbatches, norm, guard, clip, step, guard, log."""
         s = self.settings
         step = self.step
         cb = self.callbacks
@@ -532,14 +469,17 @@ class Trainer:
             self.scaler.unscale_(self.optimizer)
         gn = compute_grad_norm(self.model.named_parameters())
         cb("on_after_backward", self, step=step, grad_norm=gn)
+        self.safety.check_gradients(step, losses, gn.total)  # on the device; stops here when already known
         if s.gradient_clip_val > 0:
             clip_grad_norm_with_total(gn.params, s.gradient_clip_val, gn.total)
         cb("on_before_optimizer_step", self, step=step)
         self.fabric_optimizer.step()
+        self.safety.check_update(step)
         self.optimizer.zero_grad(set_to_none=True)
         cb("on_after_optimizer_step", self, step=step)
 
-        if step % s.log_every_num_steps == 0 or step + 1 == s.steps or self.stop_reason is not None:
+        logged = step % s.log_every_num_steps == 0 or step + 1 == s.steps or self.stop_reason is not None
+        if logged and not self.safety.replaying:
             self._log_step(step, losses, gn, lr)
 
     def forward_backward(self, step: int, micro_step: int, batch: Any) -> torch.Tensor:
@@ -584,12 +524,18 @@ class Trainer:
         values = [loss, gn.total.to(loss.device)]
         if self.scaler is not None:
             values.append(_scale_tensor(self.scaler, loss.device))
-        flat = torch.stack([v.float().reshape(()) for v in values])
+            guard = self.safety.guard
+            values.append(guard.skipped_total if guard is not None else torch.full((), math.nan))
+        flat = torch.stack([v.float().reshape(()).to(loss.device) for v in values]).double()
         layer_names: list[str] = []
         if self.settings.gradient_norm_per_layer:
             layer_names, layer_norms = layer_grad_norms(gn)
-            flat = torch.cat([flat, layer_norms.to(loss.device)])
-        host = flat.tolist()  # the step's one sync
+            flat = torch.cat([flat, layer_norms.to(loss.device).double()])
+        terms = self.safety.verdict_terms()
+        n_flat = len(flat)
+        if terms is not None:
+            flat = torch.cat([flat, terms.to(loss.device)])
+        host = flat.tolist()  # the step's one sync, the guard's verdict with it
         now = time.perf_counter()
         steps_since = max(1, step + 1 - self._steps_at_last_log)
         dt = now - self._t_last
@@ -607,6 +553,8 @@ class Trainer:
         }
         if self.scaler is not None:
             metrics["loss_scale"] = host[2]
+            if math.isfinite(host[3]):
+                metrics["skipped_steps"] = host[3]
         if layer_names:
             offset = len(values)
             metrics.update({f"gradient_norm/{n}": host[offset + i] for i, n in enumerate(layer_names)})
@@ -618,7 +566,9 @@ class Trainer:
             for logger in self.loggers:
                 logger.log_metrics(metrics, step)
             self.console.progress(progress_line(step, self.settings.steps, metrics))
+        self.safety.health.observe(step, metrics)
         self.callbacks("on_log", self, step=step, metrics=metrics)
+        self.safety.absorb(host[n_flat:], stopped_at=step)
 
     def log_event(self, event: dict[str, Any]) -> None:
         """Give every logger an event row (rank 0 only), e.g. ``{"event": "resume", "step": 100}``."""
@@ -629,11 +579,12 @@ class Trainer:
     # ------------------------------------------------------------------- for callbacks
 
     def any_rank(self, flag: bool | torch.Tensor) -> bool:
-        """True on every rank when ``flag`` is true on any rank (one all-reduce when distributed).
+        """True on every rank when ``flag`` is true on any rank: one host read (which carries
+        the guard's verdict too), and one all-reduce when distributed.
 
         Every rank must call it at the same point of the step.
         """
-        return any_rank(flag, self.fabric)
+        return self.safety.any_rank(flag)
 
     def max_over_ranks(self, value: float | torch.Tensor) -> float:
         """The largest ``value`` (a number or a scalar tensor) over all ranks, on every rank:
@@ -650,10 +601,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def checkpoint_state(self) -> dict[str, Any]:
+    def checkpoint_state(self, on_cpu: bool = False) -> dict[str, Any]:
         """The resumable state between steps; ``step`` is the next step to run.
 
-        Collective when distributed (the RNG states of all ranks are gathered)."""
+        Collective when distributed (the RNG states of all ranks are gathered). ``on_cpu``:
+        a copy on the CPU instead of references to the live tensors."""
         rng = get_rng_state()
         if self.world_size > 1:
             import torch.distributed as dist
@@ -663,7 +615,7 @@ class Trainer:
             rng_all = gathered
         else:
             rng_all = [rng]
-        return {
+        state = {
             "step": self.step,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -676,14 +628,23 @@ class Trainer:
             "stabletrain_version": __version__,
             "torch_version": str(torch.__version__),
         }
+        if on_cpu:
+            from torch.utils._pytree import tree_map
 
-    def _save_checkpoint(self, periodic: bool) -> None:
-        """Checkpoint the state after ``self.step`` completed steps (rank 0 writes)."""
+            state = tree_map(lambda x: x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor) else x, state)
+        return state
+
+    def _save_checkpoint(self, periodic: bool) -> Optional[Path]:
+        """Checkpoint the state after ``self.step`` completed steps (rank 0 writes), once it is
+        verified finite; its health goes into it."""
         state = self.checkpoint_state()
         self.callbacks("on_checkpoint_save", self, step=self.step, state=state)
+        state["health"] = self.safety.verify(state)
+        path = None
         if self.is_rank_zero:
-            save_checkpoint(state, self.out, periodic=periodic, keep=self.settings.max_checkpoints_to_keep)
+            path = save_checkpoint(state, self.out, periodic=periodic, keep=self.settings.max_checkpoints_to_keep)
         self.fabric.barrier()
+        return path
 
     def _close(self) -> None:
         for logger in self.loggers:
@@ -697,23 +658,6 @@ def _scale_tensor(scaler: Any, device: torch.device) -> torch.Tensor:
     if isinstance(scale, torch.Tensor):
         return scale.to(device)
     return torch.tensor(float(scaler.get_scale()), device=device)
-
-
-def _available_accelerators() -> list[str]:
-    """The accelerator names Fabric can use on this machine, ``auto`` first."""
-    from lightning_fabric.accelerators import ACCELERATOR_REGISTRY
-
-    names = [n for n in ACCELERATOR_REGISTRY.available_accelerators() if ACCELERATOR_REGISTRY[n]["accelerator"].is_available()]
-    if "cuda" in names or "mps" in names:
-        names.append("gpu")
-    return ["auto", *sorted(names)]
-
-
-def _check_debug(settings: TrainSettings) -> list[str]:
-    """Problems with debug_args; each debugging tool adds its checks here."""
-    from stabletrain.debug import underflow_overflow
-
-    return [*underflow_overflow.check_settings(settings)]
 
 
 def _build_debug_callbacks(trainer: Trainer) -> list[Any]:

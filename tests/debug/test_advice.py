@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from stabletrain.debug import advice
-from stabletrain.debug.diagnose import _lr_text
+from stabletrain.debug.diagnose.actions import lr_text
 from stabletrain.debug.trends import AlertContext, Episode, next_actions
 
 
@@ -58,5 +58,5 @@ def test_trends_and_diagnose_round_the_same_way():
     lr = 1.2345e-3
     alert = next_actions(Episode("exploding", "loss", 1, 2, 2, 9.0, 1.0), AlertContext(lr=lr, precision="32-true"))
     assert alert[0] == "lower the learning rate: model_args.lr=0.000123 (now 0.00123)"
-    assert _lr_text({"model_args": {"lr": lr}}) == "model_args.lr=0.000123 or lower (was 0.00123)"
-    assert _lr_text({"model_args": {}}) == _lr_text(None) == "a 10x lower learning rate (model_args.lr)"
+    assert lr_text({"model_args": {"lr": lr}}) == "model_args.lr=0.000123 or lower (was 0.00123)"
+    assert lr_text({"model_args": {}}) == lr_text(None) == "a 10x lower learning rate (model_args.lr)"

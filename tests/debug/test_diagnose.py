@@ -13,13 +13,14 @@ import torch
 
 import stabletrain
 from stabletrain import NaNCaptureMonitor, NaNDetectedError, load_nan_capture
+from stabletrain.debug.guard import NonFiniteStepError
 from stabletrain.debug.diagnose import (
     DETERMINISTIC_NUMERICAL,
     NOT_REPRODUCIBLE,
     PRECISION_INDUCED,
     Diagnosis,
-    _ddmin,
 )
+from stabletrain.debug.diagnose.search import ddmin as _ddmin
 from stabletrain.trainer import train
 
 from conftest import cli_env, tiny_lm
@@ -208,20 +209,22 @@ def test_16_true_failures_are_precision_induced_with_float16_advice(tmp_path, fa
 
 def test_16_true_adamw_writes_inf_into_the_weights(tmp_path):
     """16-true runs AdamW in float16 too: a small gradient's squared value underflows to 0 and
-    eps=1e-8 is 0 in float16, so step 0's update divides by 0. Step 0 was finite; step 1
-    starts from Inf weights. The advice names the optimizer, not only the learning rate."""
-    with pytest.raises(NaNDetectedError) as info:
+    eps=1e-8 is 0 in float16, so step 0's update divides by 0. Step 0's gradients are finite:
+    the guard stops right after that optimizer step (not one step later, as nancapture alone
+    did), names the optimizer and why, and with nancapture on captures the optimizer step;
+    diagnose replays it and gives the precision advice."""
+    with pytest.raises(NonFiniteStepError) as info:
         train(out=tmp_path / "adamw", model=FaultNet("square"), data=FaultData(), precision="16-true",
               debug_args=NANCAPTURE, **RUN)
-    assert info.value.step == 1
-    d = stabletrain.diagnose(info.value.capture_path, model=FaultNet("square"))
-    assert [h["step"] for h in d.history] == [0] and math.isfinite(d.history[0]["gradient_norm"])
-    assert d.weights.status == "nonfinite" and d.origin == "weights" and d.cause == DETERMINISTIC_NUMERICAL
-    assert "fc1.weight" in [p.name for p in d.weights.nonfinite]
-    assert "the weights were already non-finite when the step began" in d.probable_cause
-    trap = d.next_actions[1]
-    assert trap.startswith("With precision=16-true the optimizer runs in float16 too: AdamW's second moment")
-    assert "precision=16-mixed" in trap and "precision=bf16-mixed" in trap and "precision=32-true" in trap
+    err = info.value
+    assert (err.step, err.stopped_at, err.origin, err.optimizer) == (0, 0, "optimizer_step", "torch.optim.AdamW")
+    assert "fc1.weight" in err.param_names and "eps=1e-08 is 0 in float16" in str(err)
+    d = stabletrain.diagnose(err.capture_path, model=FaultNet("square"))
+    assert d.cause == "optimizer_step" and d.reproduced and d.gradients_finite and d.float32_finite
+    assert "fc1.weight" in d.nonfinite_params and set(d.nonfinite_params) == set(err.param_names)
+    trap = d.next_actions[0]
+    assert trap.startswith("Train with precision=16-mixed or precision=bf16-mixed (float32 weights and optimizer state")
+    assert "precision=32-true" in trap and "6e-08" in trap
 
 
 def test_poisoned_sample_in_a_batch_of_32_with_accumulation_4(tmp_path):
@@ -278,23 +281,26 @@ def test_weights_made_huge_by_earlier_steps(tmp_path):
     assert d.cause == DETERMINISTIC_NUMERICAL and d.reproduces_in["32-true"]
     assert d.data.status == "not_data_specific", "any sample fails: no culprit sample"
     assert d.finding is not None and d.finding.phase == "forward" and not d.finding.inputs_nonfinite
-    # The checkpoints tell when the weights were still healthy: resume from there with a lower lr.
+    # The checkpoints are finite, but from the first one on the weights are 100x their start
+    # (one SGD step at lr 1000): none is recorded healthy, so the advice is to start again.
     steps = [c["step"] for c in d.weights.checkpoints]
     assert steps == list(range(1, d.step + 1))
-    healthy = [c for c in d.weights.checkpoints if c["healthy"]]
-    assert healthy and d.weights.healthy_checkpoint == healthy[-1]["path"]
-    assert healthy[-1]["step"] < d.step
-    assert "model_args.lr=100 or lower (was 1000)" in d.next_actions[0] and "resume_interrupted=true" in d.next_actions[0]
-    assert f"step_{healthy[-1]['step']:06d}.ckpt" in d.next_actions[0]
+    assert not any(c["healthy"] for c in d.weights.checkpoints) and d.weights.healthy_checkpoint is None
+    assert d.next_actions[0].startswith(f"No checkpoint of this run has healthy weights (the newest, step {d.step}: ")
+    assert "the weight norm is" in d.next_actions[0] and "its" in d.next_actions[0]
+    # Not a tenth of an absurd lr: the default, since no logged stretch trained stably at a lower one.
+    assert "start again with overwrite=true and model_args.lr=0.001 or lower (was 1000; the default" in d.next_actions[0]
     assert "gradient_clip_val=1.0" in d.next_actions[1]
     assert [h["step"] for h in d.history] == list(range(max(0, d.step - 5), d.step))
 
 
 class _Damage:
-    """After step ``step``'s optimizer step, before its checkpoint is written, put ``value`` at
-    ``index`` of a parameter or buffer: what a bad earlier step leaves behind."""
+    """After step ``step``'s optimizer step (and the guard's check of it) put ``value`` at
+    ``index`` of a parameter or buffer: what a bad earlier step leaves behind. With checkpoints
+    every 2 steps, the one after step 1 is written before the damage; none is written after it
+    (a checkpoint with NaN/Inf is refused, tests/test_checkpoint_health.py)."""
 
-    def __init__(self, name, index, value, step=1):
+    def __init__(self, name, index, value, step=2):
         self.name, self.index, self.value, self.step = name, index, value, step
 
     def on_after_optimizer_step(self, trainer, *, step):
@@ -307,8 +313,11 @@ class _Damage:
 def _damaged_run(tmp_path, model, damage):
     with pytest.raises(NaNDetectedError) as info:
         train(out=tmp_path / "run", model=model, data=FaultData(), callbacks=[damage], debug_args=NANCAPTURE,
-              checkpoint_every_num_steps=1, max_checkpoints_to_keep=10, **RUN)
-    assert info.value.step == 2, "the first step that starts from the damaged state"
+              checkpoint_every_num_steps=2, max_checkpoints_to_keep=10, **RUN)
+    assert info.value.step == 3, "the first step that starts from the damaged state"
+    for ckpt in (tmp_path / "run" / "checkpoints").iterdir():
+        state = torch.load(ckpt, weights_only=True)
+        assert all(bool(torch.isfinite(t).all()) for t in state["model"].values()), ckpt
     return info.value.capture_path
 
 
@@ -325,17 +334,18 @@ def test_weights_already_nonfinite_when_the_step_began(tmp_path):
     assert d.data.status == "not_data_specific" and d.data.nonfinite_inputs == [], "every sample meets the NaN weight"
     assert d.probable_cause == ("the weights were already non-finite when the step began (1 value(s) of fc1.weight): "
                                 "an earlier step did the damage")
-    # The checkpoint written before the damage is healthy, the one after it holds the NaN.
-    assert [(c["step"], c["healthy"]) for c in w.checkpoints] == [(1, True), (2, False)]
-    assert w.healthy_checkpoint == str(tmp_path / "run" / "checkpoints" / "step_000001.ckpt")
-    assert d.next_actions[0].startswith("Resume from before the damage: the newest checkpoint with healthy weights is step 1")
-    assert "step_000001.ckpt over" in d.next_actions[0] and "resume_interrupted=true" in d.next_actions[0]
+    # The checkpoint written before the damage is healthy (and none was written after it).
+    healthy = tmp_path / "run" / "checkpoints" / "step_000002.ckpt"
+    assert [(c["step"], c["healthy"]) for c in w.checkpoints] == [(2, True)]
+    assert w.healthy_checkpoint == str(healthy)
+    assert d.next_actions[0].startswith("Resume from before the damage: the newest checkpoint with healthy weights is step 2")
+    assert f"resume_from={healthy}" in d.next_actions[0]
     assert "model_args.lr=0.001 or lower (was 0.01)" in d.next_actions[0]
     assert d.next_actions[1] == "Keep single steps from blowing the weights up: gradient_clip_val=1.0 (clipping is off)."
     report = d.to_markdown()
     assert "The weights already held NaN/Inf when the step began: fc1.weight (1)." in report
     assert "it came from the weights, non-finite at the start of the step" in report
-    assert "fc1.weight 0.516 (and 1 NaN/Inf)" in report
+    assert "fc1.weight 0.524 (and 1 NaN/Inf)" in report  # after 3 steps (the damage now follows step 2)
 
 
 def test_buffer_already_nonfinite_when_the_step_began(tmp_path):
@@ -351,15 +361,15 @@ def test_buffer_already_nonfinite_when_the_step_began(tmp_path):
     assert (f.module, f.module_type, f.phase) == ("norm", "RunningNorm", "forward")
     assert f.inputs_nonfinite and d.origin == "buffers" and "self.mean.lerp_" in f.source
     assert d.probable_cause.startswith("the buffer norm.mean already held NaN/Inf when the step began and lerp_ in norm")
-    # Step 2's checkpoint has healthy weights but the Inf buffer: not a place to resume from.
-    assert [(c["step"], c["healthy"]) for c in w.checkpoints] == [(1, True), (2, False)]
-    assert w.checkpoints[1]["abs_max"] < w.threshold
-    assert "healthy weights and buffers is step 1" in d.next_actions[0] and "step_000001.ckpt" in d.next_actions[0]
+    # The checkpoint from before the damage is where to resume from; none holds the Inf buffer.
+    assert [(c["step"], c["healthy"]) for c in w.checkpoints] == [(2, True)]
+    assert "healthy weights and buffers is step 2" in d.next_actions[0] and "step_000002.ckpt" in d.next_actions[0]
     assert "model_args.lr" not in d.next_actions[0], "the optimizer does not write buffers"
     assert d.next_actions[1].startswith("Find what put NaN/Inf into norm.mean: the forward pass updates them")
     report = d.to_markdown()
     assert "The weights were finite, but buffers already held NaN/Inf when the step began: norm.mean." in report
-    assert "it came from buffers (norm.mean)" in report and "step 2 |w| 0.517 (non-finite buffers)" in report
+    assert "it came from buffers (norm.mean)" in report and "Checkpoints: step 2 |w| 0.5" in report
+    assert "(non-finite buffers)" not in report and "(bad)" not in report
 
 
 def _plain_loop(model, data, out_dir, steps, with_indices=True):

@@ -12,6 +12,7 @@ from stabletrain.config import load_settings
 from stabletrain.debug.grad_norm import compute_grad_norm, layer_grad_norms
 from stabletrain.loggers.jsonl import read_metrics
 from stabletrain.tasks import build_task
+from stabletrain.debug.guard import VERDICT_LEN
 from stabletrain.trainer import Trainer, train
 
 from conftest import tiny_lm
@@ -118,8 +119,9 @@ def test_trainer_logs_them_at_the_logging_cadence(tmp_path, monkeypatch):
         for name, value in ref.items():
             assert math.isclose(layer[name], value, rel_tol=1e-5), (row["step"], name)
     n_layer_keys = len(ref)
-    # Logging reads back one tensor per logged step: loss, total and every per-layer norm together.
-    assert reads == [2 + n_layer_keys] * 3, reads
+    # Logging reads back one tensor per logged step: loss, total, every per-layer norm and the
+    # guard's verdict together.
+    assert reads == [2 + n_layer_keys + VERDICT_LEN] * 3, reads
 
 
 def test_off_by_default(tmp_path):

@@ -170,7 +170,10 @@ def test_error_message_command_works_when_pasted(cli, tmp_path, capsys):
     assert "stabletrain train: NaNDetectedError: " in trained.stderr
     command = pasted_command(trained.stderr)
     assert command == "stabletrain replay boom/debug/nan_capture/rank0"
-    assert "boom/checkpoints/last.ckpt holds the healthy state from before step 3" in trained.stderr
+    # The only checkpoint (step 3) is finite but was written while the loss exploded: not called healthy.
+    assert ("No non-finite value reached the optimizer or a checkpoint. No checkpoint of this run is healthy "
+            "(step 3: loss at step 2 is") in trained.stderr
+    assert f"start again with overwrite=true: stabletrain train out={tmp_path / 'boom'} " in trained.stderr
 
     pasted = subprocess.run(command, shell=True, cwd=tmp_path, env=shell_env(), capture_output=True, text=True, timeout=120)
     assert pasted.returncode == 0, pasted.stderr[-2000:]

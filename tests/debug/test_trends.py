@@ -13,6 +13,8 @@ from torch import nn
 from stabletrain.config import TrendAlertArgs
 from stabletrain.debug.trends import AlertContext, Episode, TrendAlerts, TrendDetector, detect_trends, next_actions
 from stabletrain.loggers.jsonl import read_metrics
+from stabletrain.debug.guard import NonFiniteStepError
+from stabletrain.safety import NonFiniteCheckpointError
 from stabletrain.trainer import train
 from stabletrain.utils.sync import SyncsPerStep
 
@@ -223,7 +225,9 @@ def test_exploding_run_of_the_builtin_task_is_flagged_before_nan(tmp_path, capsy
     """SGD with lr=10 on the built-in language model: the gradient norm grows by orders of
     magnitude for a few steps, then the loss becomes NaN."""
     out = tmp_path / "boom"
-    train(out=out, **tiny_lm(steps=12, model_args={"optimizer": "sgd", "lr": 10.0}))
+    # The guard off: the run goes on through NaN (the final checkpoint is refused).
+    with pytest.raises(NonFiniteCheckpointError):
+        train(out=out, guard={"enabled": False}, **tiny_lm(steps=12, model_args={"optimizer": "sgd", "lr": 10.0}))
     rows, events = read_metrics(out / "metrics.jsonl")
     nonfinite = [r["step"] for r in rows if not (math.isfinite(r["loss"]) and math.isfinite(r["gradient_norm"]))]
     assert nonfinite, "the run does reach NaN (else 'before NaN' proves nothing)"
@@ -232,12 +236,12 @@ def test_exploding_run_of_the_builtin_task_is_flagged_before_nan(tmp_path, capsy
     assert len(exploding) == 1
     assert exploding[0]["step"] < nonfinite[0], (exploding[0], nonfinite[0])
     assert exploding[0]["start_step"] <= exploding[0]["step"] and exploding[0]["factor"] >= 10
-    assert any("model_args.lr=1 (now 10)" in a for a in exploding[0]["actions"])
+    assert any("model_args.lr=0.001 (now 10; the default" in a for a in exploding[0]["actions"])
     assert [e["kind"] for e in alerts if e["signal"] == "loss" and e["kind"] == "nonfinite"] == ["nonfinite"]
 
     console = capsys.readouterr().out
     assert f"WARNING gradient_norm is exploding (steps {exploding[0]['start_step']}-" in console
-    assert "next: lower the learning rate: model_args.lr=1 (now 10)" in console
+    assert "next: lower the learning rate: model_args.lr=0.001 (now 10; the default" in console
     assert console.count("WARNING gradient_norm is exploding") == 1, "once per episode"
     assert "WARNING gradient_norm is exploding" in (out / "train.log").read_text()
 
@@ -264,12 +268,13 @@ def test_trend_alerts_add_no_host_sync(tmp_path):
     counts = {}
     for enabled in (True, False):
         counter = SyncsPerStep()
-        train(
-            out=tmp_path / str(enabled), callbacks=[counter], trend_alerts={"enabled": enabled},
-            **tiny_lm(steps=12, checkpoint_every_num_steps=1, model_args={"optimizer": "sgd", "lr": 10.0}),
-        )
+        with pytest.raises(NonFiniteStepError) as info:  # the guard stops the exploding run at its first NaN
+            train(
+                out=tmp_path / str(enabled), callbacks=[counter], trend_alerts={"enabled": enabled},
+                **tiny_lm(steps=12, checkpoint_every_num_steps=1, model_args={"optimizer": "sgd", "lr": 10.0}),
+            )
         counts[enabled] = counter.counts
-    assert sorted(counts[True]) == list(range(12))
+    assert sorted(counts[True]) == list(range(info.value.step + 1)) and info.value.step >= 6
     assert counts[True] == counts[False]
 
 
@@ -300,8 +305,9 @@ def test_nan_gradients_then_nan_loss_the_loss_gets_a_follow_up_alert(tmp_path, c
     next actions; at step 7 one more line (and one metrics.jsonl row) says the loss is gone
     too, from step 7, without repeating the actions."""
     out = tmp_path / "run"
-    train(out=out, model=_NanGradientAt(6), data=LinearData(), steps=10, batch_size=16, log_every_num_steps=1,
-          model_args={"optimizer": "sgd", "lr": 0.01, "warmup_steps": 0})
+    with pytest.raises(NonFiniteCheckpointError):  # the guard off: NaN reaches the end, its checkpoint is refused
+        train(out=out, model=_NanGradientAt(6), data=LinearData(), steps=10, batch_size=16, log_every_num_steps=1,
+              guard={"enabled": False}, model_args={"optimizer": "sgd", "lr": 0.01, "warmup_steps": 0})
     rows, events = read_metrics(out / "metrics.jsonl")
     by_step = {r["step"]: r for r in rows}
     assert math.isfinite(by_step[6]["loss"]) and math.isnan(by_step[6]["gradient_norm"]), "the planted fault"
@@ -315,12 +321,12 @@ def test_nan_gradients_then_nan_loss_the_loss_gets_a_follow_up_alert(tmp_path, c
     assert follow_up["message"] == "loss is not finite (step 7): nan, after gradient_norm, not finite since step 6"
 
     console = capsys.readouterr().out
-    assert "WARNING gradient_norm is not finite (step 6): nan.\n  next: re-run from the latest checkpoint" in console
+    assert "WARNING gradient_norm is not finite (step 6): nan.\n  next: no healthy checkpoint yet" in console
     follow_line = "WARNING loss is not finite (step 7): nan, after gradient_norm, not finite since step 6.\n"
     assert follow_line in console
     after = console[console.index(follow_line) + len(follow_line):]
     assert "next:" not in after.split("WARNING")[0], "the follow-up repeats no actions"
-    assert console.count("WARNING") == 2 and console.count("next: re-run from the latest checkpoint") == 1
+    assert console.count("WARNING") == 2 and console.count("next: no healthy checkpoint yet") == 1
     assert follow_line.strip() in (out / "train.log").read_text()
 
 

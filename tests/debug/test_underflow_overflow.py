@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import stabletrain
+from stabletrain.debug.guard import NonFiniteStepError
 from stabletrain.debug.underflow_overflow import UnderflowOverflowAbort, UnderflowOverflowMonitor
 from stabletrain.errors import ConfigError
 from stabletrain.tasks.language_model import MLP, TransformerLM
@@ -729,9 +730,10 @@ def test_settings_defaults_and_forward_only_through_the_trainer(tmp_path, capsys
     task = lm_task()
     task.model.blocks[0].mlp.act = nn.Sequential(nn.GELU(), SqrtAtZero())
     forward_only = {"underflow_overflow": {"enabled": True, "include_backward": False}}
-    result = stabletrain.train(out=tmp_path / "fw", model=task.model, data=task.dataset, batch_size=8, steps=1,
-                               log_every_num_steps=1, debug_args=forward_only)
-    assert result.steps_done == 1
+    with pytest.raises(NonFiniteStepError) as info:  # the always-on guard stops at the non-finite gradients
+        stabletrain.train(out=tmp_path / "fw", model=task.model, data=task.dataset, batch_size=8, steps=1,
+                          log_every_num_steps=1, debug_args=forward_only)
+    assert info.value.step == 0 and "gradient_norm" in info.value.nonfinite
     assert re.search(r"underflow_overflow: watching \d+ modules \(forward only\)", capsys.readouterr().out)
     from stabletrain.loggers.jsonl import read_metrics
 

@@ -55,7 +55,8 @@ def _offline_env(tmp_path: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def run_all_loggers(tmp_path_factory):
-    """An exploding run (so trend alerts give events), per-layer norms on, every logger on."""
+    """An exploding run (so trend alerts give events), per-layer norms on, every logger on. The
+    guard stops it at its first NaN (step 9) and logs that step's loss and gradient norm."""
     tmp = tmp_path_factory.mktemp("loggers")
     env = _offline_env(tmp)
     out = tmp / "boom"
@@ -68,7 +69,7 @@ def run_all_loggers(tmp_path_factory):
     result = subprocess.run(
         [sys.executable, "-m", "stabletrain", *args], cwd=tmp, env=env, capture_output=True, text=True, timeout=600
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 1 and "NonFiniteStepError: Non-finite loss" in result.stderr, result.stderr[-3000:]
     rows, events = read_metrics(out / "metrics.jsonl")
     return {"tmp": tmp, "out": out, "env": env, "rows": rows, "events": events, "stdout": result.stdout}
 
@@ -146,7 +147,7 @@ def test_mlflow_read_back_with_mlflow_client(run_all_loggers, monkeypatch, tmp_p
     runs = client.search_runs([experiment.experiment_id])
     assert len(runs) == 1
     run = runs[0]
-    assert run.info.status == "FINISHED" and run.info.run_name == "boom"
+    assert run.info.status == "FAILED" and run.info.run_name == "boom", "the guard stopped it with an error"
     assert run.data.tags["team"] == "stability" and run.data.tags["stabletrain.out"] == str(out)
     assert run.data.params["model_args.lr"] == "10.0" and run.data.params["model_args.optimizer"] == "sgd"
     assert run.data.params["gradient_norm_per_layer"] == "True"
@@ -224,8 +225,12 @@ def test_wandb_read_back_from_the_offline_run_directory(run_all_loggers):
 
     summaries = [r["summary"]["update"] for r in records if r["type"] == "summary"]
     events = [s["events"] for s in summaries if "events" in s][-1]
-    alerts = [e for e in run_all_loggers["events"] if e["event"] == "trend_alert"]
-    assert [(e["kind"], e["step"]) for e in events] == [(e["kind"], e["step"]) for e in alerts]
+    logged = [e for e in run_all_loggers["events"]]
+    def key(e):
+        return e["event"], e.get("kind"), e["step"]
+
+    assert [key(e) for e in events] == [key(e) for e in logged]
+    assert [e["event"] for e in logged][-1] == "nonfinite_step", "the guard's stop is an event for every logger"
 
 
 # ------------------------------------------------------------------------- missing libraries

@@ -1,7 +1,7 @@
 """``stabletrain COMMAND ...``: picks the command; stabletrain's errors become messages and exit codes.
 
 Exit codes: 0 done, 1 a stabletrain error (its message says what to do), 2 invalid settings
-or arguments, 130 interrupted.
+or arguments, 130 interrupted (SIGINT), 143 terminated (SIGTERM).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Callable, Optional
 from stabletrain import __version__
 from stabletrain.cli import diagnose, replay, report, train
 from stabletrain.errors import ConfigError, StabletrainError
+from stabletrain.signals import TrainingInterrupted
 
 #: name -> (one-line help, function taking the remaining arguments and returning an exit code)
 COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
@@ -44,6 +45,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ConfigError as exc:
         print(f"stabletrain {ns.command}: {exc}", file=sys.stderr)
         return 2
+    except TrainingInterrupted as exc:
+        # The checkpoint and the command to continue were printed; exit as the signal asks.
+        return exc.exit_code
     except StabletrainError as exc:
         print(f"stabletrain {ns.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

@@ -53,11 +53,16 @@ def run(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(usage())
         return 0
+    from stabletrain.commands import set_cli_invocation
     from stabletrain.config import parse_cli_overrides
     from stabletrain.trainer import train
 
     overrides = parse_cli_overrides(argv)
     if "out" not in overrides:
         raise ConfigError("out: required setting is missing; e.g. stabletrain train out=out/demo")
-    train(**overrides)
+    set_cli_invocation(argv)  # messages rebuild this command to continue the run
+    try:
+        train(**overrides)
+    finally:
+        set_cli_invocation(None)
     return 0

@@ -9,11 +9,26 @@ Example::
     lower_lr(3e-3)                 # 'model_args.lr=0.0003'
     clip(0.0)                      # 'gradient_clip_val=1.0 (clipping is off)'
     stabler_precisions("16-mixed") # ['bf16-mixed', '32-true']
+    anchored_lr(1000.0, rows, 10)  # (0.001, 'the default: no logged stretch trained stably at a lower lr')
+
+After an instability the lr to try is anchored (:func:`anchored_lr`), never a tenth of an
+absurd value: after ``model_args.lr=1000`` blew up, "model_args.lr=100" is no advice.
+
+1. the highest lr that trained stably in this run: an lr logged at a step followed by
+   :data:`STABLE_AFTER` more logged steps before the instability began (during warmup the lr
+   grows, so this is the last such lr), when it is below ``model_args.lr``. The instability
+   begins at ``unstable_from`` or at the first logged step whose loss is more than
+   :data:`LOSS_RISE` (4x) or whose gradient norm is more than :data:`NORM_RISE` (10x) the lowest
+   before it, whichever comes first;
+2. else the default ``model_args.lr`` (:data:`DEFAULT_LR`), when a tenth of ``model_args.lr``
+   would still be above it;
+3. else :data:`LR_DECREASE` times lower, as :func:`lower_lr`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import math
+from typing import Any, Mapping, Optional, Sequence
 
 from stabletrain.utils.text import fmt_number
 
@@ -30,6 +45,9 @@ __all__ = [
     "dtype_name",
     "stabler_precisions",
     "switch_precision",
+    "anchored_lr",
+    "anchored_lower_lr",
+    "DEFAULT_LR",
 ]
 
 #: A diverging run: lower the learning rate this many times.
@@ -38,6 +56,12 @@ LR_DECREASE = 10
 LR_INCREASE = 3
 #: The gradient norm to clip at when clipping is off.
 CLIP_VALUE = 1.0
+#: ``model_args.lr``'s default (:class:`stabletrain.config.ModelArgs`).
+DEFAULT_LR = 1e-3
+#: Logged steps that must follow an lr, all before the instability, for it to count as stable.
+STABLE_AFTER = 3
+#: A rise over the lowest value before it that ends the stable stretch (trend_alerts' defaults).
+LOSS_RISE, NORM_RISE = 4.0, 10.0
 
 #: Precisions that compute in float16 or bfloat16 (a failure that float32 avoids is theirs).
 REDUCED_PRECISIONS = ("16-mixed", "bf16-mixed", "16-true", "bf16-true")
@@ -108,3 +132,63 @@ def switch_precision(precision: Optional[str]) -> Optional[str]:
     None when there is none."""
     choices = stabler_precisions(precision)
     return " or ".join(f"precision={p}" for p in choices) or None
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _stable_prefix(rows: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The rows before the first non-finite value or the first rise of LOSS_RISE / NORM_RISE."""
+    low = {"loss": math.inf, "gradient_norm": math.inf}
+    limits = {"loss": LOSS_RISE, "gradient_norm": NORM_RISE}
+    out = []
+    for r in rows:
+        for key, limit in limits.items():
+            v = r.get(key)
+            if v is None:
+                continue
+            if not _finite(v) or (math.isfinite(low[key]) and low[key] > 0 and v > limit * low[key]):
+                return out
+        for key in limits:
+            if _finite(r.get(key)):
+                low[key] = min(low[key], float(r[key]))
+        out.append(r)
+    return out
+
+
+def anchored_lr(lr: float, rows: Sequence[Mapping[str, Any]] = (), unstable_from: Optional[int] = None,
+                default: float = DEFAULT_LR) -> tuple[float, str]:
+    """The peak lr to suggest after an instability, and why (see the module docstring).
+
+    Args:
+        lr: ``model_args.lr`` of the run.
+        rows: Logged rows (``step``, ``lr``, ``loss``, ``gradient_norm``).
+        unstable_from: The first step of the instability (an episode's start, the first
+            non-finite step); rows from there on do not count as stable.
+        default: The default ``model_args.lr``.
+
+    Returns:
+        ``(value, why)``; ``why`` is empty for a plain :data:`LR_DECREASE` times lower.
+
+    Example::
+
+        anchored_lr(1000.0, rows=[{"step": 0, "lr": 20.0, "loss": 5.5}], unstable_from=10)
+        # (0.001, 'the default: no logged stretch trained stably at a lower lr')
+    """
+    ordered = sorted((r for r in rows if isinstance(r.get("step"), int)), key=lambda r: r["step"])
+    limit = unstable_from if unstable_from is not None else math.inf
+    before = _stable_prefix([r for r in ordered if r["step"] < limit and _finite(r.get("lr"))])
+    stable = [(float(r["lr"]), r["step"]) for r in before[: max(0, len(before) - STABLE_AFTER)]]
+    if stable and max(stable)[0] < lr:
+        value, step = max(stable)
+        return float(setting_value(value)), f"the highest lr that trained stably, from step {step}"
+    if lr / LR_DECREASE > default:
+        return default, "the default: no logged stretch trained stably at a lower lr"
+    return float(setting_value(lr / LR_DECREASE)), ""
+
+
+def anchored_lower_lr(lr: float, rows: Sequence[Mapping[str, Any]] = (), unstable_from: Optional[int] = None) -> str:
+    """``model_args.lr=0.001 (now 1000; the default: ...)``; ``model_args.lr=0.0003 (now 0.003)``."""
+    value, why = anchored_lr(lr, rows, unstable_from)
+    return f"model_args.lr={setting_value(value)} (now {setting_value(lr)}{'; ' + why if why else ''})"

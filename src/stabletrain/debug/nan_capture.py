@@ -391,6 +391,26 @@ class NaNCaptureMonitor:
             return
         self._raise(gn)
 
+    def write_capture(
+        self,
+        reason: str,
+        *,
+        nan_param_names: Sequence[str] = (),
+        params: Optional[dict[str, Tensor]] = None,
+        extra: Optional[dict[str, Any]] = None,
+    ) -> Path:
+        """Write this step's capture for ``reason`` now, without raising (other tools'
+        failures, e.g. the guard's optimizer-step capture).
+
+        Args:
+            reason: The capture's ``reason`` entry.
+            nan_param_names: Parameters to list as non-finite.
+            params: The parameter values the step started from, if the model's current ones
+                are not (e.g. after the optimizer step); CPU copies are made of them.
+            extra: More entries for the file (tensors, numbers, strings, lists, dicts only).
+        """
+        return self._write(list(nan_param_names), reason, 0, [], params=params, extra=extra)
+
     def close(self) -> None:
         """Let go of everything held and remove the monitor's hook (idempotent)."""
         self._release()
@@ -486,7 +506,8 @@ class NaNCaptureMonitor:
             replay_command=self.replay_command,
         )
 
-    def _write(self, names: list[str], reason: str, skipped: int, largest: list[tuple[str, float]]) -> Path:
+    def _write(self, names: list[str], reason: str, skipped: int, largest: list[tuple[str, float]],
+               params: Optional[dict[str, Tensor]] = None, extra: Optional[dict[str, Any]] = None) -> Path:
         batches, unstorable = [], []
         for i, b in enumerate(self._batches):
             try:
@@ -511,7 +532,8 @@ class NaNCaptureMonitor:
             "loss_scale": scale,
             "consecutive_skipped_steps": skipped,
             "gradient_accumulation_steps": int(self.gradient_accumulation_steps or len(self._batches)),
-            "params": {n: cpu_copy(p) for n, p in self.model.named_parameters()},
+            "params": {n: cpu_copy(p) for n, p in (params.items() if params is not None
+                                                   else self.model.named_parameters())},
             "buffers": {n: cpu_copy(b) for n, b in self._buffers},
             "microbatches": batches,
             "unstorable": unstorable,
@@ -531,6 +553,7 @@ class NaNCaptureMonitor:
             "stabletrain_version": _stabletrain_version(),
             "torch_version": str(torch.__version__),
             "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            **(extra or {}),
         }
         try:
             return atomic_torch_save(state, self.capture_path)
@@ -616,10 +639,6 @@ class NaNCaptureCallback:
     def __init__(self, args: Any):
         self.args = args
         self.monitor: Optional[NaNCaptureMonitor] = None
-        self._checkpoint_step: Optional[int] = None
-
-    def on_checkpoint_load(self, trainer: TrainerLike, *, state: dict[str, Any]) -> None:
-        self._checkpoint_step = int(state["step"])
 
     def on_train_start(self, trainer: TrainerLike) -> None:
         settings = trainer.resolved_settings()
@@ -662,9 +681,6 @@ class NaNCaptureCallback:
         assert self.monitor is not None
         self.monitor.check_and_capture(grad_norm)
 
-    def on_checkpoint_save(self, trainer: TrainerLike, *, step: int, state: dict[str, Any]) -> None:
-        self._checkpoint_step = int(step)
-
     def on_train_end(self, trainer: TrainerLike) -> None:
         if self.monitor is not None:
             self.monitor.close()
@@ -683,24 +699,11 @@ class NaNCaptureCallback:
             self.monitor.close()
 
     def _advice(self, trainer: TrainerLike, step: int) -> str:
-        last = trainer.out / "checkpoints" / "last.ckpt"
-        every = trainer.settings.checkpoint_every_num_steps
-        if self._checkpoint_step is None:
-            return (
-                f"No non-finite value reached the optimizer, but no checkpoint was written before step {step} "
-                f"(checkpoint_every_num_steps={every}); after a fix, start again (overwrite=true)."
-            )
-        text = (
-            f"No non-finite value reached the optimizer or a checkpoint: {last} holds the healthy state "
-            f"from before step {self._checkpoint_step}. After a fix, continue from it with "
-            "resume_interrupted=true (settings such as model_args.lr, gradient_clip_val and precision may change)."
-        )
-        if self._checkpoint_step == step:
-            text += (
-                " It holds the state right before the failing step, whose gradient a lower lr cannot change; "
-                "to change the steps leading here, copy an older checkpoints/step_*.ckpt over last.ckpt first."
-            )
-        return text
+        """Where to continue: the trainer names the newest checkpoint recorded healthy (measured
+        when written, see stabletrain.checkpoint_health), with a command to paste."""
+        advise = getattr(trainer, "resume_advice", None)
+        text = advise(step) if callable(advise) else f"Continue from a checkpoint written before step {step}."
+        return "No non-finite value reached the optimizer or a checkpoint. " + text
 
 
 # --------------------------------------------------------------------------------------

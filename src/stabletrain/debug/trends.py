@@ -14,6 +14,9 @@ Episode kind              When (defaults of ``trend_alerts``; W = ``window``, P 
                           past (band level: median of W points; recent past: 10 W points);
                           or, faster, two rising points, the last ``explode_factor`` squared
                           (100x) above it. The loss uses ``loss_explode_factor`` (4x).
+                          Before P points exist (no band yet): from the second logged point
+                          on, one point two orders of magnitude (100x) above the lowest
+                          point before it.
 ``vanishing``             The last P points are all <= the highest band level / ``vanish_factor``
                           (100x), gradient_norm only. Not raised when the loss fell 10x or more
                           from its start (a model that fits its data has small gradients).
@@ -79,6 +82,9 @@ VANISH_MIN_BAND_SHARE = 0.5
 CONVERGED_LOSS_RATIO = 10.0
 #: Floor for log10 of non-positive values (a gradient norm of exactly 0).
 _LOG_FLOOR = -30.0
+#: Before a band exists: a point this many orders of magnitude above the lowest one before it
+#: is exploding.
+EARLY_ORDERS = 2.0
 
 
 @dataclass
@@ -183,6 +189,14 @@ class AlertContext:
     warmup_steps: Optional[int] = None
     n_params: Optional[int] = None
     task: Optional[str] = None
+    #: Logged rows (step, lr, loss, gradient_norm) before the alert: anchor the lr advice.
+    history: Optional[list[dict[str, Any]]] = None
+    #: The newest healthy checkpoint as the setting that resumes from it (``resume_from=...`` or
+    #: ``resume_interrupted=true``) and why it is healthy; ``checkpoint_known`` with no setting:
+    #: the run has none.
+    resume_setting: Optional[str] = None
+    checkpoint_why: str = ""
+    checkpoint_known: bool = False
 
     @classmethod
     def from_settings(cls, settings: Mapping[str, Any], n_params: Optional[int] = None) -> "AlertContext":
@@ -207,9 +221,10 @@ def next_actions(episode: Episode, context: Optional[AlertContext] = None) -> li
     lr = advice.positive(c.lr)
     now = f" (now {advice.setting_value(lr)})" if lr else ""
     precision = c.precision
+    lower = advice.anchored_lower_lr(lr, c.history or (), episode.start_step) if lr else ""
     if episode.kind == "exploding":
         actions = [
-            f"lower the learning rate: {advice.lower_lr(lr)}{now}"
+            f"lower the learning rate: {lower}"
             if lr
             else f"lower the learning rate (model_args.lr), e.g. by {advice.LR_DECREASE}x"
         ]
@@ -221,6 +236,8 @@ def next_actions(episode: Episode, context: Optional[AlertContext] = None) -> li
             actions.append(f"rule out reduced precision: {switch} (now {precision})")
         if not advice.positive(c.gradient_clip_val):
             actions.append(f"clip gradients: gradient_clip_val={advice.CLIP_VALUE}")
+        if c.resume_setting:
+            actions.append(f"go back to the newest healthy checkpoint ({c.checkpoint_why}): {c.resume_setting}")
         return actions
     if episode.kind == "vanishing":
         small = c.n_params is not None and c.n_params <= 10_000_000
@@ -261,9 +278,14 @@ def next_actions(episode: Episode, context: Optional[AlertContext] = None) -> li
         if c.task in (None, "image_classification", "custom"):
             actions.append("check the input normalization: transform_args.normalize.mean/std")
         return actions
+    if c.resume_setting:
+        rerun = f"re-run from the newest healthy checkpoint ({c.checkpoint_why}): {c.resume_setting}"
+    elif c.checkpoint_known:
+        rerun = "no healthy checkpoint yet: start again with overwrite=true"
+    else:
+        rerun = "re-run from the newest healthy checkpoint (resume_from=<its path>)"
     return [
-        "re-run from the latest checkpoint: resume_interrupted=true"
-        + (f" with a lower {advice.lower_lr(lr)}" if lr else ""),
+        rerun + (f" with a lower {lower}" if lr else ""),
         "if it reproduces, isolate reduced precision: precision=32-true" + (f" (now {precision})" if precision else "")
         if precision not in ("32-true", "64-true")
         else f"precision is already {precision}: reduced precision is not the cause",
@@ -352,7 +374,10 @@ class _LogSignal:
                 return
             self.explode.open = False
             self.explode = None
-        if len(recent) < self.P or not self.bands:
+        if not self.bands:
+            self._update_early(step, value, opened)
+            return
+        if len(recent) < self.P:
             return
         ref, sigma, _ = min(self.bands, key=lambda b: b[0])
         persistent = min(recent) - ref >= self.spike_log and level - ref >= max(self.explode_log, self.z * sigma)
@@ -376,6 +401,24 @@ class _LogSignal:
         if self.spike is not None:  # the spike was the start of this
             self.spike.open = False
             self.spike = None
+        opened.append(self.explode)
+
+    def _update_early(self, step: int, value: float, opened: list[Episode]) -> None:
+        """Too few points for a band: a jump of two orders of magnitude over the lowest point
+        before it is an explosion already (a run can go from 5 to 1e9 in its first logged steps)."""
+        xs = [p[1] for p in self.points]
+        if len(xs) < 2:
+            return
+        ref = min(xs[:-1])
+        if xs[-1] - ref < EARLY_ORDERS:
+            return
+        start = step
+        for s, lx, _ in reversed(self.points):
+            if lx < ref + self.spike_log:
+                break
+            start = s
+        self.explode = Episode("exploding", self.signal, start, step, step, value, 10**ref)
+        self.explode_ref = ref
         opened.append(self.explode)
 
     def _update_vanishing(
@@ -697,6 +740,7 @@ class TrendAlerts:
         self.detector: Optional[TrendDetector] = None
         self.context: Optional[AlertContext] = None
         self.alerts: list[dict[str, Any]] = []
+        self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_ROWS)
 
     def on_train_start(self, trainer: TrainerLike) -> None:
         s = trainer.settings
@@ -709,28 +753,33 @@ class TrendAlerts:
             n_params=sum(p.numel() for p in trainer.model.parameters()),
             task=(trainer.task.name if getattr(trainer, "task", None) is not None else None),
         )
-        if s.resume_interrupted:
+        if s.resume_interrupted or getattr(s, "resume_from", None) is not None:
             self._replay_history(Path(trainer.out) / "metrics.jsonl", before_step=trainer.step)
 
     def _replay_history(self, path: Path, before_step: int) -> None:
         """After a resume, continue the trend of the steps already logged (alerts already given)."""
-        from stabletrain.loggers.jsonl import read_metrics
+        from stabletrain.run_history import read_run
 
         if self.detector is None or not path.exists():
             return
-        rows, _ = read_metrics(path)
-        for row in rows:
+        for row in read_run(path).rows:
             step = row.get("step")
             if isinstance(step, int) and step < before_step:
                 self.detector.update(step, row)
+                self.history.append(_history_row(step, row))
 
     def on_log(self, trainer: TrainerLike, *, step: int, metrics: dict[str, float]) -> None:
         if self.detector is None:
             self.on_train_start(trainer)
         assert self.detector is not None
+        self.history.append(_history_row(step, metrics))
         opened = self.detector.update(step, metrics)
         if not opened:
             return
+        assert self.context is not None
+        self.context.history = list(self.history)
+        if any(e.kind in ("nonfinite", "exploding") for e in opened) and hasattr(trainer, "healthy_checkpoint"):
+            checkpoint_context(self.context, trainer)
         for episode in opened:
             event = episode.to_event(self.context)
             self.alerts.append(event)
@@ -742,6 +791,36 @@ class TrendAlerts:
             self.detector.finish()
 
 
+#: Logged rows a live TrendAlerts keeps for the lr advice.
+HISTORY_ROWS = 500
+
+
+def _history_row(step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
+    return {"step": step, **{k: metrics.get(k) for k in ("lr", "loss", "gradient_norm")}}
+
+
+def checkpoint_context(context: AlertContext, trainer: Any) -> None:
+    """The newest healthy checkpoint, as the setting that resumes from it."""
+    best = trainer.healthy_checkpoint()
+    context.checkpoint_known = True
+    if best is None:
+        context.resume_setting = None
+        return
+    last = best.path.parent / "last.ckpt"
+    same = best.path == last or _step_of(last) == best.step
+    context.resume_setting = "resume_interrupted=true" if same else f"resume_from={best.path}"
+    context.checkpoint_why = f"step {best.step}: {best.why}"
+
+
+def _step_of(path: Path) -> Optional[int]:
+    from stabletrain.checkpoint import read_checkpoint_health
+
+    try:
+        return read_checkpoint_health(path)[0] if path.is_file() else None
+    except Exception:
+        return None
+
+
 __all__ = [
     "Episode",
     "AlertContext",
@@ -749,6 +828,7 @@ __all__ = [
     "TrendAlerts",
     "detect_trends",
     "next_actions",
+    "checkpoint_context",
     "theil_sen_slope",
     "KINDS",
 ]

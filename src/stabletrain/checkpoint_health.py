@@ -1,0 +1,186 @@
+"""What makes a checkpoint healthy, measured when it is written and recorded in it.
+
+A checkpoint is written only when every tensor in it is finite: the model's parameters and
+buffers, the optimizer state and the fp16 loss scaler, verified on the device in one fused
+pass (:func:`verify_tensors`) and read with the loop's one host read at that point. A state
+that fails is not written; the previous file stays and the run stops with the reason.
+
+A written checkpoint is **healthy** when, in addition, the run's own history at that step
+shows no instability already under way (:class:`HealthTracker`):
+
+1. no exploding or non-finite episode of ``loss`` or ``gradient_norm`` is open, and no spike
+   outside lr warmup, in the trend detector fed with the logged values up to that step (the
+   same detector and thresholds as the live alerts and ``stabletrain report``);
+2. the loss and gradient norm of the step just before the checkpoint (read at the
+   checkpoint, not only at logged steps) are within ``trend_alerts.loss_explode_factor``
+   (4x) and ``trend_alerts.explode_factor`` (10x) of the median of the last
+   ``trend_alerts.window`` logged values;
+3. the L2 norm of the weights is below :data:`WEIGHT_GROWTH` (100x) times the one at the
+   start of the run.
+
+The verdict goes into the checkpoint as ``state["health"]``: ``healthy``, ``why`` (one
+sentence), ``problems``, the measured values and the references they were held against.
+Everything that recommends a checkpoint (the guard's and nancapture's errors, trend alerts,
+``stabletrain diagnose``, ``stabletrain report``) names
+:func:`stabletrain.checkpoint.newest_healthy`, which reads this entry back, so they all agree,
+and rotation (``max_checkpoints_to_keep``) never deletes it while newer checkpoints are
+unhealthy (see :mod:`stabletrain.checkpoint`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from statistics import median
+from typing import Any, Mapping, Optional
+
+import torch
+from torch import Tensor
+
+from stabletrain.config import TrendAlertArgs
+from stabletrain.debug.guard import finite_norms
+
+#: A weight norm this many times the one at the start of the run is a divergence, not learning.
+WEIGHT_GROWTH = 100.0
+
+
+# --------------------------------------------------------------------------------------
+# Finite or not: the device pass at every checkpoint
+# --------------------------------------------------------------------------------------
+
+
+def _floating(obj: Any) -> list[Tensor]:
+    if isinstance(obj, Tensor):
+        return [obj] if obj.is_floating_point() and obj.numel() else []
+    if isinstance(obj, Mapping):
+        return [t for v in obj.values() for t in _floating(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _floating(v)]
+    return []
+
+
+def verify_tensors(state: Mapping[str, Any], device: torch.device) -> Tensor:
+    """``[model_bad, optimizer_bad, scaler_bad, weight_norm]`` as a float64 device vector, no
+    host sync: each flag is 1 when that part holds a NaN/Inf (or values whose float32 norm
+    overflows); ``weight_norm`` is the L2 norm of the model's floating tensors."""
+    model = finite_norms(_floating(state.get("model", {})), device)
+    optimizer = finite_norms(_floating((state.get("optimizer") or {}).get("state", {})), device)
+    scaler = finite_norms(_floating(state.get("scaler") or {}), device)
+    flags = [~torch.isfinite(x) for x in (model, optimizer, scaler)]
+    return torch.stack([*(f.double() for f in flags), model.double()])
+
+
+def nonfinite_entries(state: Mapping[str, Any], param_names: Optional[list[str]] = None, limit: int = 8) -> list[str]:
+    """Which entries of a checkpoint state hold NaN/Inf (host reads: for the failure path)."""
+    found: list[str] = []
+    for name, t in (state.get("model") or {}).items():
+        if isinstance(t, Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            found.append(f"model {name}")
+    for index, entry in ((state.get("optimizer") or {}).get("state") or {}).items():
+        for key, t in entry.items():
+            if isinstance(t, Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                known = param_names and isinstance(index, int) and index < len(param_names)
+                who = param_names[index] if known else index  # type: ignore[index]
+                found.append(f"optimizer state {key} of {who}")
+    for key, t in (state.get("scaler") or {}).items():
+        if isinstance(t, (int, float)) and not math.isfinite(float(t)):
+            found.append(f"scaler {key}")
+    return found[:limit] + ([f"... ({len(found) - limit} more)"] if len(found) > limit else [])
+
+
+# --------------------------------------------------------------------------------------
+# Healthy or not: the run's own history
+# --------------------------------------------------------------------------------------
+
+
+class HealthTracker:
+    """Keeps the run's logged history and judges each checkpoint by it (host floats only).
+
+    Args:
+        settings: The trend thresholds (``trend_alerts``); defaults when None.
+        warmup_steps: lr warmup; spikes during it do not count.
+    """
+
+    def __init__(self, settings: Optional[TrendAlertArgs] = None, warmup_steps: int = 0):
+        from stabletrain.debug.trends import TrendDetector
+
+        self.args = settings or TrendAlertArgs()
+        self.detector = TrendDetector(self.args, warmup_steps=warmup_steps)
+        self.recent: dict[str, deque[float]] = {s: deque(maxlen=self.args.window) for s in ("loss", "gradient_norm")}
+        self.initial_weight_norm: Optional[float] = None
+
+    def observe(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Feed one logged step (``loss``, ``gradient_norm``)."""
+        self.detector.update(step, metrics)
+        for signal, values in self.recent.items():
+            v = metrics.get(signal)
+            if isinstance(v, (int, float)) and math.isfinite(v):
+                values.append(float(v))
+
+    def assess(
+        self, step: int, *, last_step: int, loss: float, gradient_norm: float, weight_norm: float
+    ) -> dict[str, Any]:
+        """The ``health`` entry of the checkpoint holding ``step`` completed steps.
+
+        Args:
+            step: Steps done (the checkpoint's ``step``).
+            last_step: The step whose ``loss`` and ``gradient_norm`` are given (``step - 1``).
+            loss, gradient_norm: That step's values, read at the checkpoint.
+            weight_norm: L2 norm of the model's floating tensors in the checkpoint.
+        """
+        if self.initial_weight_norm is None and math.isfinite(weight_norm):
+            self.initial_weight_norm = weight_norm
+        problems = []
+        for e in self.detector.open_episodes():
+            if e.kind in ("exploding", "nonfinite") or (e.kind == "spike" and not e.tolerated):
+                problems.append(f"{e.describe()} (still open at step {self.detector.last_step})")
+        reference: dict[str, Optional[float]] = {}
+        limits = {"loss": self.args.loss_explode_factor, "gradient_norm": self.args.explode_factor}
+        for signal, value in (("loss", loss), ("gradient_norm", gradient_norm)):
+            ref = median(self.recent[signal]) if self.recent[signal] else None
+            reference[signal] = ref
+            if last_step < 0 or math.isnan(value):
+                continue  # no step ran in this process yet: nothing to hold against
+            if not math.isfinite(value):
+                problems.append(f"{signal} at step {last_step} is {value}")
+            elif ref is not None and ref > 0 and value > limits[signal] * ref:
+                problems.append(f"{signal} at step {last_step} is {value:.3g}, {value / ref:.3g}x the median "
+                                f"{ref:.3g} of the last {len(self.recent[signal])} logged values "
+                                f"(limit {limits[signal]:g}x)")
+        start = self.initial_weight_norm
+        if start is not None and start > 0 and weight_norm > WEIGHT_GROWTH * start:
+            problems.append(f"the weight norm is {weight_norm:.3g}, {weight_norm / start:.3g}x its {start:.3g} at the "
+                            f"start of the run (limit {WEIGHT_GROWTH:g}x)")
+        healthy = not problems
+        if healthy:
+            parts = ["every tensor finite"]
+            if any(reference.values()) and last_step >= 0:
+                parts.append(f"loss {_f(loss)} and gradient_norm {_f(gradient_norm)} at step {last_step} within "
+                             f"{limits['loss']:g}x / {limits['gradient_norm']:g}x of the recent logged medians")
+            parts.append("no exploding or non-finite episode open")
+            why = "; ".join(parts)
+        else:
+            why = "; ".join(problems)
+        return {
+            "healthy": healthy,
+            "finite": True,
+            "why": why,
+            "problems": problems,
+            "step": int(step),
+            "last_step": int(last_step),
+            "loss": _jf(loss),
+            "gradient_norm": _jf(gradient_norm),
+            "weight_norm": _jf(weight_norm),
+            "initial_weight_norm": None if start is None else _jf(start),
+            "reference": {k: (None if v is None else _jf(v)) for k, v in reference.items()},
+        }
+
+
+def _f(x: float) -> str:
+    return f"{x:.4g}" if math.isfinite(x) else str(x)
+
+
+def _jf(x: float) -> Any:
+    return x if math.isfinite(x) else str(x)
+
+

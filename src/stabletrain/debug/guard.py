@@ -1,0 +1,494 @@
+"""The guard: decide on the device, every step, whether a step went non-finite.
+
+Two checks per optimizer step, both device operations only (no host synchronisation):
+
+* **before the optimizer step** (:meth:`StepGuard.check_gradients`): the step's losses and the
+  total gradient norm the trainer computes anyway are finite (a NaN or Inf in any gradient
+  makes the norm non-finite). Under fp16 loss scaling a step that the GradScaler skips for
+  overflowing gradients is expected, read from the scaler's own found-inf flags; only
+  ``max_skipped_steps`` skipped steps in a row, a non-finite loss, or finite gradients whose
+  float32 norm overflows (the scaler would apply them) are failures;
+* **after it** (:meth:`StepGuard.check_update`): the parameters and the optimizer state are
+  still finite. An optimizer can write Inf/NaN from finite gradients: AdamW in float16, where
+  eps=1e-8 rounds to 0 and the second moment of small gradients underflows to 0, divides by
+  0; an update of lr x step beyond the dtype's range overflows. One fused
+  ``torch._foreach_norm`` per device and dtype over parameters and state, whose total is
+  non-finite exactly when some element is (or when values beyond about 1e19 overflow its
+  float32 square, itself a failure worth stopping for).
+
+The verdict of both is kept on the device: the first bad step, what was bad, and the loss and
+gradient norm of that step. It reaches the host where the loop reads values anyway, without
+an extra synchronisation: :meth:`~StepGuard.pending` is stacked into the logged step's single
+read, into a checkpoint's verification read and into nancapture's per-step read (the trainer's
+``any_rank``), and :meth:`~StepGuard.absorb` takes the host values back. On the CPU, and on a
+GPU once an asynchronous copy of the verdict to pinned memory has landed,
+:meth:`~StepGuard.visible` reads it without waiting for the device, so a single process stops
+right at the failing step: before its optimizer step when the loss or gradients went bad.
+
+Only once a failure is known does the guard pay for names (host reads are fine then): which
+parameters and which optimizer state entries are non-finite, and why.
+
+In a plain PyTorch loop::
+
+    guard = StepGuard(model, optimizer)
+    for step, batch in enumerate(loader):
+        loss = model.training_step(batch)
+        loss.backward()
+        gn = compute_grad_norm(model.named_parameters())
+        guard.check_gradients(step, gn.total, losses=[loss])
+        guard.raise_if_failed(sync=False)      # free: stops here when the verdict is already on the host
+        optimizer.step()
+        guard.check_update(step)
+        optimizer.zero_grad()
+        if step % 10 == 0:
+            print(step, loss.item())
+            guard.raise_if_failed()            # one read, where you read values anyway
+    guard.raise_if_failed()                    # before saving anything
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from stabletrain.errors import StabletrainError
+
+__all__ = ["StepGuard", "GuardFailure", "NonFiniteStepError", "scaler_found_inf", "finite_norms"]
+
+#: Layout of the verdict vector (float64 on the device): the first bad step (-1: none), what was
+#: bad at it (0/1 each), its mean loss and gradient norm, the fp16 skipped steps in a row, and
+#: the last step before it whose loss and gradient norm were finite, with those values.
+_STEP, _LOSS, _GRAD, _SKIP, _PARAMS, _STATE, _LOSS_VALUE, _GN_VALUE, _SKIP_RUN, _PREV, _PREV_LOSS, _PREV_GN = range(12)
+_LEN = 12
+VERDICT_LEN = _LEN
+#: What can be non-finite, in the order of the flags above.
+WHAT = ("loss", "gradient_norm", "skipped_steps", "parameters", "optimizer_state")
+
+ORIGIN_GRADIENTS = "forward_backward"
+ORIGIN_OPTIMIZER = "optimizer_step"
+ORIGIN_SKIPPED = "skipped_steps"
+
+
+class NonFiniteStepError(StabletrainError):
+    """A step went non-finite and the guard stopped training; nothing damaged was saved.
+
+    Attributes:
+        step: The first step that went bad (numbered from 0).
+        rank: The process raising (every rank raises at the same point).
+        origin: ``"forward_backward"`` (non-finite loss or gradients, found before the
+            optimizer step), ``"optimizer_step"`` (finite gradients, but the optimizer wrote
+            non-finite parameters or state) or ``"skipped_steps"`` (fp16 loss scaling skipped
+            ``max_skipped_steps`` steps in a row).
+        nonfinite: What was non-finite: ``loss``, ``gradient_norm``, ``parameters``,
+            ``optimizer_state``, ``skipped_steps``.
+        param_names: Parameters holding NaN/Inf when training stopped.
+        state_entries: Optimizer state entries holding NaN/Inf, as ``"<param>: <entry>"``.
+        optimizer: The optimizer's class, e.g. ``torch.optim.AdamW``.
+        stopped_at: The step at which training stopped (the first bad step, or the next
+            point where the verdict could be read without slowing the steps in between).
+        capture_path: A capture of the failing optimizer step for ``stabletrain diagnose``
+            (written when ``debug_args.nancapture`` is on), else None.
+        checkpoint: The newest healthy checkpoint, when there is one.
+        command: A command to paste: continue from that checkpoint with nancapture on, or
+            start again.
+    """
+
+    def __init__(self, message: str, failure: "GuardFailure", *, capture_path: Any = None,
+                 checkpoint: Any = None, command: str = ""):
+        super().__init__(message)
+        self.failure = failure
+        self.step = failure.step
+        self.rank = failure.rank
+        self.origin = failure.origin
+        self.nonfinite = list(failure.nonfinite)
+        self.param_names = list(failure.param_names)
+        self.state_entries = list(failure.state_entries)
+        self.optimizer = failure.optimizer
+        self.stopped_at = failure.stopped_at
+        self.capture_path = capture_path
+        self.checkpoint = checkpoint
+        self.command = command
+
+    def __reduce__(self) -> Any:
+        return (_rebuild_error, (str(self), self.failure, self.capture_path, self.checkpoint, self.command))
+
+
+def _rebuild_error(
+    message: str, failure: "GuardFailure", capture: Any, checkpoint: Any, command: str
+) -> NonFiniteStepError:
+    return NonFiniteStepError(message, failure, capture_path=capture, checkpoint=checkpoint, command=command)
+
+
+@dataclass
+class GuardFailure:
+    """What the guard found, with the names it looked up once it knew (host values).
+
+    ``step`` is -1 on a rank that found nothing itself and stops because another rank did
+    (``other_rank_step`` then says which step that was).
+    """
+
+    step: int
+    rank: int
+    world_size: int
+    origin: str
+    nonfinite: list[str]
+    loss: float
+    gradient_norm: float
+    stopped_at: int
+    skipped_in_a_row: int = 0
+    param_names: list[str] = field(default_factory=list)
+    param_counts: dict[str, int] = field(default_factory=dict)
+    state_entries: list[str] = field(default_factory=list)
+    optimizer: str = ""
+    explanation: str = ""
+    gradients_elementwise_finite: Optional[bool] = None
+    other_rank_step: Optional[int] = None
+    previous_step: int = -1
+    previous_loss: float = math.nan
+    previous_gradient_norm: float = math.nan
+
+    def describe(self) -> str:
+        """One paragraph: what went non-finite, where, and what that means."""
+        where = f"step {self.step} (rank {self.rank} of {self.world_size})"
+        if self.step < 0:
+            return (f"Another rank found a non-finite value at step {self.other_rank_step}; rank {self.rank} "
+                    "stopped with it.")
+        if self.origin == ORIGIN_OPTIMIZER:
+            head = (f"The optimizer step of {where} wrote non-finite values from finite gradients "
+                    f"(loss {_fmt(self.loss)}, gradient norm {_fmt(self.gradient_norm)})")
+            parts = [head + "."]
+            if self.optimizer:
+                parts.append(f"Optimizer: {self.optimizer}.")
+            if self.param_names:
+                parts.append(f"Parameters with NaN/Inf: {_counted(self.param_names, self.param_counts)}.")
+            if self.state_entries:
+                parts.append(f"Optimizer state with NaN/Inf: {_short(self.state_entries)}.")
+            if self.explanation:
+                parts.append(self.explanation)
+            return " ".join(parts)
+        if self.origin == ORIGIN_SKIPPED:
+            return (f"fp16 loss scaling skipped {self.skipped_in_a_row} steps in a row up to {where} "
+                    "(debug_args.nancapture.max_skipped_steps): the loss scale cannot recover.")
+        what = []
+        if "loss" in self.nonfinite:
+            what.append(f"the loss is {_fmt(self.loss)}")
+        if "gradient_norm" in self.nonfinite:
+            if self.gradients_elementwise_finite:
+                what.append(f"the gradient norm is {_fmt(self.gradient_norm)}: every gradient element is finite, but "
+                            "so large that their float32 norm overflows")
+            else:
+                what.append(f"the gradient norm is {_fmt(self.gradient_norm)}")
+        if not what:
+            what.append("a value is non-finite")
+        text = f"Non-finite {' and '.join(n.replace('_', ' ') for n in self.nonfinite)} at {where}: {', '.join(what)}."
+        if self.param_names:
+            text += f" Gradients with NaN/Inf: {_counted(self.param_names, {})}."
+        return text
+
+
+def scaler_found_inf(scaler: Any, device: torch.device) -> Optional[Tensor]:
+    """A device bool: did the fp16 GradScaler find an Inf/NaN gradient (and so skip this step)?
+
+    Read from the flags ``scaler.unscale_(optimizer)`` leaves per device; None before the
+    gradients are un-scaled. No host synchronisation.
+    """
+    states = getattr(scaler, "_per_optimizer_states", None)
+    if not isinstance(states, dict):
+        return None
+    flags = [
+        f.reshape(()).to(device)
+        for state in states.values()
+        if getattr(state.get("stage"), "name", None) == "UNSCALED"
+        for f in state.get("found_inf_per_device", {}).values()
+    ]
+    if not flags:
+        return None
+    return torch.stack(flags).sum() > 0
+
+
+def finite_norms(tensors: Iterable[Tensor], device: torch.device) -> Tensor:
+    """L2 norm over all ``tensors`` as a float32 scalar on ``device``; non-finite exactly when
+    an element is, or when elements beyond ~1e19 overflow float32's square. One fused
+    ``torch._foreach_norm`` per (device, dtype), half types accumulated in float32."""
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = defaultdict(list)
+    for t in tensors:
+        if t.is_floating_point() and t.numel():
+            groups[(t.device, t.dtype)].append(t.detach())
+    if not groups:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    parts = []
+    for (_, dtype), ts in groups.items():
+        acc = torch.float32 if dtype in (torch.float16, torch.bfloat16) else None
+        norms = torch._foreach_norm(ts, 2, dtype=acc) if acc is not None else torch._foreach_norm(ts, 2)
+        parts.append(torch.linalg.vector_norm(torch.stack(norms).float()).to(device))
+    return torch.linalg.vector_norm(torch.stack(parts)) if len(parts) > 1 else parts[0]
+
+
+def optimizer_state_tensors(optimizer: Any) -> list[Tensor]:
+    """The floating tensors of an optimizer's per-parameter state (moments, buffers)."""
+    if optimizer is None:
+        return []
+    out = []
+    for st in optimizer.state.values():
+        for v in st.values():
+            if isinstance(v, Tensor) and v.is_floating_point() and v.numel():
+                out.append(v)
+    return out
+
+
+class StepGuard:
+    """Decides on the device whether each step is finite; usable in any PyTorch loop.
+
+    Args:
+        model: The module trained (its parameter names appear in errors).
+        optimizer: The optimizer, for the check after its step (state and parameters); None
+            checks the parameters only.
+        scaler: The fp16 ``torch.amp.GradScaler``, if any.
+        max_skipped_steps: With a scaler: this many skipped steps in a row are a failure.
+        rank: This process's rank (for messages).
+        world_size: Number of processes.
+        check_update: Check parameters and optimizer state after each optimizer step.
+
+    Example::
+
+        guard = StepGuard(model, optimizer)
+        ...
+        guard.check_gradients(step, grad_norm_total, losses=[loss])
+        optimizer.step()
+        guard.check_update(step)
+        guard.raise_if_failed(sync=False)
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: Any = None,
+        *,
+        scaler: Any = None,
+        max_skipped_steps: int = 10,
+        rank: int = 0,
+        world_size: int = 1,
+        check_update: bool = True,
+    ):
+        if max_skipped_steps < 1:
+            raise ValueError(f"max_skipped_steps must be >= 1, got {max_skipped_steps}")
+        self.model = model
+        self.optimizer = optimizer
+        self.scaler = scaler if (scaler is not None and getattr(scaler, "is_enabled", lambda: True)()) else None
+        self.max_skipped_steps = int(max_skipped_steps)
+        self.rank, self.world_size = int(rank), int(world_size)
+        self.do_check_update = check_update
+        self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self._state = self._fresh()
+        self._skip_run = torch.zeros((), dtype=torch.int64, device=self.device)
+        #: Steps the GradScaler skipped so far (device int64; fp16 loss scaling only).
+        self.skipped_total = torch.zeros((), dtype=torch.int64, device=self.device)
+        #: L2 norm of the parameters after the last checked optimizer step (device float32).
+        self.weight_norm = torch.full((), math.nan, dtype=torch.float32, device=self.device)
+        self._last_values = torch.full((3,), math.nan, dtype=torch.float64, device=self.device)
+        self._known: Optional[list[float]] = None
+        # A host mirror of the verdict, read as a NumPy array: plain host memory. On the CPU it is
+        # refreshed by a CPU copy (there is no device to wait for); on a GPU by an asynchronous
+        # copy into pinned memory, read only once its event says it landed.
+        self._event: Any = None
+        if self.device.type == "cuda":
+            self._mirror = torch.empty(_LEN, dtype=torch.float64, pin_memory=True)
+            self._event = torch.cuda.Event()
+        else:
+            self._mirror = torch.empty(_LEN, dtype=torch.float64)
+        self._host = self._mirror.numpy()  # a view of the same memory, taken once
+        self._mirror.copy_(self._state)
+
+    def _fresh(self) -> Tensor:
+        state = torch.zeros(_LEN, dtype=torch.float64, device=self.device)
+        state[_STEP] = state[_PREV] = -1
+        state[_PREV_LOSS] = state[_PREV_GN] = math.nan
+        return state
+
+    # ------------------------------------------------------------------ device checks
+
+    def check_gradients(self, step: int, grad_norm: Tensor, losses: Sequence[Tensor] = ()) -> None:
+        """Record whether this step's losses and gradient norm are finite (no host sync).
+
+        Call it once the gradients are final (after un-scaling under fp16) and before the
+        optimizer step.
+        """
+        gn = grad_norm.detach().reshape(()).float().to(self.device)
+        grad_bad = ~torch.isfinite(gn)
+        flags = torch.zeros(5, dtype=torch.bool, device=self.device)
+        if self.scaler is not None:
+            found = scaler_found_inf(self.scaler, self.device)
+            skipped = grad_bad if found is None else found
+            self._skip_run = torch.where(skipped, self._skip_run + 1, torch.zeros_like(self._skip_run))
+            self.skipped_total = self.skipped_total + skipped.long()
+            flags[2] = self._skip_run >= self.max_skipped_steps
+            # A non-finite norm the scaler did not skip: finite gradients whose norm overflows.
+            if found is not None:
+                flags[1] = grad_bad & ~skipped
+        else:
+            flags[1] = grad_bad
+        loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        if losses:
+            stacked = torch.stack([x.detach().reshape(()).float().to(self.device) for x in losses])
+            flags[0] = ~torch.isfinite(stacked).all()
+            loss = stacked.mean()
+        self._record(step, flags, loss, gn)
+
+    def check_update(self, step: int) -> None:
+        """Record whether the parameters and the optimizer state are finite after the
+        optimizer step of ``step`` (no host sync)."""
+        if not self.do_check_update:
+            return
+        params = finite_norms(self.model.parameters(), self.device)
+        self.weight_norm = params
+        flags = torch.zeros(5, dtype=torch.bool, device=self.device)
+        flags[3] = ~torch.isfinite(params)
+        state = optimizer_state_tensors(self.optimizer)
+        if state:
+            flags[4] = ~torch.isfinite(finite_norms(state, self.device))
+        nan = torch.full((), math.nan, dtype=torch.float32, device=self.device)
+        self._record(step, flags, nan, nan, keep_values=True)
+
+    def _record(self, step: int, flags: Tensor, loss: Tensor, gn: Tensor, keep_values: bool = False) -> None:
+        state = self._state
+        ok_before = state[_STEP] < 0
+        new = flags.any() & ok_before
+        step_t = torch.full((1,), float(step), dtype=torch.float64, device=self.device)
+        values = torch.cat([loss.double().reshape(1), gn.double().reshape(1), self._skip_run.double().reshape(1)])
+        if keep_values:  # the optimizer-step check: the step's loss and norm were recorded before it
+            values = self._last_values
+        else:
+            self._last_values = values
+        candidate = torch.cat([step_t, flags.double(), values, state[_PREV:]])
+        updated = torch.where(new, candidate, state)
+        if not keep_values:  # remember the last step whose loss and gradient norm were finite
+            good = ok_before & ~new & torch.isfinite(loss) & torch.isfinite(gn)
+            prev = torch.cat([step_t, loss.double().reshape(1), gn.double().reshape(1)])
+            updated = torch.cat([updated[:_PREV], torch.where(good, prev, updated[_PREV:])])
+        self._state = updated
+        self._publish()
+
+    def _publish(self) -> None:
+        """Refresh the host mirror: a CPU copy on the CPU; on a GPU an asynchronous copy into
+        pinned memory, started only when the previous one has landed (its buffer is free)."""
+        if self._event is None:
+            if self.device.type == "cpu":
+                self._mirror.copy_(self._state)
+            return
+        if self._event.query():
+            self._mirror.copy_(self._state, non_blocking=True)
+            self._event.record()
+
+    # ------------------------------------------------------------------ reading the verdict
+
+    def pending(self) -> Tensor:
+        """The verdict as a device vector, to stack into a read the loop does anyway."""
+        return self._state
+
+    def absorb(self, host: Sequence[float]) -> None:
+        """Take back the host values of :meth:`pending` read with something else."""
+        self._known = [float(v) for v in host]
+
+    def visible(self) -> Optional[list[float]]:
+        """The verdict if the host can have it without waiting for the device: always on the
+        CPU; on a GPU once the last asynchronous copy has landed."""
+        if self._known is not None and self._known[_STEP] >= 0:
+            return self._known
+        if self.device.type == "cpu" or (self._event is not None and self._event.query()):
+            return [float(v) for v in self._host]  # host memory, already filled
+        return None
+
+    def read(self) -> list[float]:
+        """The verdict, waiting for the device (one host synchronisation)."""
+        self._known = self._state.tolist()
+        return self._known
+
+    def failed(self, sync: bool = True) -> bool:
+        """Whether a step went bad (``sync=False``: only if known without waiting)."""
+        host = self.read() if sync else self.visible()
+        return host is not None and host[_STEP] >= 0
+
+    def raise_if_failed(self, sync: bool = True, stopped_at: Optional[int] = None) -> None:
+        """Raise :class:`NonFiniteStepError` if a step went bad.
+
+        Args:
+            sync: Read the verdict (one host sync); False only uses what is already known.
+            stopped_at: The step at which the loop stops, for the message.
+        """
+        host = self.read() if sync else self.visible()
+        if host is None or host[_STEP] < 0:
+            return
+        failure = self.failure(host, stopped_at=stopped_at)
+        raise NonFiniteStepError(failure.describe() + "\n" + next_steps_text(failure), failure)
+
+    # ------------------------------------------------------------------ the failure path
+
+    def failure(self, host: Sequence[float], stopped_at: Optional[int] = None,
+                other_rank_step: Optional[int] = None) -> GuardFailure:
+        """The :class:`GuardFailure` of verdict ``host``, with names looked up (host reads)."""
+        step = int(host[_STEP])
+        flags = [bool(host[i]) for i in (_LOSS, _GRAD, _SKIP, _PARAMS, _STATE)]
+        nonfinite = [w for w, f in zip(WHAT, flags) if f]
+        if step < 0:
+            origin = ORIGIN_GRADIENTS
+        elif flags[3] or flags[4]:
+            origin = ORIGIN_OPTIMIZER if not (flags[0] or flags[1]) else ORIGIN_GRADIENTS
+        elif flags[2]:
+            origin = ORIGIN_SKIPPED
+        else:
+            origin = ORIGIN_GRADIENTS
+        failure = GuardFailure(
+            step=step, rank=self.rank, world_size=self.world_size, origin=origin, nonfinite=nonfinite,
+            loss=host[_LOSS_VALUE], gradient_norm=host[_GN_VALUE],
+            stopped_at=step if stopped_at is None else stopped_at, skipped_in_a_row=int(host[_SKIP_RUN]),
+            other_rank_step=other_rank_step, previous_step=int(host[_PREV]), previous_loss=host[_PREV_LOSS],
+            previous_gradient_norm=host[_PREV_GN],
+        )
+        if step < 0:
+            return failure
+        if origin == ORIGIN_OPTIMIZER:
+            from stabletrain.debug.optimizer_damage import describe_optimizer_damage
+
+            describe_optimizer_damage(failure, self.model, self.optimizer)
+        elif "gradient_norm" in nonfinite:
+            bad = [n for n, p in self.model.named_parameters()
+                   if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+            have_grads = any(p.grad is not None for p in self.model.parameters())
+            if have_grads and failure.stopped_at == step:
+                failure.param_names = bad
+                failure.gradients_elementwise_finite = not bad
+        return failure
+
+
+# --------------------------------------------------------------------------------------
+# Names and reasons, on the failure path
+# --------------------------------------------------------------------------------------
+
+
+def next_steps_text(failure: GuardFailure) -> str:
+    """The plain-loop advice (the trainer adds checkpoints and pasteable commands)."""
+    if failure.origin == ORIGIN_OPTIMIZER:
+        return ("Next: fix the optimizer step (see above); restart from weights saved before this step. "
+                "stabletrain diagnose replays the step offline from a capture (debug_args.nancapture in the trainer).")
+    return ("Next: turn on debug_args.nancapture.enabled=true (or NaNCaptureMonitor in a plain loop) for a capture "
+            "of that step, then stabletrain diagnose on it.")
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.4g}" if math.isfinite(x) else str(x)
+
+
+def _short(items: Sequence[str], limit: int = 6) -> str:
+    shown = ", ".join(items[:limit])
+    return shown + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
+
+
+def _counted(names: Sequence[str], counts: dict[str, int], limit: int = 6) -> str:
+    text = ", ".join(f"{n} ({counts[n]:,})" if n in counts else n for n in names[:limit])
+    return f"{len(names)}: " + text + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+

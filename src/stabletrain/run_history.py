@@ -1,0 +1,63 @@
+"""A run's metrics.jsonl as one timeline, across resumes.
+
+A resumed run appends to ``metrics.jsonl``: the steps it redoes are logged again, after a
+``{"event": "resume", "step": N}`` row. Read in order, that event means the rows already
+written for steps N and later belong to an abandoned timeline: the later rows win, and rows of
+the abandoned timeline that the resumed run did not log again are dropped too (a run resumed
+from an older checkpoint with ``resume_from`` may log at other steps), and so are the events
+of those steps (alerts, the guard's stop), kept apart as ``abandoned_events``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class RunHistory:
+    """``rows``: one metric row per step, in step order; ``events``: the event rows of the same
+    timeline, in file order (those of abandoned steps are in ``abandoned_events``); ``resumes``:
+    the steps runs resumed at, in file order."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    resumes: list[int] = field(default_factory=list)
+    abandoned_events: list[dict[str, Any]] = field(default_factory=list)
+
+
+def read_run(path: str | Path) -> RunHistory:
+    """Read ``metrics.jsonl`` with resume semantics (see the module docstring). A line cut
+    short by a crash is skipped."""
+    by_step: dict[int, dict[str, Any]] = {}
+    history = RunHistory()
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if not isinstance(obj, dict):
+                continue
+            if "event" in obj:
+                history.events.append(obj)
+                if obj.get("event") == "resume" and isinstance(obj.get("step"), int):
+                    start = obj["step"]
+                    history.resumes.append(start)
+                    for step in [s for s in by_step if s >= start]:
+                        del by_step[step]
+                    kept = []
+                    for ev in history.events[:-1]:
+                        later = isinstance(ev.get("step"), int) and ev["step"] >= start and ev.get("event") != "resume"
+                        (history.abandoned_events if later else kept).append(ev)
+                    history.events = kept + [obj]
+                continue
+            if isinstance(obj.get("step"), int):
+                by_step[obj["step"]] = obj
+    history.rows = [by_step[s] for s in sorted(by_step)]
+    return history

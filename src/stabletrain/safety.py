@@ -1,0 +1,275 @@
+"""The trainer's safety net: the guard, checkpoint verification and health, stop signals.
+
+:class:`SafetyNet` is what makes "never lose the run" hold in the trainer:
+
+* the guard (:mod:`stabletrain.debug.guard`) checks every step on the device; its verdict is
+  read with the reads the loop does anyway (logged steps, checkpoints, nancapture's per-step
+  ``any_rank``), and for free where the host already has it (the CPU; a GPU once its
+  asynchronous copy has landed), at the end of every step and, in one process, before the
+  optimizer step;
+* every checkpoint is verified finite on the device before it is written (one fused pass and
+  the checkpoint's one host read) and records its health (:mod:`stabletrain.checkpoint_health`);
+* SIGINT/SIGTERM (:mod:`stabletrain.signals`) finish the step, write a checkpoint and exit
+  130/143; under DDP the ranks agree at the end of every step (one 24-byte gloo all-reduce of
+  host tensors, no GPU synchronisation).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from stabletrain.checkpoint import CheckpointError, checkpoint_dir
+from stabletrain.checkpoint_health import HealthTracker, nonfinite_entries, verify_tensors
+from stabletrain.debug.guard import ORIGIN_OPTIMIZER, VERDICT_LEN, NonFiniteStepError, StepGuard
+from stabletrain.signals import StopSignals
+
+_NO_STEP = -1e18
+_GUARD_LEN = VERDICT_LEN
+
+
+class NonFiniteCheckpointError(CheckpointError):
+    """A checkpoint was not written because the state holds NaN/Inf; the previous file stays.
+
+    Attributes:
+        step: Steps done in the refused state.
+        entries: What is non-finite (``model <name>``, ``optimizer state <key> of <param>``, ...).
+    """
+
+    def __init__(self, message: str, step: int, entries: list[str]):
+        super().__init__(message)
+        self.step = step
+        self.entries = list(entries)
+
+    def __reduce__(self) -> Any:
+        return (type(self), (str(self), self.step, self.entries))
+
+
+class SafetyNet:
+    """Owned by a :class:`~stabletrain.trainer.Trainer`; see the module docstring."""
+
+    def __init__(self, trainer: Any):
+        self.trainer = trainer
+        s = trainer.settings
+        self.guard: Optional[StepGuard] = None
+        if s.guard.enabled:
+            self.guard = StepGuard(
+                trainer.model, trainer.optimizer, scaler=trainer.scaler,
+                max_skipped_steps=s.debug_args.nancapture.max_skipped_steps,
+                rank=trainer.rank, world_size=trainer.world_size,
+            )
+        self.health = HealthTracker(s.trend_alerts, warmup_steps=s.model_args.warmup_steps)
+        self.signals = StopSignals()
+        self.interrupted: Optional[str] = None
+        self._group: Any = None
+        self._agree = np.zeros(3, dtype=np.int64)
+        self._agree_t = torch.from_numpy(self._agree)
+        self._last: Optional[tuple[list[Tensor], Tensor]] = None
+        self.replaying = False
+        #: The state training started from, kept on the CPU only with nancapture on in a fresh
+        #: run (one copy of the weights), so that an optimizer-step failure before the first
+        #: checkpoint can be re-run and captured.
+        self.start_state: Optional[dict[str, Any]] = None
+
+    # ------------------------------------------------------------------ setup
+
+    def start(self) -> None:
+        t = self.trainer
+        if t.world_size > 1:
+            import torch.distributed as dist
+
+            self._group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        if t.settings.debug_args.nancapture.enabled and t.step == 0:
+            self.start_state = t.checkpoint_state(on_cpu=True)
+        if self.health.initial_weight_norm is None:  # one read, before the first step
+            self.health.initial_weight_norm = float(verify_tensors({"model": t.model.state_dict()}, t.fabric.device)[3])
+        self.signals.install()
+
+    def close(self) -> None:
+        self.signals.restore()
+
+    # ------------------------------------------------------------------ every step
+
+    def check_gradients(self, step: int, losses: list[Tensor], grad_norm: Tensor) -> None:
+        self._last = (losses, grad_norm)
+        if self.guard is None or self.replaying:
+            return
+        self.guard.check_gradients(step, grad_norm, losses)
+        if self.trainer.world_size == 1:
+            host = self.guard.visible()  # free: already on the host, or None
+            if host is not None and host[0] >= 0:
+                self.fail(host, stopped_at=step)
+
+    def check_update(self, step: int) -> None:
+        if self.guard is not None and not self.replaying:
+            self.guard.check_update(step)
+
+    def end_of_step(self) -> None:
+        """After each step: stop on a signal, or on a guard verdict the host already has;
+        under DDP the ranks agree first (one host all-reduce)."""
+        t = self.trainer
+        host = self.guard.visible() if self.guard is not None else None
+        bad_step = int(host[0]) if host is not None and host[0] >= 0 else None
+        signal_flag = self.signals.received is not None
+        other_step = None
+        if t.world_size > 1:
+            import torch.distributed as dist
+
+            # A host tensor over NumPy memory: the ranks exchange 24 bytes, nothing waits for a GPU.
+            self._agree[:] = (int(signal_flag), int(bad_step is not None),
+                              -(bad_step if bad_step is not None else 2**62))
+            dist.all_reduce(self._agree_t, op=dist.ReduceOp.MAX, group=self._group)
+            signal_flag, any_bad, neg = (int(x) for x in self._agree)
+            if any_bad and bad_step is None:
+                host = self.guard.read()  # type: ignore[union-attr]  # the failure path may wait
+                other_step = -neg
+            elif any_bad:
+                other_step = -neg
+        if (host is not None and host[0] >= 0) or other_step is not None:
+            self.fail(host, stopped_at=t.step - 1, other_step=other_step)  # type: ignore[arg-type]
+        if signal_flag and self.interrupted is None:
+            self.interrupted = self.signals.received or "SIGTERM"  # another rank's signal: stop with it
+            t.request_stop(f"{self.interrupted} received")
+
+    # ------------------------------------------------------------------ sync points
+
+    def verdict_terms(self) -> Optional[Tensor]:
+        """The guard's verdict to stack into a read (float64, device), agreed over ranks."""
+        if self.guard is None or self.replaying:
+            return None
+        state = self.guard.pending()
+        if self.trainer.world_size == 1:
+            return state
+        bad = state[0] >= 0
+        enc = torch.stack([bad.double(), torch.where(bad, -state[0], torch.full_like(state[0], _NO_STEP))])
+        enc = self.trainer.fabric.all_reduce(enc.clone(), reduce_op="max")
+        return torch.cat([state, enc.to(state.device)])
+
+    def absorb(self, host: list[float], stopped_at: int) -> None:
+        """Take the verdict's host values from a read; stop if a step went bad on any rank."""
+        if self.guard is None or not host:
+            return
+        local = host[:_GUARD_LEN]
+        self.guard.absorb(local)
+        if self.trainer.world_size == 1:
+            if local[0] >= 0:
+                self.fail(local, stopped_at)
+            return
+        if host[_GUARD_LEN] > 0:
+            self.fail(local, stopped_at, other_step=int(-host[_GUARD_LEN + 1]))
+
+    def any_rank(self, flag: Any) -> bool:
+        """``flag`` on any rank, with the guard's "failed" folded into the same scalar (2):
+        nancapture's one read per step carries the guard's verdict too."""
+        t = self.trainer
+        value = torch.as_tensor(flag, dtype=torch.float32, device=t.fabric.device).reshape(()).clone()
+        if self.guard is not None and not self.replaying:
+            value = torch.maximum(value, 2.0 * (self.guard.pending()[0] >= 0).float().to(value.device))
+        if t.world_size > 1:
+            value = t.fabric.all_reduce(value, reduce_op="max")
+        read = float(value)  # the one host read
+        if read >= 2:
+            host = self.guard.read()  # type: ignore[union-attr]  # failure path
+            other = None
+            if t.world_size > 1:
+                terms = self.verdict_terms()
+                other = int(-terms.tolist()[_GUARD_LEN + 1]) if terms is not None else None
+            self.fail(host, stopped_at=t.step, other_step=other)
+        return read > 0
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def verify(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Verify ``state`` finite on the device and judge its health (one host read, with the
+        guard's verdict). Returns the ``health`` entry; raises when it must not be written."""
+        t = self.trainer
+        device = t.fabric.device
+        flags = verify_tensors(state, device)
+        if self._last is not None and self._last[0]:
+            losses, gn = self._last
+            loss = torch.stack([x.reshape(()).float().to(device) for x in losses]).mean()
+            gn = gn.reshape(()).float().to(device)
+        else:
+            loss = gn = torch.full((), math.nan, device=device)
+        if t.world_size > 1:
+            flags = t.fabric.all_reduce(flags.clone(), reduce_op="max")
+            loss = t.fabric.all_reduce(loss.clone(), reduce_op="mean")
+        parts = [flags, loss.double().reshape(1), gn.double().reshape(1)]
+        terms = self.verdict_terms()
+        if terms is not None:
+            parts.append(terms.to(device))
+        host = torch.cat(parts).tolist()  # the checkpoint's one host read
+        self.absorb(host[6:], stopped_at=t.step - 1)
+        scaler_bad = any(isinstance(v, float) and not math.isfinite(v) for v in (state.get("scaler") or {}).values())
+        if any(host[:3]) or scaler_bad:
+            self._refuse(state)
+        last_step = t.step - 1 if self._last is not None else -1
+        return self.health.assess(int(state["step"]), last_step=last_step, loss=host[4], gradient_norm=host[5],
+                                  weight_norm=host[3])
+
+    def _refuse(self, state: dict[str, Any]) -> None:
+        from stabletrain.stop_messages import resume_advice
+
+        t = self.trainer
+        names = [n for n, _ in t.model.named_parameters()]
+        entries = nonfinite_entries(state, names)
+        advice, _, _ = resume_advice(t, t.step)
+        kept = checkpoint_dir(t.out) / "last.ckpt"
+        message = (
+            f"Refused to write the checkpoint after step {t.step - 1}: the state holds NaN/Inf in "
+            f"{', '.join(entries) or 'a tensor'}. The previous checkpoint stays "
+            f"({kept if kept.exists() else 'none yet'}); "
+            f"training stopped. {advice}"
+        )
+        if self.guard is None:
+            message += " The guard is off (guard.enabled=false): turn it on to stop at the step that went bad."
+        t.log_event({"event": "checkpoint_refused", "step": t.step, "nonfinite": entries})
+        raise NonFiniteCheckpointError(message, t.step, entries)
+
+    # ------------------------------------------------------------------ failing
+
+    def _log_failure_rows(self, failure: Any) -> None:
+        """Rows for the last finite step and the failing step, when not logged already, so that
+        metrics.jsonl, the report and its plots show how the run ended."""
+        t = self.trainer
+        last_logged = getattr(t, "_steps_at_last_log", t.step) - 1
+        base = t.optimizer.param_groups[0].get("base_lr", t.settings.model_args.lr)
+        for step, loss, gn in ((failure.previous_step, failure.previous_loss, failure.previous_gradient_norm),
+                               (failure.step, failure.loss, failure.gradient_norm)):
+            if step < 0 or step <= last_logged:
+                continue
+            row = {"loss": loss, "gradient_norm": gn, "lr": base * t.lr_factor(step),
+                   "samples": (step + 1) * t.settings.batch_size}
+            if t.is_rank_zero:
+                for logger in t.loggers:
+                    logger.log_metrics(row, step)
+            last_logged = step
+
+    def fail(self, host: Optional[list[float]], stopped_at: int, other_step: Optional[int] = None) -> None:
+        """Raise the guard's error (every rank does, at the same point)."""
+        from stabletrain.stop_messages import guard_message
+
+        assert self.guard is not None
+        t = self.trainer
+        if host is None:
+            host = self.guard.read()
+        failure = self.guard.failure(host, stopped_at=stopped_at, other_rank_step=other_step if host[0] < 0 else None)
+        capture: Optional[Path] = None
+        if failure.origin == ORIGIN_OPTIMIZER and failure.step >= 0 and t.settings.debug_args.nancapture.enabled:
+            from stabletrain.debug.optimizer_step import capture_optimizer_step
+
+            capture = capture_optimizer_step(t, failure)
+        message, best, command = guard_message(t, failure, capture)
+        self._log_failure_rows(failure)
+        t.log_event({
+            "event": "nonfinite_step", "step": failure.step if failure.step >= 0 else failure.other_rank_step,
+            "origin": failure.origin, "nonfinite": failure.nonfinite, "stopped_at": failure.stopped_at,
+            "param_names": failure.param_names[:20], "state_entries": failure.state_entries[:20],
+        })
+        raise NonFiniteStepError(message, failure, capture_path=capture,
+                                 checkpoint=None if best is None else best.path, command=command)

@@ -1,0 +1,161 @@
+"""Checkpoint health: measured when written, recorded in the file, named the same by every
+message, diagnose and report; rotation keeps the newest healthy one; resume_from."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import stabletrain
+from stabletrain import NaNDetectedError
+from stabletrain.checkpoint import load_checkpoint
+from stabletrain.checkpoint import list_checkpoints, newest_healthy
+from stabletrain.errors import ConfigError
+from stabletrain.loggers.jsonl import read_metrics
+from stabletrain.safety import NonFiniteCheckpointError
+from stabletrain.trainer import train
+
+from conftest import LinearData, tiny_lm
+
+# SGD at lr 3 after a 10-step warmup: healthy up to step 4, exploding from step 5, NaN at step 17.
+DIVERGING = tiny_lm(steps=40, checkpoint_every_num_steps=2, max_checkpoints_to_keep=1,
+                    model_args={"optimizer": "sgd", "lr": 3.0, "warmup_steps": 10})
+
+
+@pytest.fixture(scope="module")
+def diverged(tmp_path_factory):
+    out = tmp_path_factory.mktemp("health") / "diverged"
+    with pytest.raises(NaNDetectedError) as info:
+        train(out=out, debug_args={"nancapture": {"enabled": True}}, **DIVERGING)
+    return out, info.value
+
+
+def test_a_diverging_run_names_one_healthy_checkpoint_everywhere_and_rotation_kept_it(diverged):
+    out, err = diverged
+    folder = out / "checkpoints"
+    best = newest_healthy(folder)
+    assert best is not None and best.step == 4 and best.path == folder / "step_000004.ckpt"
+    # Rotation (max_checkpoints_to_keep=1) kept it, besides the newest periodic file and last.ckpt.
+    names = sorted(p.name for p in folder.iterdir())
+    assert names == ["last.ckpt", "step_000004.ckpt", f"step_{err.step // 2 * 2:06d}.ckpt"]
+    infos = list_checkpoints(folder)
+    assert [(c.step, c.healthy) for c in infos] == [(4, True), (err.step // 2 * 2, False)]
+    health = load_checkpoint(folder / "step_000004.ckpt")["health"]
+    assert health["healthy"] and health["finite"] and "no exploding or non-finite episode open" in health["why"]
+    unhealthy = infos[-1].health
+    assert any("exploding" in p for p in unhealthy["problems"]), unhealthy["problems"]
+
+    # nancapture's error, diagnose and report name the same checkpoint, and say why.
+    assert f"The newest healthy checkpoint is {best.path}, from before step 4: {best.why}." in str(err)
+    assert f"resume_from={best.path}" in str(err)
+    d = stabletrain.diagnose(err.capture_path, write=False)
+    assert d.weights.healthy_checkpoint == str(best.path)
+    assert f"resume_from={best.path}" in d.next_actions[0] and best.why in d.next_actions[0]
+    _, events = read_metrics(out / "metrics.jsonl")
+    alerts = [e for e in events if e["event"] == "trend_alert" and e["kind"] == "exploding"]
+    assert alerts and all(f"go back to the newest healthy checkpoint (step 4: {best.why}): resume_from={best.path}"
+                          in e["actions"] for e in alerts), "the live alerts name it too"
+    r = stabletrain.report(out, quiet=True)
+    assert f"newest healthy checkpoint: {best.path} (step 4: {best.why})" in r.text
+    assert f"resume_from={best.path}" in r.text
+    assert r.verdict == "non-finite"
+
+
+def test_resume_from_the_healthy_checkpoint_continues_and_the_loss_recovers(diverged, tmp_path):
+    out, err = diverged
+    best = newest_healthy(out / "checkpoints")
+    settings = {**DIVERGING, "model_args": {**DIVERGING["model_args"], "lr": 0.3}}
+    result = train(out=out, resume_from=best.path, **settings)
+    assert result.steps_done == 40
+    history = stabletrain.report(out, quiet=True)
+    rows, events = read_metrics(out / "metrics.jsonl")
+    assert [(e["event"], e["step"]) for e in events if e["event"] == "resume"] == [("resume", 4)]
+    resumed = rows[-36:]
+    assert [r["step"] for r in resumed] == list(range(4, 40))
+    assert all(math.isfinite(r["loss"]) for r in resumed)
+    assert resumed[0]["loss"] == next(r["loss"] for r in rows if r["step"] == 4), "bitwise the state of step 4"
+    assert resumed[-1]["loss"] < resumed[0]["loss"], "the loss recovers"
+    # The report reads one timeline: the resumed rows and events replace the diverged ones.
+    assert history.verdict not in ("non-finite", "exploding"), history.text
+    assert "(steps 0-39, 40 logged points (every step))" in history.text
+    assert "Resumed from step 4" in (out / "train.log").read_text()
+
+
+def test_rotation_keeps_the_newest_healthy_checkpoint_even_with_keep_0(tmp_path):
+    out = tmp_path / "keep0"
+    with pytest.raises(stabletrain.StabletrainError):
+        train(out=out, **{**DIVERGING, "max_checkpoints_to_keep": 0})
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert names == ["last.ckpt", "step_000004.ckpt"], "last.ckpt's healthy state got its name before being replaced"
+    assert newest_healthy(out / "checkpoints").path.name == "step_000004.ckpt"
+    assert load_checkpoint(out / "checkpoints" / "step_000004.ckpt")["health"]["healthy"]
+
+
+def test_a_checkpoint_with_a_nonfinite_buffer_is_refused_and_the_previous_one_stays(tmp_path):
+    from torch import nn
+
+    class WithBuffer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.fc = nn.Linear(4, 1)
+            self.register_buffer("seen", torch.zeros(1))
+
+        def training_step(self, batch):
+            return nn.functional.mse_loss(self.fc(batch["x"]), batch["y"])
+
+    class Damage:
+        def on_after_optimizer_step(self, trainer, *, step):
+            if step == 2:
+                trainer.model.seen.fill_(math.inf)
+
+    out = tmp_path / "run"
+    with pytest.raises(NonFiniteCheckpointError) as info:
+        train(out=out, model=WithBuffer(), data=LinearData(), callbacks=[Damage()], steps=6, batch_size=16,
+              checkpoint_every_num_steps=2, model_args={"warmup_steps": 0})
+    assert info.value.step == 4 and info.value.entries == ["model seen"]
+    assert "Refused to write the checkpoint after step 3: the state holds NaN/Inf in model seen" in str(info.value)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["last.ckpt", "step_000002.ckpt"]
+    assert load_checkpoint(out / "checkpoints" / "last.ckpt")["step"] == 2
+    assert "ERROR NonFiniteCheckpointError" in (out / "train.log").read_text()
+
+
+def test_resume_refuses_a_checkpoint_holding_nan_and_names_the_healthy_one(tmp_path):
+    out = tmp_path / "run"
+    train(out=out, **tiny_lm(steps=4, checkpoint_every_num_steps=2))
+    # A checkpoint damaged outside stabletrain (or written by an older version).
+    last = out / "checkpoints" / "last.ckpt"
+    state = torch.load(last, weights_only=True)
+    state["model"]["head.weight"][0, 0] = math.nan
+    torch.save(state, last)
+    with pytest.raises(ConfigError) as info:
+        train(out=out, resume_interrupted=True, **tiny_lm(steps=6, checkpoint_every_num_steps=2))
+    text = str(info.value)
+    assert f"resume_interrupted: {last} holds NaN/Inf (model head.weight)" in text
+    assert f"continue from resume_from={out / 'checkpoints' / 'step_000002.ckpt'} (step 2, healthy)" in text
+    result = train(out=out, resume_from=out / "checkpoints" / "step_000002.ckpt", **tiny_lm(steps=6))
+    assert result.steps_done == 6
+
+
+def test_resume_from_mistakes_are_config_errors(tmp_path):
+    out = tmp_path / "run"
+    train(out=out, **tiny_lm(steps=2))
+    with pytest.raises(ConfigError, match="resume_from: no checkpoint file at"):
+        train(out=out, resume_from=out / "checkpoints" / "step_000099.ckpt", **tiny_lm(steps=4))
+    with pytest.raises(ConfigError, match="resume_from: given together with resume_interrupted=true; use one"):
+        train(out=out, resume_from=out / "checkpoints" / "last.ckpt", resume_interrupted=True, **tiny_lm(steps=4))
+    with pytest.raises(ConfigError, match="the checkpoint already holds 2 steps"):
+        train(out=out, resume_from=out / "checkpoints" / "last.ckpt", **tiny_lm(steps=2))
+
+
+def test_resume_without_a_checkpoint_advises_overwrite(tmp_path):
+    """No circular advice: a run stopped before its first checkpoint is started again."""
+    out = tmp_path / "run"
+    (out).mkdir()
+    (out / "metrics.jsonl").write_text("")
+    with pytest.raises(ConfigError) as info:
+        train(out=out, resume_interrupted=True, **tiny_lm(steps=2))
+    assert "the run stopped before its first checkpoint; start again with overwrite=true" in str(info.value)
+    assert train(out=out, overwrite=True, **tiny_lm(steps=2)).steps_done == 2
