@@ -25,7 +25,10 @@ def test_page_shows_its_example_file_verbatim(page, example):
     assert not re.search(r"OVERHEAD_[A-Z]+", text), "the overhead figures are filled in"
 
 
-def test_readme_opening_links_the_three_pages():
-    opening = (ROOT / "README.md").read_text().split("```", 1)[0]
+def test_readme_links_the_three_pages_where_it_lists_the_tools():
+    """In the paragraph on using each tool on its own, near the top (not only in the docs index)."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("Each debugging tool also works on its own")
+    paragraph = text[start:].split("\n\n", 1)[0]
     for page in PAGES:
-        assert f"(docs/integrations/{page})" in opening
+        assert f"(docs/integrations/{page})" in paragraph
