@@ -87,6 +87,12 @@ def test_nancapture_names_step_and_sample_replays_and_diagnoses(tmp_path):
     assert d.cause == "deterministic_numerical"
     assert (d.finding.module, d.finding.phase) == ("distance", "backward")
     assert d.data.microbatches == [(0, 1)] and d.data.rows == [1]
+    # And on the command line, with the same --model as the replay command.
+    cli = run_command(err.replay_command.replace("stabletrain replay ", "stabletrain diagnose ", 1), cwd=Path.cwd())
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    assert "**Verdict: deterministic numerical**" in cli.stdout
+    assert "in distance (PairDistance), backward pass" in cli.stdout and "rows [1]" in cli.stdout
+    assert (err.capture_path.parent / "diagnosis.json").is_file()
 
 
 def test_partial_accumulation_at_epoch_end_counts_micro_steps_apart(tmp_path):

@@ -73,6 +73,15 @@ def test_causal_lm_capture_replays_from_config_and_diagnose_names_module_and_sam
     assert d.cause == "deterministic_numerical"
     assert (d.finding.module, d.finding.phase) == ("transformer.h.0.ln_1", "forward")
     assert d.data.microbatches == [(0, 1)] and d.data.rows == [1]
+    # The planted 1e30 row: damaged before the step. The next actions name the Trainer's settings
+    # (max_grad_norm=0.5 clips already), not stabletrain train's (model_args.lr, overwrite=true).
+    assert d.next_actions[0] == (
+        "Resume from a checkpoint written before the weights went bad "
+        "(trainer.train(resume_from_checkpoint=<last healthy checkpoint>)) "
+        "with a 10x lower learning rate (TrainingArguments(learning_rate=...), now 0.001).")
+    assert d.next_actions[1] == ("Keep single steps from blowing the weights up: "
+                                 "a lower TrainingArguments(max_grad_norm=...).")
+    assert not any(word in " ".join(d.next_actions) for word in ("model_args", "overwrite=", "gradient_clip_val"))
 
 
 def test_gradient_norm_equals_the_trainers_grad_norm_pre_clip(tmp_path):

@@ -54,6 +54,7 @@ from stabletrain import (
     layer_grad_norms,
 )
 from stabletrain.config import DebugArgs, TrendAlertArgs
+from stabletrain.debug.advice import FRAMEWORK_TERMS
 
 _log = logging.getLogger("stabletrain")
 
@@ -215,39 +216,11 @@ def shell_path(path: Union[str, Path]) -> str:
 # Advice in the framework's own terms
 # --------------------------------------------------------------------------------------
 
-#: How each framework spells the settings the next actions name.
-_TERMS = {
-    "lightning": {
-        "lr": "the learning rate in configure_optimizers",
-        "clip": "Trainer(gradient_clip_val=1.0)",
-        "precision": "Trainer(precision='bf16-mixed') or '32-true'",
-        "fp32": "Trainer(precision='32-true')",
-        "debug": "StabletrainCallback(debug_args={'underflow_overflow': {'enabled': True}}), then nancapture",
-        "resume": "Trainer.fit(..., ckpt_path=<last healthy checkpoint>)",
-    },
-    "transformers": {
-        "lr": "TrainingArguments(learning_rate=...)",
-        "clip": "TrainingArguments(max_grad_norm=1.0)",
-        "precision": "TrainingArguments(bf16=True) instead of fp16, or neither",
-        "fp32": "TrainingArguments(fp16=False, bf16=False)",
-        "debug": "StabletrainCallback(debug_args={'underflow_overflow': {'enabled': True}}), then nancapture",
-        "resume": "trainer.train(resume_from_checkpoint=<last healthy checkpoint>)",
-    },
-    "accelerate": {
-        "lr": "the optimizer's learning rate",
-        "clip": "accelerator.clip_grad_norm_(model.parameters(), 1.0) before optimizer.step()",
-        "precision": "Accelerator(mixed_precision='bf16') instead of 'fp16', or 'no'",
-        "fp32": "Accelerator(mixed_precision='no')",
-        "debug": "StepMonitor(..., debug_args={'underflow_overflow': {'enabled': True}}), then nancapture",
-        "resume": "accelerator.load_state(<last healthy checkpoint>)",
-    },
-}
-
 
 def next_actions(kind: str, framework: str, *, lr: Optional[float] = None, clipping: bool = False,
                  precision: Optional[str] = None) -> list[str]:
     """What to change after a trend alert of ``kind``, in ``framework``'s settings."""
-    t = _TERMS[framework]
+    t = FRAMEWORK_TERMS[framework]
     lr_text = f" (now {lr:.3g})" if lr else ""
     reduced = precision not in (None, "32-true", "64-true")
     if kind == "exploding":
@@ -313,7 +286,8 @@ class StepTools:
             loss by it before backward, as training did).
         step_fn: ``step_fn(model, batch, *step_args) -> loss`` for replay; a function of
             ``stabletrain.integrations`` is found by replay from the capture.
-        model_meta: Stored in the capture (a model builder for replay, see ``replay.py``).
+        model_meta: Stored in the capture (a model builder for replay, see ``replay.py``), with the
+            framework, ``lr`` and ``clipping`` added (for diagnose's next actions).
         replay_command: The command the NaN error shows; default: derived from the model.
         warmup_steps: Spikes before this step are tolerated by the trend alerts.
         lr, clipping: For concrete next actions in alerts.
@@ -356,7 +330,9 @@ class StepTools:
             self.nan = NaNCaptureMonitor(
                 model, folder, rank=self.rank, world_size=self.world_size, scaler=self.scaler,
                 max_skipped_steps=nan_args.max_skipped_steps, precision=precision,
-                gradient_accumulation_steps=gradient_accumulation_steps, step_fn=step_fn, model_meta=model_meta,
+                gradient_accumulation_steps=gradient_accumulation_steps, step_fn=step_fn,
+                # diagnose words its next actions in the framework's settings (debug.advice.FRAMEWORK_TERMS).
+                model_meta={**(model_meta or {}), "framework": framework, "lr": lr, "clipping": clipping},
                 any_rank=self._nan_any_rank, replay_command=replay_command,
             )
         self.uo: Optional[UnderflowOverflowMonitor] = None
