@@ -142,8 +142,8 @@ def not_reproducible(ev: Evidence, ctx: RunContext) -> list[str]:
         last = f" ({ctx.out / 'checkpoints' / 'last.ckpt'} holds no NaN: nancapture stopped before the optimizer step)"
     localise = ctx.terms["debug"] if ctx.terms else "debug_args.underflow_overflow.enabled=true"
     return [
-        f"Rerun from the last checkpoint: {ctx.resume}{last}. A sporadic failure usually does not recur at the same "
-        "step.",
+        (f"Rerun from the last checkpoint: {ctx.resume}{last}. A sporadic failure usually does not recur at the "
+         "same step."),
         f"If it fails again at another step, localise it while it happens: {localise} "
         "shows the first module that goes non-finite.",
         "On a GPU: make kernels deterministic (torch.use_deterministic_algorithms(True)) and check the hardware "
