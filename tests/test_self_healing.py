@@ -1,0 +1,176 @@
+"""on_instability: skip_step and rollback with faults planted at known steps and samples."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import stabletrain
+from stabletrain import InstabilityGuard, NonFiniteStepError, load_nan_capture
+from stabletrain.run_history import read_run
+from stabletrain.utils.sync import CountSyncs
+
+from conftest import cli_env
+from heal_faults import NAN_STEP, SPIKE_STEP, planted, settings
+
+
+def _events(out: Path, kind: str) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
+            if f'"event": "{kind}"' in line]
+
+
+class _WatchStep:
+    """Parameters and optimizer state before and after the optimizer step of ``step``."""
+
+    def __init__(self, step: int):
+        self.step, self.before, self.after = step, None, None
+
+    def _state(self, trainer):
+        params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        moments = {k: v.clone() for k, v in trainer.optimizer.state_dict()["state"].items()
+                   for k, v in [(f"{k}:{kk}", vv) for kk, vv in v.items()]}
+        return params, moments
+
+    def on_step_start(self, trainer, *, step):
+        if step == self.step:
+            self.before = self._state(trainer)
+
+    def on_after_optimizer_step(self, trainer, *, step):
+        if step == self.step:
+            self.after = self._state(trainer)
+
+
+def test_skip_step_in_train_records_exactly_the_planted_steps_and_samples(tmp_path):
+    out = tmp_path / "run"
+    watch = _WatchStep(NAN_STEP)
+    result = stabletrain.train(**settings(out, "skip_step", callbacks=[watch]))
+    assert result.steps_done == 40
+    rows = _events(out, "recovery")
+    nan_samples, spike_samples = planted()
+    assert [r["step"] for r in rows] == [NAN_STEP, SPIKE_STEP]
+    assert [r["trigger"] for r in rows] == ["nonfinite_loss", "loss_spike"]
+    assert [r["skipped_samples"] for r in rows] == [nan_samples, spike_samples]
+    assert all(r["action"] == "skip_step" for r in rows)
+    assert rows[1]["zscore"] > 6 and rows[1]["loss"] > 1e6
+    # The skipped step changed no parameter and no moment; the step count advanced.
+    (p0, s0), (p1, s1) = watch.before, watch.after
+    assert all(torch.equal(p0[n], p1[n]) for n in p0)
+    for key in s0:
+        if key.endswith(":step"):
+            assert float(s1[key]) == float(s0[key]) + 1, "AdamW's step count advances on a skipped step"
+        else:
+            assert torch.equal(s0[key], s1[key]), key
+    # The lr schedule advances: the logged lr of the step after the skip follows the cosine.
+    logged = {r["step"]: r for r in read_run(out / "metrics.jsonl").rows}
+    lr0 = 0.01
+    expect = lr0 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (NAN_STEP + 1) / 40)))
+    assert logged[NAN_STEP + 1]["lr"] == pytest.approx(expect, rel=1e-12)
+    # Evidence: captures that load, console lines, and a finite final state.
+    for row, samples in zip(rows, (nan_samples, spike_samples)):
+        cap = load_nan_capture(row["capture"])
+        assert cap.step == row["step"] and cap.ranks[0].indices[0].tolist() == samples
+    log = (out / "train.log").read_text()
+    assert f"Recovered step {NAN_STEP}: nonfinite_loss; update skipped" in log
+    assert f"Recovered step {SPIKE_STEP}: loss_spike" in log
+    final = torch.load(out / "checkpoints" / "last.ckpt", weights_only=False)
+    assert all(torch.isfinite(v).all() for v in final["model"].values())
+    assert [r["step"] for r in final["callbacks"]["on_instability"]["recoveries"]] == [NAN_STEP, SPIKE_STEP]
+
+
+def test_the_default_stop_policy_ends_at_the_first_fault(tmp_path):
+    with pytest.raises(NonFiniteStepError) as info:
+        stabletrain.train(**settings(tmp_path / "run", "stop"))
+    assert info.value.step == NAN_STEP
+    assert not _events(tmp_path / "run", "recovery")
+
+
+def _timeline(out: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_run(out / "metrics.jsonl").rows}
+
+
+def test_rollback_skips_the_data_since_the_snapshot_and_resumes_bitwise(tmp_path):
+    out = tmp_path / "run"
+    result = stabletrain.train(**settings(out, "rollback"))
+    assert result.steps_done == 40
+    rows = _events(out, "recovery")
+    nan_samples, spike_samples = planted()
+    # The NaN at step 25 rolls back to the snapshot of step 20: the data of steps 20-25 is skipped,
+    # so the spike sample, planted in the 33rd batch, arrives at step 26 of the new timeline.
+    assert [(r["step"], r["trigger"], r["rolled_back_to"]) for r in rows] == [
+        (NAN_STEP, "nonfinite_loss", 20), (SPIKE_STEP - 6, "loss_spike", 20)]
+    assert rows[0]["samples"] == nan_samples and rows[1]["samples"] == spike_samples
+    assert rows[0]["skipped_steps"] == list(range(20, 26)) and len(rows[0]["skipped_samples"]) == 6 * 8
+    assert rows[0]["skipped_samples"][-8:] == nan_samples
+    assert rows[1]["skipped_samples"][-8:] == spike_samples
+    losses = _timeline(out)
+    assert sorted(losses) == list(range(40)) and all(math.isfinite(v) for v in losses.values())
+    # Resumed from its own checkpoints, before and after the rollbacks: bitwise the same losses.
+    for ckpt in ("step_000010.ckpt", "step_000030.ckpt"):
+        again = tmp_path / f"again_{ckpt}"
+        shutil.copytree(out, again)
+        stabletrain.train(**settings(again, "rollback", resume_from=again / "checkpoints" / ckpt))
+        assert _timeline(again) == losses, f"resumed from {ckpt}"
+        assert [r["step"] for r in _events(again, "recovery")][-2:] == [NAN_STEP, SPIKE_STEP - 6]
+
+
+def test_plain_loop_guard_matches_adamw_bitwise_and_skips_exactly_the_planted_steps():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    guard = InstabilityGuard(opt, warmup=5)
+    x, y = torch.randn(30, 8, 4), torch.randn(30, 8, 1)
+    x[12, 3, 0] = float("nan")  # a NaN sample in step 12
+    y[20, 5] = 1e4  # a loss spike in step 20
+    found = []
+    for step in range(30):
+        loss = torch.nn.functional.mse_loss(model(x[step]), y[step])
+        loss.backward()
+        gn = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+        ref_model, ref_opt = copy.deepcopy(model), None
+        for a, b in zip(ref_model.parameters(), model.parameters()):
+            a.grad = b.grad.clone()
+        if opt.state:
+            ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.1)
+            ref_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        with CountSyncs() as syncs:
+            guard.check(step, loss, gn, samples=torch.arange(8) + 8 * step)
+        opt.step()
+        with CountSyncs() as after:
+            guard.after_step()
+        assert syncs.count == 0 and after.count == 0, (syncs.by_op, after.by_op)
+        opt.zero_grad()
+        found += guard.poll()
+        if step in (12, 20):
+            assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
+        elif ref_opt is not None:
+            ref_opt.step()
+            assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters())), step
+    assert [(r.step, r.trigger) for r in found] == [(12, "nonfinite_loss"), (20, "loss_spike")]
+    assert found[0].samples == list(range(96, 104)) and found[1].samples == list(range(160, 168))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["skip_step", "rollback"])
+def test_two_ddp_ranks_agree_and_record_every_rank_s_samples(tmp_path, policy):
+    script = Path(__file__).with_name("heal_faults.py")
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(script), str(out), policy], cwd=tmp_path, env=cli_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _events(out, "recovery")
+    nan_samples, spike_samples = planted(world_size=2)
+    spike_step = SPIKE_STEP if policy == "skip_step" else SPIKE_STEP - 6
+    assert [(r["step"], r["trigger"]) for r in rows] == [(NAN_STEP, "nonfinite_loss"), (spike_step, "loss_spike")]
+    assert [r["samples"] for r in rows] == [nan_samples, spike_samples]
+    for r in rows:
+        assert sorted(p.name for p in Path(r["capture"]).parent.parent.iterdir()) == ["rank0", "rank1"]
+    final = torch.load(out / "checkpoints" / "last.ckpt", weights_only=False)
+    assert final["step"] == 40 and all(torch.isfinite(v).all() for v in final["model"].values())
