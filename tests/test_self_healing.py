@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import matplotlib
+import matplotlib.axes
 import pytest
 import torch
 
@@ -48,7 +50,7 @@ class _WatchStep:
             self.after = self._state(trainer)
 
 
-def test_skip_step_in_train_records_exactly_the_planted_steps_and_samples(tmp_path):
+def test_skip_step_in_train_records_exactly_the_planted_steps_and_samples(tmp_path, monkeypatch):
     out = tmp_path / "run"
     watch = _WatchStep(NAN_STEP)
     result = stabletrain.train(**settings(out, "skip_step", callbacks=[watch]))
@@ -83,6 +85,23 @@ def test_skip_step_in_train_records_exactly_the_planted_steps_and_samples(tmp_pa
     final = torch.load(out / "checkpoints" / "last.ckpt", weights_only=False)
     assert all(torch.isfinite(v).all() for v in final["model"].values())
     assert [r["step"] for r in final["callbacks"]["on_instability"]["recoveries"]] == [NAN_STEP, SPIKE_STEP]
+    # Diagnosed after training; the report's summary has a section and its plots a marker per recovery.
+    assert "Diagnosis of the recovery at step 25: deterministic numerical: bad data" in log
+    marked = []
+    real_scatter = matplotlib.axes.Axes.scatter
+
+    def scatter(ax, x, y, *args, **kwargs):
+        if kwargs.get("label") == "recovery (on_instability)":
+            marked.append(list(x))
+        return real_scatter(ax, x, y, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "scatter", scatter)
+    stabletrain.report(out, quiet=True)
+    md = (out / "report" / "summary.md").read_text()
+    assert "## Recoveries (on_instability)" in md
+    assert f"| {NAN_STEP} | nonfinite_loss | skip_step | {', '.join(map(str, nan_samples))} |" in md
+    assert f"| {SPIKE_STEP} | loss_spike (z=" in md and "bad data: batch['x'] of sample" in md
+    assert marked and all(m == [NAN_STEP, SPIKE_STEP] for m in marked), marked
 
 
 def test_the_default_stop_policy_ends_at_the_first_fault(tmp_path):

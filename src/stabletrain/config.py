@@ -194,6 +194,8 @@ class OnInstabilityArgs(_Settings):
     max_recoveries: int = Field(10, ge=0, description="After this many recoveries the next bad step stops the run "
                                                       "with a capture.")
     rollback_steps: int = Field(50, ge=1, description="rollback: keep an in-memory snapshot every this many steps.")
+    diagnose: bool = Field(True, description="After training, run stabletrain diagnose on the first 5 recoveries' "
+                                             "captures (never during training); the report shows the verdicts.")
 
 
 class DebugArgs(_Settings):

@@ -141,6 +141,30 @@ class Healer:
         self._handle(self.guard.poll(wait=True))
         if self.monitor is not None:
             self.monitor.close()
+        if self.args.diagnose and trainer.is_rank_zero:
+            self._diagnose_captures()
+
+    def _diagnose_captures(self, limit: int = 5) -> None:
+        """Diagnose the first captures now that training is over (it never holds a step back);
+        ``diagnosis.json`` lands next to each capture, where the report reads the verdict."""
+        import copy
+
+        from stabletrain.debug.diagnose import diagnose
+
+        t = self.trainer
+        done = 0
+        for row in self.recoveries:
+            if not row.get("capture") or done >= limit:
+                continue
+            done += 1
+            folder = Path(row["capture"]).parent if t.world_size == 1 else Path(row["capture"]).parent.parent
+            custom = t.resolved_settings().get("task") == "custom"
+            try:
+                result = diagnose(folder, model=copy.deepcopy(t.model) if custom else None)
+            except Exception as exc:  # a diagnosis that cannot run must not fail a finished run
+                t.console.info(f"Could not diagnose the capture of step {row['step']}: {type(exc).__name__}: {exc}")
+                continue
+            t.console.info(f"Diagnosis of the recovery at step {row['step']}: {result.verdict}")
 
     def on_exception(self, trainer: Any, *, exception: BaseException) -> None:
         if self.monitor is not None:
