@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import stabletrain
-from stabletrain import InstabilityGuard, NonFiniteStepError, load_nan_capture
+from stabletrain import ConfigError, InstabilityGuard, NonFiniteStepError, RecoveryLimitError, load_nan_capture
+from stabletrain.config import load_settings, parse_cli_overrides
 from stabletrain.run_history import read_run
 from stabletrain.utils.sync import CountSyncs
 
@@ -109,6 +110,26 @@ def test_the_default_stop_policy_ends_at_the_first_fault(tmp_path):
         stabletrain.train(**settings(tmp_path / "run", "stop"))
     assert info.value.step == NAN_STEP
     assert not _events(tmp_path / "run", "recovery")
+
+
+def test_over_max_recoveries_the_run_stops_with_a_capture(tmp_path):
+    run = settings(tmp_path / "run", "skip_step")
+    run["on_instability"]["max_recoveries"] = 1
+    with pytest.raises(RecoveryLimitError) as info:
+        stabletrain.train(**run)
+    assert info.value.step == SPIKE_STEP and info.value.recoveries == 1
+    assert load_nan_capture(info.value.capture_path).step == SPIKE_STEP
+    assert [r["action"] for r in _events(tmp_path / "run", "recovery")] == ["skip_step", "stop"]
+
+
+def test_on_instability_from_cli_keys_and_errors_name_the_value():
+    parsed = load_settings({"out": "x", **parse_cli_overrides(
+        ["on_instability.policy=rollback", "on_instability.zscore=4", "on_instability.rollback_steps=25"])})
+    assert (parsed.on_instability.policy, parsed.on_instability.zscore, parsed.on_instability.rollback_steps) == (
+        "rollback", 4.0, 25)
+    assert load_settings({"out": "x"}).on_instability.policy == "stop", "the default is today's behaviour"
+    with pytest.raises(ConfigError, match="on_instability.policy"):
+        load_settings({"out": "x", "on_instability": {"policy": "retry"}})
 
 
 def _timeline(out: Path) -> dict[int, float]:
