@@ -256,7 +256,9 @@ class Healer:
     # ------------------------------------------------------------------ rollback
 
     def _take_snapshot(self) -> None:
-        self._set_snapshot(self.trainer.checkpoint_state(on_cpu=True))
+        state = self.trainer.checkpoint_state(on_cpu=True)
+        state["callbacks"]["on_instability"] = self.guard.state_dict()
+        self._set_snapshot(state)
 
     def _set_snapshot(self, state: dict[str, Any]) -> None:
         self.snapshot = state
@@ -281,6 +283,9 @@ class Healer:
         if t.scaler is not None and snap.get("scaler"):
             t.scaler.load_state_dict(snap["scaler"])
         set_rng_state(snap["rng"][t.rank])
+        # The detector judges the re-run against the window it had then, not against values
+        # from the abandoned steps (a rollback to the start would otherwise see a "spike").
+        self.guard.load_state_dict(snap["callbacks"]["on_instability"])
         t.step = int(snap["step"])
         self._since = {}
         # The rows of the abandoned steps are superseded, as after a resume (stabletrain.run_history).

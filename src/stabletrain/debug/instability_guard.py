@@ -72,20 +72,31 @@ def _jf(x: float) -> Any:
     return x if math.isfinite(x) else str(x)
 
 
+class _HostSlots:
+    """A ring of host buffers for verdicts on their way to the host (pinned on a GPU), with
+    NumPy views taken once: reading one later is a plain memory read, never a host copy."""
+
+    def __init__(self, device: torch.device, n: int = 16):
+        cuda = device.type == "cuda"
+        self.buffers = [torch.empty(_N, dtype=torch.float64, pin_memory=cuda) for _ in range(n)]
+        self.views = [b.numpy() for b in self.buffers]
+        self.events: list[Any] = [torch.cuda.Event() if cuda else None for _ in range(n)]
+        self.next = 0
+
+
 class _Pending:
     """A step's verdict on its way to the host."""
 
-    def __init__(self, step: int, verdict: Tensor, samples: Any):
+    def __init__(self, step: int, verdict: Tensor, samples: Any, slots: _HostSlots):
         self.step, self.samples = step, samples
-        if verdict.device.type == "cuda":
-            self.host = torch.empty(_N, dtype=torch.float64, pin_memory=True)
-            self.host.copy_(verdict, non_blocking=True)
-            self.event: Any = torch.cuda.Event()
+        self.slot = slots.next
+        slots.next = (slots.next + 1) % len(slots.buffers)
+        self.view, self.event = slots.views[self.slot], slots.events[self.slot]
+        if self.event is not None:
+            slots.buffers[self.slot].copy_(verdict, non_blocking=True)
             self.event.record()
         else:
-            self.host = torch.empty(_N, dtype=torch.float64)
-            self.host.copy_(verdict)  # host memory already: no device to wait for
-            self.event = None
+            slots.buffers[self.slot].copy_(verdict)  # host memory already: no device to wait for
 
     def ready(self) -> bool:
         return self.event is None or bool(self.event.query())
@@ -93,7 +104,7 @@ class _Pending:
     def values(self) -> list[float]:
         if self.event is not None:
             self.event.synchronize()
-        return [float(v) for v in self.host.numpy()]
+        return [float(v) for v in self.view]
 
 
 class InstabilityGuard:
@@ -120,6 +131,8 @@ class InstabilityGuard:
         #: The last step's device verdict ``[bad, trigger, zscore, ratio, loss, gradient_norm]``.
         self.verdict: Optional[Tensor] = None
         self._pending: deque[_Pending] = deque()
+        self._slots = _HostSlots(device)
+        self._early: list[Recovery] = []  # resolved because the ring was full, not yet returned
 
     def check(self, step: int, loss: Tensor | list[Tensor], grad_norm: Tensor, samples: Any = None) -> Tensor:
         """Judge step ``step`` on the device; returns the device bool "skip this update".
@@ -134,7 +147,9 @@ class InstabilityGuard:
         if self.all_reduce is not None:
             mean = self.all_reduce(mean)
         self.verdict = self.detector.observe(mean, grad_norm)
-        self._pending.append(_Pending(int(step), self.verdict, samples))  # indices read only if bad
+        if len(self._pending) == len(self._slots.buffers):  # the device is 16 steps behind: wait for the oldest
+            self._early.extend(self._resolve(self._pending.popleft()))
+        self._pending.append(_Pending(int(step), self.verdict, samples, self._slots))  # indices read only if bad
         if self.skipper is not None:
             self.skipper.save()
         return self.verdict[0] > 0
@@ -161,7 +176,7 @@ class InstabilityGuard:
     def poll(self, wait: bool = False) -> list[Recovery]:
         """The bad steps whose verdicts reached the host, oldest first; ``wait``: all of them
         (one host synchronisation on a GPU)."""
-        found: list[Recovery] = []
+        found, self._early = self._early, []
         while self._pending and (wait or self._pending[0].ready()):
             found.extend(self._resolve(self._pending.popleft()))
         return found
@@ -177,7 +192,7 @@ class InstabilityGuard:
 
     def take(self, n: int) -> list[Recovery]:
         """Resolve the ``n`` oldest pending verdicts (ranks agree on ``n`` under DDP)."""
-        found: list[Recovery] = []
+        found, self._early = self._early, []
         for _ in range(min(n, len(self._pending))):
             found.extend(self._resolve(self._pending.popleft()))
         return found

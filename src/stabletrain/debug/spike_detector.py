@@ -12,9 +12,16 @@ and returns the verdict as a device vector ``[bad, trigger, zscore, ratio, loss,
 * 4 ``grad_spike``: the same z-score test on the log gradient norm.
 
 Only good steps enter the window, so a spike does not raise the bar for the next one. The
-z-score is one-sided (a drop is progress, not a fault) and works on logs, so a loss falling
-from 10 to 3 has the same scale as one from 1 to 0.3; the standard deviation has a floor
-(``min_std``) so that a flat window does not turn every wiggle into a spike. The loss test
+loss's z-score is ``(log loss - reference) / noise``: the reference is the mean of the last 5
+good steps (a trend does not drag it), the noise the step-to-step scatter over the window
+(``sqrt(mean(diff**2) / 2)``, the von Neumann estimate: a loss falling fast in early training
+does not inflate it as it inflates a plain standard deviation, so the jump after a bad
+update stands out). The gradient norm wanders without a steady trend (it rises early in
+training): its z-score is against the window's mean and standard deviation. Both are
+one-sided (a drop is
+progress, not a fault) and works on logs, so a loss falling from 10 to 3 has the same scale
+as one from 1 to 0.3; the noise has a floor (``min_std``) so that a flat window does not
+turn every wiggle into a spike. The loss test
 assumes a positive loss (cross-entropy and most others); non-positive losses are clamped.
 """
 
@@ -33,6 +40,8 @@ TRIGGERS = ("none", "nonfinite_loss", "nonfinite_grad", "loss_spike", "grad_spik
 #: The verdict vector's entries, in order.
 VERDICT_FIELDS = ("bad", "trigger", "zscore", "ratio", "loss", "gradient_norm")
 _TINY = 1e-30
+#: Good steps whose mean is the reference a new value is compared with.
+REFERENCE_STEPS = 5
 
 
 class SpikeDetector:
@@ -75,10 +84,22 @@ class SpikeDetector:
         nf_loss, nf_grad = ~torch.isfinite(loss_v), ~torch.isfinite(gn_v)
         x = torch.log(torch.stack([loss_v, gn_v]).nan_to_num(0.0, 0.0, 0.0).clamp_min(_TINY))
         n = torch.clamp(self.count, max=self.window)
+        age = (self.count - 1 - self._slots) % self.window  # 0: the newest good step
+        recent = ((age < REFERENCE_STEPS) & (age < n)).double()
+        mean = (self.buffer * recent).sum(1) / recent.sum().clamp_min(1)
+        # Noise from successive differences (von Neumann): a loss that falls fast in early
+        # training does not widen it, as it would widen the window's plain std.
+        pairs = (age <= n - 2).double()
+        diff = self.buffer - torch.roll(self.buffer, 1, dims=1)
+        var_vn = (diff**2 * pairs).sum(1) / (2 * pairs.sum().clamp_min(1))
+        floor = max(self.min_std, _TINY)
+        z_loss = (x[0] - mean[0]) / var_vn[0].sqrt().clamp_min(floor)
+        # The gradient norm has no steady trend to discount but wanders (it rises early in
+        # training): its z-score is against the whole window's mean and standard deviation.
         valid = (self._slots < n).double()
-        mean = (self.buffer * valid).sum(1) / n.clamp_min(1)
-        var = ((self.buffer - mean[:, None]) ** 2 * valid).sum(1) / (n - 1).clamp_min(1)
-        z = (x - mean) / var.sqrt().clamp_min(max(self.min_std, _TINY))
+        w_mean = (self.buffer[1] * valid).sum() / n.clamp_min(1)
+        w_var = ((self.buffer[1] - w_mean) ** 2 * valid).sum() / (n - 1).clamp_min(1)
+        z = torch.stack([z_loss, (x[1] - w_mean) / w_var.sqrt().clamp_min(floor)])
         judged = self.count >= self.warmup
         spike = judged & (z > self.zscore)
         ratio = loss_v / self.max_loss.clamp_min(_TINY)
