@@ -161,6 +161,30 @@ def test_rollback_skips_the_data_since_the_snapshot_and_resumes_bitwise(tmp_path
         assert [r["step"] for r in _events(again, "recovery")][-2:] == [NAN_STEP, SPIKE_STEP - 6]
 
 
+def test_rollback_to_the_start_judges_the_rerun_with_the_window_of_then(tmp_path):
+    """The only snapshot is step 0's: after the rollback the detector must judge the re-run
+    with its window of step 0 (empty, warming up), not the low losses of the abandoned steps."""
+    from nan_models import PoisonData
+
+    run = settings(tmp_path / "run", "rollback")
+    run["checkpoint_every_num_steps"] = 100
+    run["on_instability"]["rollback_steps"] = 100
+    run["data"] = PoisonData(n=512, input_poison={planted()[0][-1]: float("nan")})
+    seen = []
+
+    class Window:
+        def on_step_start(self, trainer, *, step):
+            seen.append((step, int(trainer.safety.healer.guard.detector.count)))
+
+    run["callbacks"] = [Window()]
+    assert stabletrain.train(**run).steps_done == 40
+    rows = _events(tmp_path / "run", "recovery")
+    assert [(r["step"], r["trigger"], r["rolled_back_to"]) for r in rows] == [(NAN_STEP, "nonfinite_loss", 0)]
+    assert rows[0]["skipped_steps"] == list(range(NAN_STEP + 1))
+    assert seen[NAN_STEP] == (NAN_STEP, NAN_STEP), "25 good steps in the window before the NaN"
+    assert seen[NAN_STEP + 1] == (0, 0), "the re-run starts with the window of step 0"
+
+
 def test_plain_loop_guard_matches_adamw_bitwise_and_skips_exactly_the_planted_steps():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
