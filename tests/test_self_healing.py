@@ -238,3 +238,34 @@ def test_two_ddp_ranks_agree_and_record_every_rank_s_samples(tmp_path, policy):
         assert sorted(p.name for p in Path(r["capture"]).parent.parent.iterdir()) == ["rank0", "rank1"]
     final = torch.load(out / "checkpoints" / "last.ckpt", weights_only=False)
     assert final["step"] == 40 and all(torch.isfinite(v).all() for v in final["model"].values())
+
+
+def test_plain_loop_with_an_fp16_grad_scaler_the_scaler_keeps_its_own_rules():
+    """A skipped step leaves the weights alone; the GradScaler still backs off on the NaN step
+    (its own found-inf) and keeps its scale on the spike step (finite gradients)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+    guard = InstabilityGuard(opt, warmup=5)
+    x, y = torch.randn(20, 8, 4), torch.randn(20, 8, 1)
+    x[10, 0, 0] = float("nan")
+    y[15, 0] = 1e4
+    scales, found = {}, []
+    for step in range(20):
+        loss = torch.nn.functional.mse_loss(model(x[step]), y[step])
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        gn = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+        guard.check(step, loss, gn)
+        before = [p.detach().clone() for p in model.parameters()]
+        guard.step(lambda: scaler.step(opt))
+        scaler.update()
+        opt.zero_grad()
+        found += guard.poll()
+        scales[step] = scaler.get_scale()
+        if step in (10, 15):
+            assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), step
+    assert [(r.step, r.trigger) for r in found] == [(10, "nonfinite_loss"), (15, "loss_spike")]
+    assert scales[10] == scales[9] / 2, "the scaler backs off on its own found-inf"
+    assert scales[15] == scales[14], "a finite spike does not concern the scaler"
