@@ -81,6 +81,7 @@ RANKS: dict[str, int] = {
     "debug.spike_detector": 7,  # on_instability: rolling z-score detection on the device
     "debug.skip_step": 7,  # undo an optimizer step on the device
     "debug.instability_guard": 7,  # detector + skip, for any loop
+    "debug.rollback_snapshot": 7,  # in-memory snapshots to roll a plain loop back
     "debug.nan_capture": 8,
     "debug.underflow_overflow": 8,
     "debug.trends": 8,

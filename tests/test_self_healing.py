@@ -269,3 +269,37 @@ def test_plain_loop_with_an_fp16_grad_scaler_the_scaler_keeps_its_own_rules():
     assert [(r.step, r.trigger) for r in found] == [(10, "nonfinite_loss"), (15, "loss_spike")]
     assert scales[10] == scales[9] / 2, "the scaler backs off on its own found-inf"
     assert scales[15] == scales[14], "a finite spike does not concern the scaler"
+
+
+def test_plain_loop_rollback_restores_the_snapshot_bitwise_and_skips_the_data_since():
+    from stabletrain import RollbackSnapshots
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    guard = InstabilityGuard(opt, warmup=5)
+    snapshots = RollbackSnapshots(model, opt, every=5, extra=(guard,))
+    data = [(torch.arange(8) + 8 * i, torch.randn(8, 4), torch.randn(8, 1)) for i in range(40)]
+    data[12][1][2, 0] = float("nan")  # batch 12: steps 10-12 roll back, batches 10-12 are skipped
+    at_start, position, step, seen = {}, 0, 0, []
+    while step < 20:
+        snapshots.maybe_take(step)
+        at_start.setdefault(step, ([p.detach().clone() for p in model.parameters()], torch.get_rng_state()))
+        indices, x, y = data[position]
+        position += 1
+        seen.append((step, int(indices[0]) // 8))
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        guard.check(step, loss, torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]), samples=indices)
+        guard.step()
+        opt.zero_grad()
+        step += 1
+        found = guard.poll()
+        if found:
+            assert [(r.step, r.samples) for r in found] == [(12, list(range(96, 104)))]
+            step = snapshots.restore()
+            params, rng = at_start[10]
+            assert step == 10 and all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+            assert torch.equal(torch.get_rng_state(), rng)
+    assert seen[10:14] == [(10, 10), (11, 11), (12, 12), (10, 13)], "after the rollback, step 10 gets batch 13"
+    assert position == 23 and snapshots.nbytes > 0

@@ -53,6 +53,7 @@ _EXPORTS = {
     "NonFiniteStepError": "stabletrain.debug.guard",
     "InstabilityGuard": "stabletrain.debug.instability_guard",
     "SpikeDetector": "stabletrain.debug.spike_detector",
+    "RollbackSnapshots": "stabletrain.debug.rollback_snapshot",
     "RecoveryLimitError": "stabletrain.healing",
     "NonFiniteCheckpointError": "stabletrain.safety",
     "TrainingInterrupted": "stabletrain.signals",
