@@ -176,20 +176,22 @@ class OnInstabilityArgs(_Settings):
     ``stop`` is the guard alone: the run stops at the first non-finite step. ``skip_step`` does
     not apply a bad step's update (decided on the device, no host sync); ``rollback`` restores
     the newest in-memory snapshot (taken every ``rollback_steps``) and skips the data since it.
-    A step is bad when its loss or gradient norm is non-finite, when the log of either lies more
-    than ``zscore`` standard deviations above the mean of the last ``window`` good steps (after
-    ``warmup`` good steps), or when the loss exceeds ``max_ratio`` times the largest loss seen.
+    A step is bad when its loss or gradient norm is non-finite, when (after ``warmup`` good
+    steps) its log loss lies more than ``zscore`` noise units above the mean of the last 5 good
+    steps (the noise: the step-to-step scatter over the last ``window`` good steps) or its log
+    gradient norm more than ``zscore`` standard deviations above the window's mean, or when the
+    loss exceeds ``max_ratio`` times the largest loss seen.
     """
 
     policy: Literal["stop", "skip_step", "rollback"] = Field(
         "stop", description="stop (the guard alone), skip_step (drop the bad update) or rollback (to a snapshot)."
     )
     window: int = Field(50, ge=2, description="Good steps in the rolling window of log loss and log gradient norm.")
-    zscore: float = Field(6.0, gt=0, description="A step whose log loss or log gradient norm is this many std above "
-                                                 "the window's mean is a spike.")
+    zscore: float = Field(6.0, gt=0, description="Spike threshold: log loss this many noise units above the last 5 "
+                                                 "good steps, or log gradient norm this many std above the window.")
     warmup: int = Field(20, ge=2, description="Good steps seen before spikes are judged (non-finite values always are).")
     max_ratio: float = Field(10.0, gt=1, description="A loss above this many times the largest loss seen is a spike.")
-    min_std: float = Field(0.05, ge=0, description="Floor of the window's std of log values (a flat window would "
+    min_std: float = Field(0.05, ge=0, description="Floor of the noise and std of log values (a flat window would "
                                                    "make any wiggle a spike).")
     max_recoveries: int = Field(10, ge=0, description="After this many recoveries the next bad step stops the run "
                                                       "with a capture.")
