@@ -303,3 +303,25 @@ def test_plain_loop_rollback_restores_the_snapshot_bitwise_and_skips_the_data_si
             assert torch.equal(torch.get_rng_state(), rng)
     assert seen[10:14] == [(10, 10), (11, 11), (12, 12), (10, 13)], "after the rollback, step 10 gets batch 13"
     assert position == 23 and snapshots.nbytes > 0
+
+
+def test_healing_adds_no_host_sync_on_steps_where_nothing_happens(tmp_path):
+    from stabletrain.utils.sync import SyncsPerStep
+
+    from conftest import tiny_lm
+
+    counts = {}
+    for policy in ("stop", "skip_step", "rollback"):
+        counter = SyncsPerStep()
+        stabletrain.train(out=tmp_path / policy, callbacks=[counter],
+                          on_instability={"policy": policy, "rollback_steps": 4, "diagnose": False},
+                          **tiny_lm(steps=8, log_every_num_steps=5, checkpoint_every_num_steps=3))
+        counts[policy] = counter.counts
+    assert sorted(counts["stop"]) == list(range(8))
+    assert counts["skip_step"] == counts["stop"]
+    # rollback copies the state to the host at its snapshots (every 4 steps) and checkpoints
+    # (every 3 steps, and the last): one copy per tensor there, and nothing added elsewhere.
+    quiet = [s for s in range(8) if (s + 1) % 4 and (s + 1) % 3 and s != 7]
+    assert quiet == [0, 1, 4, 6]
+    assert [counts["rollback"][s] for s in quiet] == [counts["stop"][s] for s in quiet]
+    assert all(counts["rollback"][s] > counts["stop"][s] for s in (2, 3))

@@ -117,8 +117,9 @@ class SpikeDetector:
         return torch.stack([bad.double(), trigger.double(), score, ratio, loss_v, gn_v])
 
     def state_dict(self) -> dict[str, Tensor]:
-        """The detector's state (CPU copies), for checkpoints: a resumed run judges the same."""
-        return {"buffer": self.buffer.cpu(), "count": self.count.cpu(), "max_loss": self.max_loss.cpu()}
+        """The detector's state (device copies: ``torch.save`` moves them with the rest of a
+        checkpoint, no read of its own), for checkpoints: a resumed run judges the same."""
+        return {"buffer": self.buffer.clone(), "count": self.count.clone(), "max_loss": self.max_loss.clone()}
 
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
         buffer = state["buffer"].to(self.device, torch.float64)
