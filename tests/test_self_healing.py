@@ -235,7 +235,9 @@ def test_two_ddp_ranks_agree_and_record_every_rank_s_samples(tmp_path, policy):
     assert [(r["step"], r["trigger"]) for r in rows] == [(NAN_STEP, "nonfinite_loss"), (spike_step, "loss_spike")]
     assert [r["samples"] for r in rows] == [nan_samples, spike_samples]
     for r in rows:
-        assert sorted(p.name for p in Path(r["capture"]).parent.parent.iterdir()) == ["rank0", "rank1"]
+        step_folder = Path(r["capture"]).parent.parent
+        assert {"rank0", "rank1"} <= {p.name for p in step_folder.iterdir()}, "each rank wrote its capture"
+        assert json.loads((step_folder / "diagnosis.json").read_text())["world_size"] == 2, "diagnosed after training"
     final = torch.load(out / "checkpoints" / "last.ckpt", weights_only=False)
     assert final["step"] == 40 and all(torch.isfinite(v).all() for v in final["model"].values())
 
