@@ -48,6 +48,7 @@ __all__ = [
     "anchored_lr",
     "anchored_lower_lr",
     "DEFAULT_LR",
+    "FRAMEWORK_TERMS",
 ]
 
 #: A diverging run: lower the learning rate this many times.
@@ -62,6 +63,38 @@ DEFAULT_LR = 1e-3
 STABLE_AFTER = 3
 #: A rise over the lowest value before it that ends the stable stretch (trend_alerts' defaults).
 LOSS_RISE, NORM_RISE = 4.0, 10.0
+
+#: How each framework of ``stabletrain.integrations`` spells the settings that advice names (trend
+#: alerts in its loop; ``stabletrain diagnose`` of its captures, which record the framework).
+FRAMEWORK_TERMS: dict[str, dict[str, str]] = {
+    "lightning": {
+        "lr": "the learning rate in configure_optimizers",
+        "clip": "Trainer(gradient_clip_val=1.0)",
+        "clip_lower": "a lower Trainer(gradient_clip_val=...)",
+        "precision": "Trainer(precision='bf16-mixed') or '32-true'",
+        "fp32": "Trainer(precision='32-true')",
+        "debug": "StabletrainCallback(debug_args={'underflow_overflow': {'enabled': True}}), then nancapture",
+        "resume": "Trainer.fit(..., ckpt_path=<last healthy checkpoint>)",
+    },
+    "transformers": {
+        "lr": "TrainingArguments(learning_rate=...)",
+        "clip": "TrainingArguments(max_grad_norm=1.0)",
+        "clip_lower": "a lower TrainingArguments(max_grad_norm=...)",
+        "precision": "TrainingArguments(bf16=True) instead of fp16, or neither",
+        "fp32": "TrainingArguments(fp16=False, bf16=False)",
+        "debug": "StabletrainCallback(debug_args={'underflow_overflow': {'enabled': True}}), then nancapture",
+        "resume": "trainer.train(resume_from_checkpoint=<last healthy checkpoint>)",
+    },
+    "accelerate": {
+        "lr": "the optimizer's learning rate",
+        "clip": "accelerator.clip_grad_norm_(model.parameters(), 1.0) before optimizer.step()",
+        "clip_lower": "a lower max_norm in accelerator.clip_grad_norm_",
+        "precision": "Accelerator(mixed_precision='bf16') instead of 'fp16', or 'no'",
+        "fp32": "Accelerator(mixed_precision='no')",
+        "debug": "StepMonitor(..., debug_args={'underflow_overflow': {'enabled': True}}), then nancapture",
+        "resume": "accelerator.load_state(<last healthy checkpoint>)",
+    },
+}
 
 #: Precisions that compute in float16 or bfloat16 (a failure that float32 avoids is theirs).
 REDUCED_PRECISIONS = ("16-mixed", "bf16-mixed", "16-true", "bf16-true")

@@ -85,7 +85,7 @@ from stabletrain.utils.dist import any_rank as dist_any_rank
 from stabletrain.utils.dist import rank_and_world_size
 from stabletrain.utils.io import atomic_torch_save
 from stabletrain.utils.rng import raw_rng_state, storable_rng_state
-from stabletrain.utils.text import MEASURED_DIGITS, fmt_list, fmt_number, fmt_path, shell_path
+from stabletrain.utils.text import MEASURED_DIGITS, abs_path, fmt_list, fmt_number, shell_path
 from stabletrain.utils.tree import cpu_copy, detached_copy, to_storable
 
 #: The ``format`` entry of every capture file, and the newest ``version`` this code writes and reads.
@@ -192,9 +192,15 @@ def _rebuild_nan_detected_error(message: str, step: int, rank: int, names: list[
 # --------------------------------------------------------------------------------------
 
 
-def default_step_fn(model: nn.Module, batch: Any) -> Tensor:
-    """The loss of one microbatch when no ``step_fn`` is given: ``model.training_step(batch)``."""
-    return model.training_step(batch)  # type: ignore[operator]
+def default_step_fn(model: nn.Module, batch: Any, *step_args: Any) -> Tensor:
+    """The loss of one microbatch when no ``step_fn`` is given: ``model.training_step(batch)``
+    (and the microbatch's captured ``step_args``, if any)."""
+    return model.training_step(batch, *step_args)  # type: ignore[operator]
+
+
+#: Step functions and model builders under this package are found by replay from the names a
+#: capture stores (stabletrain.integrations); nothing outside it is imported from a capture.
+INTEGRATIONS_PACKAGE = "stabletrain.integrations."
 
 
 class NaNCaptureMonitor:
@@ -301,6 +307,7 @@ class NaNCaptureMonitor:
         self.step: Optional[int] = None
         self._batches: list[Any] = []
         self._indices: list[Any] = []
+        self._step_args: list[Any] = []
         self._rng: list[Any] = []
         self._losses: list[Tensor] = []
         self._buffers: list[tuple[str, Tensor]] = []
@@ -336,22 +343,26 @@ class NaNCaptureMonitor:
         statistics during the forward pass; the capture must hold the values before it).
         """
         self.step = int(step)
-        self._batches, self._indices, self._rng, self._losses = [], [], [], []
+        self._batches, self._indices, self._rng, self._losses, self._step_args = [], [], [], [], []
         self._autocast = None
         # A device-side copy, no host transfer; empty for models without persistent buffers.
         self._buffers = [(name, b.detach().clone()) for name, b in persistent_buffers(self.model)]
 
-    def collect_batch(self, batch: Any, indices: Any = None) -> None:
+    def collect_batch(self, batch: Any, indices: Any = None, step_args: Sequence[Any] = ()) -> None:
         """Record one microbatch just before its forward pass.
 
         Args:
             batch: The microbatch exactly as the model receives it (already on the device).
             indices: Dataset indices of its samples, if known (a tensor or list).
+            step_args: Further positional arguments replay passes to the step function after
+                the batch, e.g. ``(batch_idx,)`` for a LightningModule's
+                ``training_step(batch, batch_idx)``; numbers, strings or tensors.
         """
         if self.step is None:
             raise RuntimeError("NaNCaptureMonitor.collect_batch: call begin_step(step) first")
         self._batches.append(detached_copy(batch) if self.copy_batches else batch)
         self._indices.append(indices)
+        self._step_args.append(list(step_args))
         self._rng.append(raw_rng_state())
 
     def collect_loss(self, loss: Tensor) -> None:
@@ -417,7 +428,7 @@ class NaNCaptureMonitor:
     # ------------------------------------------------------------------ internals
 
     def _release(self) -> None:
-        self._batches, self._indices, self._rng, self._losses = [], [], [], []
+        self._batches, self._indices, self._rng, self._losses, self._step_args = [], [], [], [], []
 
     def _failure_flag(self, gn: GradNorm) -> Tensor:
         """A device bool: did this rank's step fail? No host synchronisation."""
@@ -527,6 +538,8 @@ class NaNCaptureMonitor:
             "microbatches": batches,
             "unstorable": unstorable,
             "indices": [_indices_to_storable(ix) for ix in self._indices],
+            # Absent in older captures; read as no arguments.
+            "step_args": [to_storable(a, f"step_args of microbatch {i}") for i, a in enumerate(self._step_args)],
             "rng": [storable_rng_state(r) for r in self._rng],
             "losses": [cpu_copy(loss) for loss in self._losses],
             "nan_param_names": list(names),
@@ -789,7 +802,7 @@ def _import_spec(obj: Any, needs_no_args: bool) -> Optional[tuple[str, bool, str
     module = sys.modules[obj.__module__]
     source = getattr(module, "__file__", None)
     if source and source.endswith(".py"):
-        return fmt_path(source), True, obj.__qualname__
+        return abs_path(source), True, obj.__qualname__
     return obj.__module__, False, obj.__qualname__
 
 
@@ -843,7 +856,10 @@ def importable_ref(obj: Any, needs_no_args: bool) -> Optional[str]:
 
 
 def _custom_step_fn(step_fn: Any) -> bool:
-    return step_fn is not None and step_fn is not default_step_fn
+    """A step function the replay command must name; replay finds the integrations' own by itself."""
+    if step_fn is None or step_fn is default_step_fn:
+        return False
+    return not f"{getattr(step_fn, '__module__', '')}.".startswith(INTEGRATIONS_PACKAGE)
 
 
 def no_replay_command_reason(model: Any, step_fn: Any = None) -> Optional[str]:
@@ -927,5 +943,5 @@ def _replay_template(path: str | Path, model: Any, step_fn: Any) -> str:
             lines.append(f"# FILL IN: the step function your loop computed the loss with ({_qualified_name(step_fn)}):")
             lines.append("step_fn = ...")
         call += ", step_fn=step_fn"
-    lines.append(f"print(stabletrain.load_nan_capture({fmt_path(path)!r}, {call}).replay())")
+    lines.append(f"print(stabletrain.load_nan_capture({abs_path(path)!r}, {call}).replay())")
     return "\n".join(lines)

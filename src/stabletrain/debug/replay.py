@@ -23,6 +23,7 @@ On the command line: ``stabletrain replay PATH`` (:mod:`stabletrain.cli.replay`)
 from __future__ import annotations
 
 import contextlib
+import importlib
 import math
 import pickle
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from stabletrain.debug.grad_norm import compute_grad_norm
 from stabletrain.debug.nan_capture import (
     FILE_NAME,
     FORMAT,
+    INTEGRATIONS_PACKAGE,
     REASON_NORM_OVERFLOW,
     REASON_OTHER_RANK,
     VERSION,
@@ -126,6 +128,8 @@ class RankCapture:
     model_class: str
     raw: dict[str, Any] = field(repr=False)
     largest_gradients: list[tuple[str, float]] = field(default_factory=list)
+    #: Each microbatch's further arguments of the step function (a LightningModule's batch_idx).
+    step_args: list[list[Any]] = field(default_factory=list)
 
     @property
     def num_microbatches(self) -> int:
@@ -230,6 +234,9 @@ def read_capture_file(path: str | Path) -> RankCapture:
         bad = [k for k, v in {**state["params"], **state["buffers"]}.items() if not isinstance(v, Tensor)]
         if bad:
             problems.append(f"params/buffers that are not tensors: {bad[:3]}")
+        step_args = state.get("step_args", [[] for _ in range(n)])
+        if not (isinstance(step_args, list) and len(step_args) == n and all(isinstance(a, list) for a in step_args)):
+            problems.append(f"step_args (expected one list per microbatch, {n} in all)")
     if problems:
         raise NaNCaptureError(f"{path} is a damaged NaN capture: missing or invalid {'; '.join(problems)}", path)
     scale = state.get("loss_scale")
@@ -255,6 +262,7 @@ def read_capture_file(path: str | Path) -> RankCapture:
         model_class=state["model_class"],
         raw=state,
         largest_gradients=_largest_entries(state.get("largest_gradients")),
+        step_args=state.get("step_args", [[] for _ in range(len(state["microbatches"]))]),
     )
 
 
@@ -314,7 +322,9 @@ def load_nan_capture(
         model: Your own model (an instance of the class that was trained; its parameters
             and buffers are overwritten with the captured ones). Built-in models are rebuilt
             from the stored settings when this is None.
-        step_fn: ``step_fn(model, batch) -> loss``; default ``model.training_step(batch)``.
+        step_fn: ``step_fn(model, batch) -> loss``; default: the step function of the
+            stabletrain integration that took the capture (Lightning, Hugging Face Trainer),
+            else ``model.training_step(batch)``.
 
     Returns:
         A :class:`NaNCapture`; call ``.replay()``.
@@ -561,7 +571,7 @@ def forward_backward(
                     batch = to_device(batch, dev)
                     set_rng_state(part.rng[micro])
                     with plugin.forward_context():
-                        loss = fn(model, plugin.convert_input(batch))
+                        loss = fn(model, plugin.convert_input(batch), *part.step_args[micro])
                     loss = plugin.convert_output(loss)
                     if not isinstance(loss, Tensor) or loss.ndim != 0:
                         raise NaNCaptureError(
@@ -852,7 +862,7 @@ class NaNCapture:
         self.path = Path(path)
         self.ranks = sorted(ranks, key=lambda r: r.rank)
         self.model = model
-        self.step_fn = step_fn
+        self.step_fn = step_fn or _integration_object(self.ranks[0], self.ranks[0].raw.get("step_fn"))
 
     # ------------------------------------------------------------------ facts
 
@@ -939,6 +949,11 @@ class NaNCapture:
             NaNCaptureError: The capture is of your own model; pass ``model=`` to load_nan_capture.
         """
         settings = self.settings
+        meta = self.ranks[0].model_meta or {}
+        builder = _integration_object(self.ranks[0], meta.get("builder")) if not settings else None
+        if builder is not None:
+            # A framework integration's capture (e.g. a Hugging Face model rebuilt from its config).
+            return builder(meta)
         if not settings or settings.get("task") in (None, "custom"):
             cls = self.ranks[0].model_class
             raise NaNCaptureError(
@@ -1056,6 +1071,26 @@ class NaNCapture:
             f"NaNCapture(path={str(self.path)!r}, step={self.step}, ranks={[r.rank for r in self.ranks]}, "
             f"world_size={self.world_size}, precision={self.precision!r}, reason={self.reason!r})"
         )
+
+
+def _integration_object(part: RankCapture, name: Any) -> Any:
+    """The step function or model builder a capture names, when it is one of stabletrain's
+    integrations (``stabletrain.integrations.<framework>.<name>`` or ``...:<name>``); else None.
+    Names outside that package are never imported: loading a capture runs no foreign code."""
+    if not isinstance(name, str) or not name.startswith(INTEGRATIONS_PACKAGE):
+        return None
+    module, sep, attr = name.partition(":")
+    if not sep:
+        module, _, attr = name.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise NaNCaptureError(
+            f"{part.path} was captured through {module}, which cannot be imported here ({type(exc).__name__}: {exc}); "
+            "install the framework it was trained with (pip install \"stabletrain[lightning]\", "
+            "\"stabletrain[transformers]\" or \"stabletrain[accelerate]\")",
+            part.path,
+        ) from None
 
 
 def load_object(spec: str) -> Any:

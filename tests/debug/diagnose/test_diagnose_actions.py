@@ -63,9 +63,9 @@ def evidence(cause: str = DETERMINISTIC_NUMERICAL, precision: str = "32-true", r
 
 
 def capture(settings: Optional[dict[str, Any]] = None, **raw: Any) -> SimpleNamespace:
-    """What the actions read of a NaNCapture."""
+    """What the actions read of a NaNCapture (``model_meta`` is a field of the file, as in a real one)."""
     rank = SimpleNamespace(path=CAPTURE, raw={"replay_command": REPLAY, **raw},
-                           largest_gradients=[("fc.weight", 2.5e19)])
+                           largest_gradients=[("fc.weight", 2.5e19)], model_meta=raw.get("model_meta"))
     return SimpleNamespace(ranks=[rank], settings=settings, step=3, world_size=1, path=CAPTURE.parent)
 
 
@@ -264,6 +264,32 @@ def test_next_actions(case, tmp_path):
     for got, want in zip(actions, expected, strict=True):
         assert got.startswith(want), f"\n got: {got}\nwant: {want}"
         assert "\n" not in got
+
+
+def test_an_integrations_capture_gets_its_frameworks_settings(tmp_path):
+    """A capture of stabletrain.integrations records the framework: the actions name its settings,
+    and its run folder (here one without stabletrain checkpoints) is not a stabletrain run's."""
+    meta = {"framework": "accelerate", "lr": 0.05, "clipping": False}
+    ev = evidence(weights=damaged("huge", [], nonfinite=False))
+    assert next_actions(ev, capture(None, model_meta=meta), tmp_path) == [
+        "Resume from a checkpoint written before the weights went bad (accelerator.load_state(<last healthy "
+        "checkpoint>)) with a 10x lower learning rate (the optimizer's learning rate, now 0.05).",
+        "Keep single steps from blowing the weights up: accelerator.clip_grad_norm_(model.parameters(), 1.0) "
+        "before optimizer.step().",
+        REPLAY_ACTION,
+    ]
+    # Clipping on already: lower its threshold. Not reproducible: rerun from the framework's checkpoint.
+    meta = {"framework": "lightning", "lr": None, "clipping": True}
+    actions = next_actions(ev, capture(None, model_meta=meta), None)
+    assert actions[0].endswith("with a 10x lower learning rate (the learning rate in configure_optimizers).")
+    assert actions[1] == "Keep single steps from blowing the weights up: a lower Trainer(gradient_clip_val=...)."
+    actions = next_actions(evidence(NOT_REPRODUCIBLE), capture(None, model_meta=meta), tmp_path)
+    assert actions[0].startswith("Rerun from the last checkpoint: Trainer.fit(..., ckpt_path=<last healthy "
+                                 "checkpoint>). A sporadic failure")
+    assert actions[1].startswith("If it fails again at another step, localise it while it happens: "
+                                 "StabletrainCallback(debug_args={'underflow_overflow': {'enabled': True}})")
+    # The run's own settings win over a framework name (stabletrain train's captures have settings).
+    assert "model_args.lr" in next_actions(ev, capture(RUN, model_meta=meta), None)[0]
 
 
 def test_every_kind_of_op_a_guard_fixes_has_its_own_action():

@@ -5,7 +5,6 @@ of the arithmetic, per kind of op). See ``docs/diagnose.md``.
 from __future__ import annotations
 
 import math
-import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -41,6 +40,8 @@ class RunContext:
         settings: The run's settings ({} when the capture holds none).
         lr: A lower learning rate: "model_args.lr=0.001 or lower (was 0.01)".
         clip: Gradient clipping: "gradient_clip_val=1.0", or the run's value lowered.
+        terms: The settings' names in the framework whose stabletrain integration took the capture
+            (:data:`stabletrain.debug.advice.FRAMEWORK_TERMS`); None for ``stabletrain train`` and plain loops.
     """
 
     cap: NaNCapture
@@ -48,10 +49,19 @@ class RunContext:
     settings: dict[str, Any]
     lr: str
     clip: str
+    terms: Optional[dict[str, str]] = None
 
     @classmethod
     def of(cls, cap: NaNCapture, out: Optional[Path], unstable_from: Optional[int] = None) -> RunContext:
         settings = cap.settings or {}
+        meta = cap.ranks[0].model_meta or {}
+        terms = advice.FRAMEWORK_TERMS.get(meta.get("framework")) if not settings else None
+        if terms is not None:
+            # Lightning, the Hugging Face Trainer, Accelerate: their settings, not stabletrain train's.
+            lr = advice.positive(meta.get("lr"))
+            now = f", now {advice.setting_value(lr)}" if lr else ""
+            return cls(cap, out, settings, f"a {advice.LR_DECREASE}x lower learning rate ({terms['lr']}{now})",
+                       terms["clip_lower"] if meta.get("clipping") else terms["clip"], terms)
         clip = advice.clip(settings.get("gradient_clip_val") if settings else None, known=bool(settings))
         rows: list[dict[str, Any]] = []
         if out is not None and (out / "metrics.jsonl").is_file():
@@ -59,6 +69,11 @@ class RunContext:
 
             rows = read_run(out / "metrics.jsonl").rows
         return cls(cap, out, settings, lr_text(settings, rows, unstable_from), clip)
+
+    @property
+    def resume(self) -> str:
+        """How to continue from the last checkpoint, in the run's own terms."""
+        return self.terms["resume"] if self.terms else RESUME
 
     @property
     def image_task(self) -> bool:
@@ -120,13 +135,15 @@ def not_reproducible(ev: Evidence, ctx: RunContext) -> list[str]:
     """Rerun and watch: the step does not fail again from what it started with."""
     cap = ctx.cap
     if other_rank_only(ev, cap):
-        return [f"Diagnose all ranks together: stabletrain diagnose {cap.ranks[0].path.parent.parent}"]
+        return [f"Diagnose all ranks together: stabletrain diagnose {shell_path(cap.ranks[0].path.parent.parent)}"]
     last = ""
-    if ctx.out:
+    if ctx.out and not ctx.terms:
         last = f" ({ctx.out / 'checkpoints' / 'last.ckpt'} holds no NaN: nancapture stopped before the optimizer step)"
+    localise = ctx.terms["debug"] if ctx.terms else "debug_args.underflow_overflow.enabled=true"
     return [
-        f"Rerun from the last checkpoint: {RESUME}{last}. A sporadic failure usually does not recur at the same step.",
-        "If it fails again at another step, localise it while it happens: debug_args.underflow_overflow.enabled=true "
+        (f"Rerun from the last checkpoint: {ctx.resume}{last}. A sporadic failure usually does not recur at the "
+         "same step."),
+        f"If it fails again at another step, localise it while it happens: {localise} "
         "shows the first module that goes non-finite.",
         "On a GPU: make kernels deterministic (torch.use_deterministic_algorithms(True)) and check the hardware "
         "(nvidia-smi -q for ECC errors, temperatures); replay the capture on the original machine "
@@ -174,7 +191,7 @@ def _resume_before_the_damage(ev: Evidence, ctx: RunContext, state: str, lr: str
         ck = next(c for c in w.checkpoints if c["path"] == w.healthy_checkpoint)
         path = Path(w.healthy_checkpoint)
         where = (RESUME if path.name == "last.ckpt" else
-                 f"rerun your training command with resume_from={shlex.quote(str(path.resolve()))}")
+                 f"rerun your training command with resume_from={shell_path(path)}")
         why = f": {ck['why']}" if ck.get("why") else ""
         return (f"Resume from before the damage: the newest checkpoint with healthy {state} is step {ck['step']} "
                 f"(|w| up to {fmt_number(ck['abs_max'])}{why}); {where} and {lr}.")
@@ -183,10 +200,11 @@ def _resume_before_the_damage(ev: Evidence, ctx: RunContext, state: str, lr: str
         why = newest.get("why") or f"|w| up to {fmt_number(newest['abs_max'])}, huge from {fmt_number(w.threshold)}"
         return (f"No checkpoint of this run has healthy {state} (the newest, step {newest['step']}: {why}): "
                 f"start again with overwrite=true and {lr}.")
-    if ctx.out is not None and ctx.out.is_dir():
+    if ctx.out is not None and ctx.out.is_dir() and not ctx.terms:
         return (f"No checkpoint of this run was found under {ctx.out / 'checkpoints'} (written before step "
                 f"{ctx.cap.step}): start again with overwrite=true and {lr}.")
-    return f"Resume from a checkpoint written before the {state} went bad ({RESUME}) with {lr}."
+    # A framework's checkpoints are its own (not searched): the user knows where they are.
+    return f"Resume from a checkpoint written before the {state} went bad ({ctx.resume}) with {lr}."
 
 
 # ------------------------------------------------------------------------- precision-induced

@@ -51,12 +51,12 @@ def trace(
     for backward in (False, True):
         tracer = OpTracer(model, check_backward=backward, armed=False)
 
-        def traced_step(m: nn.Module, batch: Any, tracer: OpTracer = tracer) -> Tensor:
+        def traced_step(m: nn.Module, batch: Any, *step_args: Any, tracer: OpTracer = tracer) -> Tensor:
             # Armed once the captured state is loaded and the batch is on the device: restoring
             # non-finite weights is not the failing op; what the model does with them is.
             tracer.arm()
             tracer.watch_batch(batch)
-            loss = base(m, batch)
+            loss = base(m, batch, *step_args)
             tracer.check_loss(loss)  # a non-finite loss is the harm: its origin is the finding
             return loss
 

@@ -1,0 +1,191 @@
+"""stabletrain's tools in a Hugging Face Accelerate loop: :class:`StepMonitor`.
+
+Accelerate has no callbacks: the loop is yours, and the plain-loop monitors work in it as
+they are (``NaNCaptureMonitor``, ``UnderflowOverflowMonitor``, ``compute_grad_norm``,
+``TrendDetector``). Given the unwrapped model (``accelerator.unwrap_model(model)``: names
+without DDP's ``module.`` prefix) and ``scaler=accelerator.scaler``, they decide over all
+ranks by themselves (``torch.distributed`` is initialised by Accelerate). What they leave
+to you, and what :class:`StepMonitor` does in a few calls:
+
+* the gradient norm pre-clip **and** unscaled under Accelerate's fp16 ``GradScaler``
+  without un-scaling yourself: a second ``unscale_`` in the same step is an error, and
+  ``accelerator.clip_grad_norm_`` un-scales; the monitor divides the norm by the loss scale
+  while the gradients are still scaled, and leaves them alone;
+* one host read per step for the NaN decision, the gradient norm and the loss together,
+  and underflow_overflow's two decisions as collectives at the right points;
+* the precision, rank, world size and accumulation steps read from the ``Accelerator``;
+* trend alerts, with next actions in Accelerate's terms.
+
+The loop, with every call in place::
+
+    monitor = StepMonitor(accelerator, model, out_dir="out/run", step_fn=step_fn,
+                          debug_args={"nancapture": {"enabled": True}})
+    for step in range(steps):
+        monitor.begin_step(step)
+        for batch in microbatches:                       # accelerator.gradient_accumulation_steps of them
+            with accelerator.accumulate(model):
+                monitor.collect_batch(batch)             # just before the forward pass
+                loss = step_fn(model, batch)
+                monitor.collect_loss(loss)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    values = monitor.check(optimizer, read=step % 10 == 0)   # raises on every rank
+                    accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                optimizer.zero_grad()
+        monitor.end_step()
+
+On CPUs Accelerate does not run fp16 mixed precision (no ``GradScaler``, no autocast: it
+trains in float32); bf16 works, as autocast. The fp16 path is the same code as on a GPU.
+
+Where the instability policies of issue 11 plug in: right after :meth:`StepMonitor.check`,
+before clipping and ``optimizer.step()``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import Tensor, nn
+
+from stabletrain.integrations.common import Settings, StepTools, StepValues
+
+try:
+    import accelerate  # noqa: F401
+except ImportError:
+    raise ImportError(
+        "stabletrain.integrations.accelerate needs accelerate: pip install \"stabletrain[accelerate]\""
+    ) from None
+
+__all__ = ["StepMonitor", "StepValues", "precision_of"]
+
+
+def precision_of(accelerator: Any, model: nn.Module) -> str:
+    """The Lightning Fabric name of what ``accelerator`` runs ``model`` in (replay uses it)."""
+    mixed = str(getattr(accelerator, "mixed_precision", "no"))
+    if mixed == "fp16" and accelerator.scaler is not None:
+        return "16-mixed"
+    if mixed == "bf16" and getattr(accelerator, "native_amp", False):
+        return "bf16-mixed"
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    return {torch.bfloat16: "bf16-true", torch.float16: "16-true", torch.float64: "64-true"}.get(dtype, "32-true")
+
+
+class StepMonitor:
+    """stabletrain's tools in an Accelerate loop (see the module docstring for the loop).
+
+    Args:
+        accelerator: The ``accelerate.Accelerator``.
+        model: The model as ``accelerator.prepare`` returned it, or unwrapped; reports use
+            the unwrapped model's names.
+        out_dir: Run folder: reports and captures go to ``out_dir/debug/``.
+        debug_args: The ``debug_args`` settings of ``stabletrain train`` (a dict or
+            ``stabletrain.config.DebugArgs``).
+        trend_alerts: The ``trend_alerts`` settings; on by default.
+        step_fn: ``step_fn(model, batch) -> loss``, the function your loop computes the loss
+            with; replay needs it (by ``--step-fn file.py:name``) unless the model has
+            ``training_step(batch)``.
+        gradient_accumulation_steps: Microbatches per step, by which each loss is divided
+            before backward; default ``accelerator.gradient_accumulation_steps`` (what
+            ``accelerator.backward`` divides by).
+        warmup_steps: Spikes before this step are tolerated by the trend alerts.
+        lr: The learning rate, for concrete next actions.
+        clipping: Whether the loop clips gradients (advice).
+
+    Example::
+
+        with StepMonitor(accelerator, model, out_dir="out/run", step_fn=step_fn) as monitor:
+            ...
+    """
+
+    def __init__(
+        self,
+        accelerator: Any,
+        model: nn.Module,
+        *,
+        out_dir: Union[str, Path],
+        debug_args: Settings = None,
+        trend_alerts: Settings = None,
+        step_fn: Optional[Callable[..., Tensor]] = None,
+        gradient_accumulation_steps: Optional[int] = None,
+        warmup_steps: int = 0,
+        lr: Optional[float] = None,
+        clipping: bool = False,
+    ):
+        self.accelerator = accelerator
+        self.model = accelerator.unwrap_model(model)
+        self.tools = StepTools(
+            self.model,
+            framework="accelerate",
+            out_dir=out_dir,
+            debug_args=debug_args,
+            trend_alerts=trend_alerts,
+            rank=accelerator.process_index,
+            world_size=accelerator.num_processes,
+            scaler=accelerator.scaler,
+            precision=precision_of(accelerator, self.model),
+            gradient_accumulation_steps=gradient_accumulation_steps or accelerator.gradient_accumulation_steps,
+            step_fn=step_fn,
+            warmup_steps=warmup_steps,
+            lr=lr,
+            clipping=clipping,
+        )
+        #: Every trend alert of the run, as ``{"event": "trend_alert", ...}`` rows.
+        self.alerts = self.tools.alerts
+
+    def begin_step(self, step: int) -> None:
+        """Optimizer step ``step`` (numbered from 0) begins: before its first forward pass."""
+        self.tools.begin_step(step)
+
+    def collect_batch(self, batch: Any, indices: Any = None) -> None:
+        """A microbatch as the model receives it (on the device), just before its forward
+        pass. ``indices``: its samples' dataset indices, if you know them."""
+        self.tools.before_forward(batch, indices)
+
+    def collect_loss(self, loss: Tensor) -> None:
+        """The loss of the last microbatch, before ``accelerator.backward``. On the step's
+        last microbatch, underflow_overflow decides on the step's forward values here."""
+        self.tools.after_forward(loss)
+        if self.accelerator.sync_gradients:
+            self.tools.before_last_backward()
+
+    def check(self, optimizer: Any = None, *, read: bool = False) -> StepValues:
+        """After the step's last ``accelerator.backward``, before clipping and
+        ``optimizer.step()``: the gradient norm (pre-clip, unscaled) and the decisions.
+
+        Args:
+            optimizer: The prepared optimizer (under fp16: tells whether its gradients were
+                already unscaled this step).
+            read: Bring the gradient norm and the loss to the host (a logging step) and run
+                the trend alerts on them.
+
+        Returns:
+            :class:`~stabletrain.integrations.common.StepValues`: ``grad_norm`` (device
+            tensors), ``gradient_norm`` and ``loss`` (host floats, when read), ``alerts``.
+
+        Raises:
+            NaNDetectedError, UnderflowOverflowError: On every rank, when any rank failed.
+        """
+        return self.tools.grads_final(optimizer, read=read)
+
+    def layer_norms(self, values: StepValues) -> dict[str, float]:
+        """``gradient_norm/<parameter>`` and ``gradient_norm/<module>`` of a checked step, as host
+        floats (one read), in the unwrapped model's names: log them on your logging steps."""
+        return self.tools.layer_norms(values)
+
+    def end_step(self) -> bool:
+        """The step is over. True when underflow_overflow's ``abort_after_batch_num`` asks
+        to stop after it."""
+        return self.tools.end_step()
+
+    def close(self) -> None:
+        """Remove every hook (idempotent)."""
+        self.tools.close()
+
+    def __enter__(self) -> "StepMonitor":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

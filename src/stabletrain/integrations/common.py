@@ -1,0 +1,546 @@
+"""What the Lightning, Hugging Face Trainer and Accelerate integrations share.
+
+Each framework has its own hooks; each integration maps them onto one :class:`StepTools`,
+which drives stabletrain's plain-loop tools the way ``stabletrain.train`` does::
+
+    begin_step(step)                        # before the step's first forward pass
+    for each microbatch:
+        before_forward(batch, step_args)    # just before the forward pass: batch, RNG states
+        after_forward(loss)                 # the loss the step function returned
+        [last microbatch] before_last_backward()     # underflow_overflow: forward decision
+        backward (scaled under fp16)
+    values = grads_final(optimizer)         # gradients final: pre-clip, unscaled norm; decisions
+    clip, optimizer step
+    end_step()
+
+Host reads per optimizer step (each one ``aten._local_scalar_dense``, what ``.item()`` does):
+
+* nancapture on: exactly one. The failure flag, reduced over ranks, and the gradient norm
+  travel in one float32 status (see :func:`encode_status`), read together with the step's
+  mean loss as one 64-bit word (:func:`read_pair`). Every step then knows its gradient norm
+  and loss on the host, so logging and trend alerts cost nothing more.
+* nancapture off: none, except on logging steps (``read=True``): one, for the gradient
+  norm and the loss together.
+* underflow_overflow: two more, its forward and backward decisions, as in the trainer.
+
+Distributed: every decision is a collective all ranks reach at the same point (an
+all-reduce over ``torch.distributed``), so when one rank sees a NaN every rank raises the
+same error there, and none is left waiting for a rank that raised.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
+
+import torch
+from pydantic import BaseModel, ValidationError
+from torch import Tensor, nn
+
+from stabletrain import (
+    ConfigError,
+    GradNorm,
+    NaNCaptureMonitor,
+    NaNDetectedError,
+    TrendDetector,
+    UnderflowOverflowError,
+    UnderflowOverflowMonitor,
+    compute_grad_norm,
+    layer_grad_norms,
+)
+from stabletrain.config import DebugArgs, TrendAlertArgs
+from stabletrain.debug.advice import FRAMEWORK_TERMS
+
+_log = logging.getLogger("stabletrain")
+
+#: Under fp16 loss scaling, the SCALER_PATIENCE-th step in a row whose only non-finite values
+#: are gradients is an error for underflow_overflow (the GradScaler skips single ones).
+SCALER_PATIENCE = 10
+
+#: Status codes (see :func:`encode_status`); a gradient norm is never negative.
+_FAILED, _NAN, _INF = -3.0, -2.0, -1.0
+
+Settings = Union[None, Mapping[str, Any], BaseModel]
+
+
+def parse_settings(model: type[BaseModel], value: Settings, name: str) -> Any:
+    """``value`` (None, a dict or the pydantic model itself) validated as ``model``.
+
+    Raises:
+        ConfigError: Every problem at once, with the dotted key, as ``stabletrain train`` does.
+    """
+    if value is None:
+        return model()
+    if isinstance(value, model):
+        return value
+    if not isinstance(value, Mapping):
+        raise ConfigError([f"{name}: expected a dict or {model.__name__}, got {type(value).__name__} ({value!r})"])
+    try:
+        return model(**value)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            where = ".".join([name, *(str(p) for p in err["loc"])])
+            if err["type"] == "extra_forbidden":
+                parent = model
+                for part in err["loc"][:-1]:
+                    ann = parent.model_fields[str(part)].annotation
+                    parent = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else parent
+                problems.append(f"{where}: unknown setting. Valid keys here: {', '.join(parent.model_fields)}")
+            else:
+                msg = err["msg"].removeprefix("Value error, ")
+                problems.append(f"{where}: {msg} (got {err.get('input')!r})")
+        raise ConfigError(problems) from None
+
+
+def parse_tool_settings(debug_args: Settings, trend_alerts: Settings) -> tuple[DebugArgs, TrendAlertArgs]:
+    """Both settings groups of the integrations, every problem of both in one ConfigError."""
+    problems: list[str] = []
+    parsed = []
+    for model, value, name in ((DebugArgs, debug_args, "debug_args"), (TrendAlertArgs, trend_alerts, "trend_alerts")):
+        try:
+            parsed.append(parse_settings(model, value, name))
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+    if problems:
+        raise ConfigError(problems)
+    return parsed[0], parsed[1]
+
+
+def encode_status(failed: Tensor, total: Tensor) -> Tensor:
+    """One float32 device scalar that carries a step's failure flag and its gradient norm.
+
+    ``>= 0``: the norm; ``-1``: the norm is +inf; ``-2``: it is NaN; ``-3``: the step failed.
+    NaN never enters a collective (a min over NaN depends on the order of the ranks), and
+    the minimum over ranks is ``-3`` when any rank failed, else the norm, which is the same
+    on every rank once DDP has averaged the gradients.
+    """
+    total = total.reshape(()).float()
+    code = torch.where(torch.isnan(total), _NAN, torch.where(torch.isinf(total), _INF, total))
+    return torch.where(failed.reshape(()).to(code.device), torch.full_like(code, _FAILED), code)
+
+
+def decode_status(value: float) -> tuple[bool, float]:
+    """(failed, gradient norm) from :func:`encode_status`'s value."""
+    if value == _FAILED:
+        return True, math.nan
+    if value == _NAN:
+        return False, math.nan
+    if value == _INF:
+        return False, math.inf
+    return False, value
+
+
+def read_pair(a: Tensor, b: Tensor) -> tuple[float, float]:
+    """Two device scalars as float32 host values with one read.
+
+    The two float32 values share one int64 word, and ``.item()`` of it is a single
+    ``aten._local_scalar_dense``: one synchronisation on a GPU, and what
+    ``stabletrain.utils.sync.CountSyncs`` counts (``tolist()`` of a CPU tensor dispatches
+    nothing, so it would hide the read from the count).
+    """
+    pair = torch.stack([a.reshape(()).float(), b.reshape(()).float().to(a.device)])
+    word = int(pair.view(torch.int64).item())
+    first, second = struct.unpack("=2f", struct.pack("=q", word))
+    return first, second
+
+
+def all_reduce(t: Tensor, op: str) -> Tensor:
+    """``t`` reduced over ranks (``"min"``, ``"max"`` or ``"sum"``) when ``torch.distributed``
+    runs several processes; else ``t``. A copy: the caller's tensor is left alone."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return t
+    out = t.detach().float().clone()
+    if dist.get_backend() == "nccl" and out.device.type != "cuda":
+        out = out.cuda()
+    ops = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX, "sum": dist.ReduceOp.SUM}
+    dist.all_reduce(out, op=ops[op])
+    return out
+
+
+def dist_rank_and_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def inner_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside Lightning's and Accelerate's wrappers."""
+    for _ in range(4):
+        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+        if inner is None or inner is optimizer:
+            break
+        optimizer = inner
+    return optimizer
+
+
+def pending_scale(scaler: Any, optimizer: Any) -> Optional[Tensor]:
+    """The fp16 loss scale still in the gradients, as a device tensor; None when they are
+    unscaled (no scaler, or ``scaler.unscale_(optimizer)`` already ran this step).
+
+    Reading it here instead of calling ``unscale_`` leaves the framework's own un-scaling
+    (Accelerate's ``clip_grad_norm_``, Lightning's AMP plugin) to run as usual: a second
+    ``unscale_`` of the same step is an error in ``torch.amp.GradScaler``.
+    """
+    if scaler is None or not getattr(scaler, "is_enabled", lambda: False)():
+        return None
+    states = getattr(scaler, "_per_optimizer_states", None)
+    if optimizer is not None and isinstance(states, dict):
+        state = states.get(id(inner_optimizer(optimizer)))
+        if state is not None and getattr(state.get("stage"), "name", None) == "UNSCALED":
+            return None
+    scale = getattr(scaler, "_scale", None)
+    return scale if isinstance(scale, Tensor) else None
+
+
+# --------------------------------------------------------------------------------------
+# Advice in the framework's own terms
+# --------------------------------------------------------------------------------------
+
+
+def next_actions(kind: str, framework: str, *, lr: Optional[float] = None, clipping: bool = False,
+                 precision: Optional[str] = None) -> list[str]:
+    """What to change after a trend alert of ``kind``, in ``framework``'s settings."""
+    t = FRAMEWORK_TERMS[framework]
+    lr_text = f" (now {lr:.3g})" if lr else ""
+    reduced = precision not in (None, "32-true", "64-true")
+    if kind == "exploding":
+        actions = [f"lower {t['lr']}, e.g. by 10x{lr_text}"]
+        if reduced:
+            actions.append(f"rule out reduced precision ({precision}): {t['precision']}")
+        if not clipping:
+            actions.append(f"clip gradients: {t['clip']}")
+        return actions
+    if kind == "vanishing":
+        return [f"raise {t['lr']}{lr_text}, especially for small models (~10M parameters or fewer)",
+                "check that the input normalization matches your data"]
+    if kind == "spike":
+        return ["a single spike is usually harmless; if spikes recur or grow, "
+                + (f"clip gradients ({t['clip']}), " if not clipping else "") + f"lower {t['lr']} or warm up longer"]
+    if kind == "plateau":
+        return [f"if gradient_norm is small too, raise {t['lr']}{lr_text}",
+                "check that inputs and labels match (a shuffled or constant label gives a flat loss)"]
+    return [f"re-run from the last healthy checkpoint with a lower learning rate: {t['resume']}",
+            f"isolate reduced precision: {t['fp32']}" if reduced
+            else f"precision is already {precision or '32-true'}: reduced precision is not the cause",
+            f"localise it: {t['debug']}"]
+
+
+# --------------------------------------------------------------------------------------
+# The tools of one run
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class StepValues:
+    """What one optimizer step's decision produced.
+
+    Attributes:
+        step: The optimizer step (numbered from 0).
+        grad_norm: The :class:`~stabletrain.GradNorm` (device tensors), pre-clip and unscaled.
+        gradient_norm: Its total on the host, when it was read (every step with nancapture,
+            else on logging steps); None otherwise.
+        loss: The mean loss of the step's microbatches on the host, when read and known.
+        alerts: Trend alerts this step opened (``Episode`` objects).
+    """
+
+    step: int
+    grad_norm: GradNorm
+    gradient_norm: Optional[float] = None
+    loss: Optional[float] = None
+    alerts: list[Any] = field(default_factory=list)
+
+
+class StepTools:
+    """stabletrain's tools for one training run of a framework (see the module docstring).
+
+    Args:
+        model: The user's module, unwrapped (its parameter and module names are reported).
+        framework: ``"lightning"``, ``"transformers"`` or ``"accelerate"`` (for advice).
+        out_dir: Run folder: ``out_dir/debug/`` receives the reports and captures.
+        debug_args: ``DebugArgs`` (or a dict): underflow_overflow and nancapture.
+        trend_alerts: ``TrendAlertArgs`` (or a dict).
+        rank, world_size: This process; default: from ``torch.distributed``.
+        scaler: The fp16 ``GradScaler`` of the run, if any.
+        precision: The run's precision as a Lightning Fabric name (replay uses it).
+        gradient_accumulation_steps: Microbatches per optimizer step (replay divides each
+            loss by it before backward, as training did).
+        step_fn: ``step_fn(model, batch, *step_args) -> loss`` for replay; a function of
+            ``stabletrain.integrations`` is found by replay from the capture.
+        model_meta: Stored in the capture (a model builder for replay, see ``replay.py``), with the
+            framework, ``lr`` and ``clipping`` added (for diagnose's next actions).
+        replay_command: The command the NaN error shows; default: derived from the model.
+        warmup_steps: Spikes before this step are tolerated by the trend alerts.
+        lr, clipping: For concrete next actions in alerts.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        framework: str,
+        out_dir: Union[str, Path],
+        debug_args: Settings = None,
+        trend_alerts: Settings = None,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        scaler: Any = None,
+        precision: str = "32-true",
+        gradient_accumulation_steps: Optional[int] = None,
+        step_fn: Optional[Callable[..., Tensor]] = None,
+        model_meta: Optional[dict[str, Any]] = None,
+        replay_command: Optional[str] = None,
+        warmup_steps: int = 0,
+        lr: Optional[float] = None,
+        clipping: bool = False,
+    ):
+        d_rank, d_world = dist_rank_and_world()
+        self.model = model
+        self.framework = framework
+        self.out_dir = Path(out_dir)
+        self.debug_args, self.trend_args = parse_tool_settings(debug_args, trend_alerts)
+        self.rank = d_rank if rank is None else int(rank)
+        self.world_size = d_world if world_size is None else int(world_size)
+        self.scaler = scaler if scaler is not None and getattr(scaler, "is_enabled", lambda: False)() else None
+        self.precision = precision
+        self.lr, self.clipping = lr, clipping
+        uo_args, nan_args = self.debug_args.underflow_overflow, self.debug_args.nancapture
+        self.nan: Optional[NaNCaptureMonitor] = None
+        if nan_args.enabled:
+            folder = self.out_dir / "debug" / "nan_capture"
+            self.nan = NaNCaptureMonitor(
+                model, folder, rank=self.rank, world_size=self.world_size, scaler=self.scaler,
+                max_skipped_steps=nan_args.max_skipped_steps, precision=precision,
+                gradient_accumulation_steps=gradient_accumulation_steps, step_fn=step_fn,
+                # diagnose words its next actions in the framework's settings (debug.advice.FRAMEWORK_TERMS).
+                model_meta={**(model_meta or {}), "framework": framework, "lr": lr, "clipping": clipping},
+                any_rank=self._nan_any_rank, replay_command=replay_command,
+            )
+        self.uo: Optional[UnderflowOverflowMonitor] = None
+        if uo_args.enabled:
+            # Decided here, collectively, at two points per step (auto_check=False), as the trainer does.
+            self.uo = UnderflowOverflowMonitor(
+                model, out_dir=self.out_dir / "debug", rank=self.rank, max_frames_to_save=uo_args.max_frames_to_save,
+                trace_batch_nums=uo_args.trace_batch_nums, include_backward=uo_args.include_backward, auto_check=False,
+            )
+        self.detector = TrendDetector(self.trend_args, warmup_steps=warmup_steps) if self.trend_args.enabled else None
+        #: Every trend alert so far, as the event rows ``stabletrain train`` writes to metrics.jsonl.
+        self.alerts: list[dict[str, Any]] = []
+        self.step: Optional[int] = None
+        self.micro_step = -1
+        self.in_step = False
+        self.decided = False
+        self._losses: list[Tensor] = []
+        self._total: Optional[Tensor] = None
+        self._read: Optional[tuple[float, float]] = None
+        self._uo_skipped = 0
+        self._closed = False
+        self._cleanups: list[Callable[[], None]] = []
+
+    # ------------------------------------------------------------------ per step
+
+    def begin_step(self, step: int) -> None:
+        """Optimizer step ``step`` (numbered from 0) begins; before its first forward pass."""
+        self.step, self.micro_step, self.in_step, self.decided = int(step), -1, True, False
+        self._losses = []
+        if self.nan is not None:
+            self.nan.begin_step(step)
+        if self.uo is not None:
+            self.uo.set_step(step)
+
+    def before_forward(self, batch: Any, indices: Any = None, step_args: Sequence[Any] = ()) -> None:
+        """A microbatch, exactly as the model receives it, just before its forward pass (the
+        RNG states are taken here, so dropout replays the same)."""
+        if not self.in_step:
+            raise RuntimeError("StepTools.before_forward: begin_step(step) was not called for this step")
+        self.micro_step += 1
+        if self.uo is not None:
+            self.uo.micro_step = self.micro_step
+        if self.nan is not None:
+            self.nan.collect_batch(batch, indices, step_args=step_args)
+
+    def after_forward(self, loss: Any) -> None:
+        """The loss the step function returned for the last microbatch (before any division
+        by the accumulation steps or loss scaling)."""
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            return
+        loss = loss.detach().reshape(())
+        self._losses.append(loss)
+        if self.nan is not None:
+            self.nan.collect_loss(loss)
+        if self.uo is not None:
+            self.uo.record_loss(loss)
+
+    def before_last_backward(self) -> None:
+        """Just before the step's last backward pass: underflow_overflow decides on every
+        forward value of the step (one collective read). Raises on every rank."""
+        if self.uo is not None and not self.uo.tracing:
+            self._guard(self._uo_decide, "forward")
+
+    def grads_final(self, optimizer: Any = None, *, read: bool = False) -> StepValues:
+        """The gradients are final (after the last backward and DDP's reduction), before
+        clipping and the optimizer step: compute the pre-clip, unscaled gradient norm and
+        decide. Raises ``UnderflowOverflowError`` or ``NaNDetectedError`` on every rank.
+
+        Args:
+            optimizer: The step's optimizer: under fp16, whether its gradients were already
+                unscaled is read from the scaler's state for it.
+            read: Also bring the gradient norm and the loss to the host (a logging step).
+        """
+        if self.step is None:
+            raise RuntimeError("StepTools.grads_final: begin_step(step) was not called")
+        gn = compute_grad_norm(self.model.named_parameters())
+        scale = pending_scale(self.scaler, optimizer)
+        if scale is not None and gn.per_param:
+            # Still scaled (an fp16 step before the framework un-scales): divide the norms,
+            # not the gradients, so the framework's own unscale_ runs as usual.
+            inv = scale.to(gn.total.device).double().reciprocal().float()
+            gn = GradNorm(total=gn.total * inv, per_param=list(torch._foreach_mul(gn.per_param, inv)),
+                          names=gn.names, params=gn.params)
+        self.decided = True
+        self._read = None
+        if self.uo is not None:
+            if self.uo.tracing:
+                if self.uo.has_records:
+                    self.uo.write_trace()
+            elif self.uo.include_backward:
+                self._guard(self._uo_decide, "backward")
+        if self.nan is not None:
+            self._total = gn.total
+            self._guard(self.nan.check_and_capture, gn)  # one read, in _nan_any_rank
+        elif read:
+            self._read = read_pair(gn.total, self._loss_mean())
+        values = StepValues(self.step, gn)
+        if self._read is not None:
+            norm, loss = self._read
+            values.gradient_norm = norm
+            values.loss = loss if self._losses else None
+            if read:
+                values.alerts = self.observe(self.step, gradient_norm=norm, loss=values.loss)
+        return values
+
+    def end_step(self) -> bool:
+        """The optimizer step is done. True when underflow_overflow's
+        ``abort_after_batch_num`` asks to stop training after this step."""
+        self.in_step = False
+        stop = self.debug_args.underflow_overflow.abort_after_batch_num
+        return self.uo is not None and stop is not None and self.step is not None and self.step >= stop
+
+    def layer_norms(self, values: StepValues) -> dict[str, float]:
+        """``gradient_norm/<parameter or module>`` of a step, on the host (one read)."""
+        names, norms = layer_grad_norms(values.grad_norm)
+        return {f"gradient_norm/{n}": v for n, v in zip(names, norms.tolist())}
+
+    # ------------------------------------------------------------------ trend alerts
+
+    def observe(self, step: int, *, gradient_norm: Optional[float] = None, loss: Optional[float] = None) -> list[Any]:
+        """Feed one logged step to the trend alerts; warn (rank 0) and return the new alerts."""
+        if self.detector is None:
+            return []
+        metrics: dict[str, float] = {}
+        if gradient_norm is not None:
+            metrics["gradient_norm"] = float(gradient_norm)
+        if loss is not None:
+            metrics["loss"] = float(loss)
+        if self.scaler is not None:
+            metrics["loss_scale"] = math.nan  # single skipped fp16 steps are expected
+        opened = self.detector.update(step, metrics)
+        if not opened:
+            return []
+        lines = []
+        for episode in opened:
+            event = episode.to_event()
+            event["actions"] = next_actions(episode.kind, self.framework, lr=self.lr, clipping=self.clipping,
+                                            precision=self.precision)
+            self.alerts.append(event)
+            lines.append(f"WARNING {episode.describe()}.")
+            lines.extend(f"  next: {a}" for a in event["actions"] if not episode.follows)
+        if self.rank == 0:
+            _log.warning("\n".join(lines))
+        return opened
+
+    # ------------------------------------------------------------------ cleanup
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran (after the run, or when a decision raised)."""
+        return self._closed
+
+    def add_cleanup(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on :meth:`close`, also when a decision raises (an integration removes
+        its wrappers there: the Hugging Face Trainer has no exception hook)."""
+        self._cleanups.append(fn)
+
+    def close(self) -> None:
+        """Remove every hook and let go of held batches (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        for fn in self._cleanups:
+            fn()
+        if self.nan is not None:
+            self.nan.close()
+        if self.uo is not None:
+            self.uo.close()
+        if self.detector is not None:
+            self.detector.finish()
+
+    # ------------------------------------------------------------------ internals
+
+    def _guard(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run a decision; on a stabletrain stop, remove the hooks before the error leaves."""
+        try:
+            return fn(*args)
+        except (NaNDetectedError, UnderflowOverflowError):
+            self.close()
+            raise
+
+    def _loss_mean(self) -> Tensor:
+        if not self._losses:
+            return torch.zeros((), dtype=torch.float32, device=self._device())
+        device = self._losses[0].device
+        return torch.stack([loss.float().to(device) for loss in self._losses]).mean()
+
+    def _device(self) -> torch.device:
+        p = next(self.model.parameters(), None)
+        return p.device if p is not None else torch.device("cpu")
+
+    def _nan_any_rank(self, flag: Tensor) -> bool:
+        """The monitor's decision over ranks, read with the norm and the loss in one go."""
+        assert self._total is not None
+        status = all_reduce(encode_status(flag, self._total), "min")
+        value, loss = read_pair(status, self._loss_mean())
+        failed, norm = decode_status(value)
+        self._read = (norm, loss)
+        return failed
+
+    def _uo_decide(self, phase: str) -> None:
+        uo = self.uo
+        assert uo is not None
+        code = uo.nonfinite_code()
+        worst = float(all_reduce(code, "max"))  # the one host read of this decision
+        if worst == 0:
+            uo.accept()
+            if phase == "backward":
+                self._uo_skipped = 0
+            return
+        if worst == 1 and self.scaler is not None:
+            # Only scaled gradients are non-finite: the GradScaler skips this step.
+            if phase == "forward":
+                return  # an earlier microbatch's gradients: judged once, after the last backward
+            self._uo_skipped += 1
+            if self._uo_skipped < SCALER_PATIENCE:
+                uo.accept()
+                return
+        votes = torch.zeros(self.world_size, dtype=torch.float32, device=code.device)
+        votes[self.rank] = (code > 0).float()
+        detected = [r for r, v in enumerate(all_reduce(votes, "sum").tolist()) if v > 0]
+        uo.fail(detected_by=detected, phase="forward" if worst == 2 else "backward")

@@ -1,0 +1,146 @@
+"""stabletrain's tools in Accelerate loops: the documented example on 2 processes, precisions."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from stabletrain import NaNDetectedError, UnderflowOverflowError, diagnose, load_nan_capture
+
+accelerate = pytest.importorskip("accelerate")
+from accelerate import Accelerator  # noqa: E402
+from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+
+from conftest import cli_env  # noqa: E402
+from stabletrain.integrations.accelerate import StepMonitor  # noqa: E402
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "integrations" / "accelerate_example.py"
+sys.path.insert(0, str(EXAMPLE.parent))
+from accelerate_example import Pairs, Siamese, step_fn  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    # Accelerate keeps its state in process-wide singletons; each test makes its own Accelerator.
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_loop(accelerator, out, *, steps=12, debug_args=None, bad=29):
+    """The example's loop in this process; returns {step: (gradient_norm, accelerate's norm)}."""
+    torch.manual_seed(0)
+    model = Siamese()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    loader = torch.utils.data.DataLoader(Pairs(bad=bad), batch_size=2)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    norms = {}
+    batches = iter(loader)
+    with StepMonitor(accelerator, model, out_dir=out, step_fn=step_fn, debug_args=debug_args) as monitor:
+        for step in range(steps):
+            monitor.begin_step(step)
+            for _ in range(accelerator.gradient_accumulation_steps):
+                batch = next(batches)
+                with accelerator.accumulate(model):
+                    monitor.collect_batch(batch, indices=batch["index"])
+                    loss = step_fn(model, batch)
+                    monitor.collect_loss(loss)
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients:
+                        values = monitor.check(optimizer, read=True)
+                        # Accelerate un-scales (under fp16) and returns the pre-clip norm itself.
+                        theirs = accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                        norms[step] = (values.gradient_norm, float(theirs))
+                    optimizer.step()
+                    optimizer.zero_grad()
+            monitor.end_step()
+    return norms
+
+
+def test_norm_equals_accelerates_and_capture_replays(tmp_path):
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    # One process: sample 29 is batch 14, so step 7, micro step 0, row 1.
+    with pytest.raises(NaNDetectedError) as info:
+        run_loop(accelerator, tmp_path, debug_args={"nancapture": {"enabled": True}})
+    err = info.value
+    assert (err.step, err.reason) == (7, "nonfinite_gradients")
+    assert err.replay_command.endswith("accelerate_example.py:step_fn")
+    cap = load_nan_capture(err.capture_path, model=Siamese(), step_fn=step_fn)
+    assert cap.precision == "32-true" and cap.gradient_accumulation_steps == 2
+    assert cap.ranks[0].indices[0].tolist() == [28, 29]
+    result = cap.replay()
+    assert result.reproduced and result.losses_bitwise_equal
+    d = diagnose(cap, write=False)
+    assert (d.finding.module, d.finding.phase) == ("distance", "backward")
+    assert d.data.dataset_indices == [29]
+
+
+def test_norms_before_the_fault_equal_clip_grad_norm(tmp_path):
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    norms = run_loop(accelerator, tmp_path, steps=6, debug_args={"nancapture": {"enabled": True}})
+    assert sorted(norms) == list(range(6))
+    for ours, theirs in norms.values():
+        assert theirs > 1.0, "clipping at 1.0 acts: ours is the pre-clip norm"
+        assert ours == pytest.approx(theirs, rel=1e-6)
+
+
+def test_bf16_autocast_on_cpu_is_captured_and_replayed_in_bf16(tmp_path):
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2, mixed_precision="bf16")
+    with pytest.raises(NaNDetectedError) as info:
+        run_loop(accelerator, tmp_path, debug_args={"nancapture": {"enabled": True}})
+    cap = load_nan_capture(info.value.capture_path, model=Siamese(), step_fn=step_fn)
+    assert cap.precision == "bf16-mixed"
+    result = cap.replay()
+    assert result.reproduced and result.losses_bitwise_equal
+
+
+def test_fp16_scaled_gradients_give_the_unscaled_norm_without_unscaling(tmp_path):
+    """Accelerate gives a CPU no GradScaler; the same Accelerator with one (as on a GPU)
+    exercises the fp16 path: the monitor reads the norm while the gradients are still scaled
+    and divides it by the scale, and Accelerate's own unscale_ in clip_grad_norm_ still runs
+    (a second unscale_ in one step would be an error)."""
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2, mixed_precision="fp16")
+    accelerator.native_amp = True
+    accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    norms = run_loop(accelerator, tmp_path, steps=5, debug_args={"nancapture": {"enabled": True}}, bad=255)
+    for ours, theirs in norms.values():
+        assert ours == pytest.approx(theirs, rel=1e-5)
+    assert accelerator.scaler.get_scale() == 2.0**10, "no step was skipped"
+
+
+def test_underflow_overflow_names_the_module_without_a_wrapper_prefix(tmp_path):
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    with pytest.raises(UnderflowOverflowError) as info:
+        run_loop(accelerator, tmp_path, debug_args={"underflow_overflow": {"enabled": True}})
+    err = info.value
+    assert (err.step, err.phase, err.module) == (7, "backward", "distance")
+
+
+@pytest.mark.slow
+def test_example_on_two_processes_stops_both_and_replays(tmp_path):
+    # torchrun: two CPU processes, gloo. Each process reads every other batch of 2: sample 29
+    # is rank 0's batch 7, so step 3, micro step 1; rank 1 never sees it.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           str(EXAMPLE), str(tmp_path / "out")]
+    result = subprocess.run(cmd, cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "NaNDetectedError: Non-finite gradients at step 3 (rank 0 of 2)" in result.stdout
+    assert "-> the data of rank(s) 0 alone reproduces the NaN" in result.stdout
+    folder = tmp_path / "out" / "debug" / "nan_capture"
+    cap = load_nan_capture(folder, model=Siamese(), step_fn=step_fn)
+    assert [r.rank for r in cap.ranks] == [0, 1] and cap.step == 3
+    # The unwrapped model's names, not DDP's module.embed.0.weight.
+    assert all(r.nan_param_names == ["embed.0.weight", "embed.0.bias", "embed.2.weight", "embed.2.bias"]
+               for r in cap.ranks)
+    assert 29 in cap.ranks[0].indices[1].tolist()

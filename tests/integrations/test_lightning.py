@@ -1,0 +1,222 @@
+"""stabletrain's tools in PyTorch Lightning: faults planted at known steps and samples."""
+
+from __future__ import annotations
+
+import csv
+import logging
+import math
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import stabletrain
+from stabletrain import NaNDetectedError, UnderflowOverflowError, load_nan_capture
+from stabletrain.utils.sync import CountSyncs
+
+L = pytest.importorskip("lightning.pytorch")
+from lightning.pytorch.loggers import CSVLogger  # noqa: E402
+from lightning.pytorch.utilities import grad_norm  # noqa: E402
+
+from conftest import cli_env  # noqa: E402
+from lit_models import LinearLit, PairData, SiameseLit  # noqa: E402
+from stabletrain.integrations.lightning import StabletrainCallback  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+
+
+def fit(model, data, tmp_path, callbacks, *, accumulate=2, batch_size=4, max_steps=8, log_every_n_steps=1,
+        **kwargs):
+    """Lightning's own loop on the CPU; CSV metrics in tmp_path/csv/version_0/metrics.csv."""
+    trainer = L.Trainer(
+        max_steps=max_steps, accumulate_grad_batches=accumulate, log_every_n_steps=log_every_n_steps,
+        callbacks=callbacks,
+        accelerator="cpu", devices=1, default_root_dir=tmp_path, logger=CSVLogger(tmp_path, name="csv"),
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, **kwargs,
+    )
+    trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=batch_size))
+    return trainer
+
+
+def logged(tmp_path, key):
+    """{step: value} of one key, read back from Lightning's CSVLogger file."""
+    with open(tmp_path / "csv" / "version_0" / "metrics.csv") as f:
+        return {int(row["step"]): float(row[key]) for row in csv.DictReader(f) if row.get(key)}
+
+
+def run_command(command, cwd):
+    """A command from an error message, run with this checkout's sources."""
+    args = shlex.split(command)
+    assert args[0] == "stabletrain"
+    return subprocess.run([sys.executable, "-m", "stabletrain", *args[1:]], cwd=cwd, env=cli_env(),
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_nancapture_names_step_and_sample_replays_and_diagnoses(tmp_path):
+    # batch 4, 2 accumulation steps: sample 29 is in step 3, micro step 1 (batch_idx 7), row 1.
+    torch.manual_seed(0)
+    model = SiameseLit()
+    callback = StabletrainCallback(debug_args={"nancapture": {"enabled": True}})
+    with pytest.raises(NaNDetectedError) as info:
+        fit(model, PairData(bad=29), tmp_path, [callback])
+    err = info.value
+    assert (err.step, err.rank, err.reason) == (3, 0, "nonfinite_gradients")
+    assert err.nan_param_names == ["embed.0.weight", "embed.0.bias", "embed.2.weight", "embed.2.bias"]
+    assert err.capture_path == tmp_path / "debug" / "nan_capture" / "rank0" / "nan_capture.pt"
+    assert err.replay_command.endswith("lit_models.py:SiameseLit"), err.replay_command
+    # Stopped before clipping and the optimizer step, and the callback took its wrapper away.
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    assert "training_step" not in model.__dict__
+
+    cap = load_nan_capture(err.capture_path, model=SiameseLit())
+    part = cap.ranks[0]
+    assert part.step_args == [[6], [7]], "each microbatch's batch_idx, for training_step(batch, batch_idx)"
+    assert torch.equal(part.microbatches[1]["x"][1], part.microbatches[1]["y"][1]), "the planted identical pair"
+    result = cap.replay()
+    assert result.reproduced and result.losses_bitwise_equal, result.report()
+
+    # The command in the message, pasted: replays with the LightningModule's own training_step.
+    replay = run_command(err.replay_command, cwd=Path.cwd())
+    assert replay.returncode == 0, replay.stderr[-2000:]
+    assert "reproduced: YES" in replay.stdout and "losses: bitwise equal to the captured ones" in replay.stdout
+
+    d = stabletrain.diagnose(err.capture_path, model=SiameseLit(), write=False)
+    assert d.cause == "deterministic_numerical"
+    assert (d.finding.module, d.finding.phase) == ("distance", "backward")
+    assert d.data.microbatches == [(0, 1)] and d.data.rows == [1]
+    # And on the command line, with the same --model as the replay command.
+    cli = run_command(err.replay_command.replace("stabletrain replay ", "stabletrain diagnose ", 1), cwd=Path.cwd())
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    assert "**Verdict: deterministic numerical**" in cli.stdout
+    assert "in distance (PairDistance), backward pass" in cli.stdout and "rows [1]" in cli.stdout
+    assert (err.capture_path.parent / "diagnosis.json").is_file()
+
+
+def test_partial_accumulation_at_epoch_end_counts_micro_steps_apart(tmp_path):
+    # 10 batches of 2 per epoch, 3 accumulation steps: steps of 3, 3, 3 and 1 microbatch(es).
+    # Sample 19 is in batch 9, the last step of the epoch (step 3), alone in it.
+    torch.manual_seed(0)
+    callback = StabletrainCallback(debug_args={"nancapture": {"enabled": True}})
+    with pytest.raises(NaNDetectedError) as info:
+        fit(SiameseLit(), PairData(n=20, bad=19), tmp_path, [callback], accumulate=3, batch_size=2)
+    assert info.value.step == 3
+    assert (callback.tools.step, callback.tools.micro_step) == (3, 0)
+    cap = load_nan_capture(info.value.capture_path, model=SiameseLit())
+    assert cap.ranks[0].step_args == [[9]] and cap.gradient_accumulation_steps == 3
+    # Lightning divides even the lone microbatch's loss by 3: so does the replay.
+    result = cap.replay()
+    assert result.reproduced and result.losses_bitwise_equal
+
+
+def test_bf16_mixed_is_captured_and_replayed_in_it(tmp_path):
+    torch.manual_seed(0)
+    callback = StabletrainCallback(debug_args={"nancapture": {"enabled": True}})
+    with pytest.raises(NaNDetectedError) as info:
+        fit(SiameseLit(), PairData(bad=29), tmp_path, [callback], precision="bf16-mixed")
+    cap = load_nan_capture(info.value.capture_path, model=SiameseLit())
+    assert cap.precision == "bf16-mixed" and cap.step == 3
+    result = cap.replay()
+    assert result.reproduced and result.losses_bitwise_equal, "the replay runs Lightning's autocast the same way"
+
+
+def test_underflow_overflow_names_module_phase_and_step(tmp_path):
+    torch.manual_seed(0)
+    callback = StabletrainCallback(debug_args={"underflow_overflow": {"enabled": True}})
+    with pytest.raises(UnderflowOverflowError) as info:
+        fit(SiameseLit(), PairData(bad=29), tmp_path, [callback])
+    err = info.value
+    assert (err.step, err.phase, err.module, err.value) == (3, "backward", "distance", "nan")
+    assert err.tensor.startswith("grad of input")
+    assert err.report_path == tmp_path / "debug" / "underflow_overflow_rank0.log"
+    assert "<-- first non-finite" in err.report_path.read_text()
+
+
+class Reference(L.Callback):
+    """Lightning's own ``grad_norm`` utility where Lightning documents it (before clipping),
+    and a float64 norm."""
+
+    def __init__(self):
+        self.lightning: dict[int, dict[str, float]] = {}
+        self.float64: dict[int, float] = {}
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        step = trainer.global_step
+        self.lightning[step] = {k: float(v) for k, v in grad_norm(pl_module, norm_type=2).items()}
+        grads = [p.grad.double() for p in pl_module.parameters() if p.grad is not None]
+        self.float64[step] = float(torch.sqrt(sum((g * g).sum() for g in grads)))
+
+
+@pytest.mark.parametrize("nancapture", [False, True], ids=["norm-only", "with-nancapture"])
+def test_logged_gradient_norm_equals_lightnings_grad_norm(tmp_path, nancapture):
+    torch.manual_seed(0)
+    reference = Reference()
+    callback = StabletrainCallback(debug_args={"nancapture": {"enabled": nancapture}}, gradient_norm_per_layer=True)
+    # Clipping at 0.05 changes every gradient after on_before_optimizer_step: the logged norm is pre-clip.
+    fit(SiameseLit(), PairData(), tmp_path, [callback, reference], max_steps=6, gradient_clip_val=0.05)
+    norms = logged(tmp_path, "gradient_norm")
+    assert sorted(norms) == [0, 1, 2, 3, 4, 5], "one value per optimizer step, numbered from 0"
+    for step, value in norms.items():
+        assert value > 0.05, "pre-clip: above the clipping threshold"
+        assert value == pytest.approx(reference.lightning[step]["grad_2.0_norm_total"], rel=1e-6)
+        assert value == pytest.approx(reference.float64[step], rel=1e-6)
+    layer = logged(tmp_path, "gradient_norm/embed.0.weight")
+    module = logged(tmp_path, "gradient_norm/embed")
+    for step in norms:
+        assert layer[step] == pytest.approx(reference.lightning[step]["grad_2.0_norm/embed.0.weight"], rel=1e-6)
+        ref = math.sqrt(sum(v**2 for k, v in reference.lightning[step].items() if k.startswith("grad_2.0_norm/embed.")))
+        assert module[step] == pytest.approx(ref, rel=1e-6)
+
+
+def test_one_host_read_per_step_with_gradient_norm_and_nancapture(tmp_path):
+    """Lightning's loop with and without the callback (gradient_norm logged, nancapture on,
+    trend alerts on), the same steps: the callback adds one host synchronisation per step."""
+    counts = {}
+    nancapture = {"nancapture": {"enabled": True}}
+    for name, callbacks in (("without", []), ("with", [StabletrainCallback(debug_args=nancapture)])):
+        torch.manual_seed(0)
+        with CountSyncs() as syncs:
+            fit(SiameseLit(dropout=0.0), PairData(), tmp_path / name, callbacks, max_steps=6, log_every_n_steps=3)
+        counts[name] = syncs.count
+    assert counts["with"] - counts["without"] == 6, counts
+
+
+def test_trend_alert_in_lightnings_terms(tmp_path, caplog):
+    torch.manual_seed(0)
+    callback = StabletrainCallback()
+    with caplog.at_level(logging.WARNING, logger="stabletrain"):
+        fit(LinearLit(lr=3.0), PairData(n=512), tmp_path, [callback], accumulate=1, batch_size=8, max_steps=30)
+    kinds = {(a["kind"], a["signal"]) for a in callback.alerts}
+    assert ("exploding", "gradient_norm") in kinds or ("exploding", "loss") in kinds, callback.alerts
+    exploding = next(a for a in callback.alerts if a["kind"] == "exploding")
+    assert "clip gradients: Trainer(gradient_clip_val=1.0)" in exploding["actions"]
+    assert "lower the learning rate in configure_optimizers, e.g. by 10x (now 3)" in exploding["actions"]
+    assert "is exploding" in caplog.text and "Trainer(gradient_clip_val=1.0)" in caplog.text
+
+
+def test_settings_are_checked_when_the_callback_is_made():
+    with pytest.raises(stabletrain.ConfigError) as info:
+        StabletrainCallback(debug_args={"nancapture": {"enabeld": True}}, trend_alerts={"window": 1})
+    text = str(info.value)
+    assert "debug_args.nancapture.enabeld: unknown setting" in text and "enabled" in text
+    assert "trend_alerts.window" in text and "(got 1)" in text
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_nan_on_one_rank_stops_both(tmp_path):
+    # Lightning's DDP launcher runs this file again for rank 1 (strategy="ddp", 2 CPU processes).
+    result = subprocess.run([sys.executable, str(HERE / "lit_models.py"), str(tmp_path)], cwd=tmp_path,
+                            env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert result.stderr.count("NaNDetectedError") >= 2, result.stderr[-3000:]
+    folder = tmp_path / "debug" / "nan_capture"
+    cap = load_nan_capture(folder, model=SiameseLit())
+    assert [r.rank for r in cap.ranks] == [0, 1] and cap.step == 3 and cap.world_size == 2
+    # DDP averaged the gradients: both ranks hold the NaN, under the LightningModule's own names.
+    assert all(r.nan_param_names == ["embed.0.weight", "embed.0.bias", "embed.2.weight", "embed.2.bias"]
+               for r in cap.ranks)
+    result = cap.replay()
+    assert result.reproduced and result.losses_bitwise_equal
+    assert result.ranks_reproducing_alone == [1], "only rank 1 saw sample 29"

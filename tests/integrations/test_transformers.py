@@ -1,0 +1,126 @@
+"""stabletrain's tools in the Hugging Face Trainer: tiny random-init models, planted faults."""
+
+from __future__ import annotations
+
+import logging
+import math
+import shlex
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import stabletrain
+from stabletrain import NaNDetectedError, UnderflowOverflowError, load_nan_capture
+
+transformers = pytest.importorskip("transformers")
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments  # noqa: E402
+
+from conftest import cli_env  # noqa: E402
+from hf_models import BAD_TOKEN, TokenData, causal_lm, classifier, gpt2_config  # noqa: E402
+from stabletrain.integrations.transformers import StabletrainCallback  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def quiet_transformers():
+    transformers.utils.logging.set_verbosity_error()
+
+
+def train(model, data, tmp_path, callback, **overrides):
+    """The Trainer on the CPU, data in order: batch 4, 2 accumulation steps (step s reads
+    samples 8s..8s+7; sample 29 is step 3, micro step 1, row 1)."""
+    settings = dict(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=8,
+        logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", learning_rate=1e-3, disable_tqdm=True,
+        train_sampling_strategy="sequential", max_grad_norm=0.5, seed=0,
+    )
+    settings.update(overrides)
+    trainer = Trainer(model=model, args=TrainingArguments(**settings), train_dataset=data, callbacks=[callback])
+    trainer.train()
+    return trainer
+
+
+def test_causal_lm_capture_replays_from_config_and_diagnose_names_module_and_sample(tmp_path):
+    callback = StabletrainCallback(debug_args={"nancapture": {"enabled": True}})
+    model = causal_lm()
+    with pytest.raises(NaNDetectedError) as info:
+        train(model, TokenData(bad=29), tmp_path, callback)
+    err = info.value
+    assert (err.step, err.reason) == (3, "nonfinite_loss")
+    assert err.capture_path == tmp_path / "debug" / "nan_capture" / "rank0" / "nan_capture.pt"
+    assert err.replay_command.startswith("stabletrain replay ") and "--model" not in err.replay_command
+    assert "forward" not in model.__dict__, "the callback took its wrapper off the model"
+    # Before clipping and the optimizer step: the weights are those of step 3's start.
+    assert all(bool(torch.isfinite(p).all()) for n, p in model.named_parameters())
+
+    cap = load_nan_capture(err.capture_path)   # no model given: rebuilt from the captured class and config
+    assert cap.ranks[0].model_class == "transformers.models.gpt2.modeling_gpt2.GPT2LMHeadModel"
+    batch = cap.ranks[0].microbatches[1]
+    assert (batch["input_ids"] == BAD_TOKEN).nonzero()[:, 0].tolist() == [1], "sample 29 is row 1 of micro step 1"
+    result = cap.replay()
+    assert result.reproduced and result.losses_bitwise_equal, result.report()
+    # The same with the model built by hand from the config, as a user would.
+    again = load_nan_capture(err.capture_path, model=AutoModelForCausalLM.from_config(gpt2_config())).replay()
+    assert again.reproduced and again.losses_bitwise_equal
+
+    pasted = subprocess.run([sys.executable, "-m", "stabletrain", *shlex.split(err.replay_command)[1:]],
+                            env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert pasted.returncode == 0, pasted.stderr[-2000:]
+    assert "reproduced: YES" in pasted.stdout and "bitwise equal" in pasted.stdout
+
+    d = stabletrain.diagnose(err.capture_path, write=False)
+    assert d.cause == "deterministic_numerical"
+    assert (d.finding.module, d.finding.phase) == ("transformer.h.0.ln_1", "forward")
+    assert d.data.microbatches == [(0, 1)] and d.data.rows == [1]
+    # The planted 1e30 row: damaged before the step. The next actions name the Trainer's settings
+    # (max_grad_norm=0.5 clips already), not stabletrain train's (model_args.lr, overwrite=true).
+    assert d.next_actions[0] == (
+        "Resume from a checkpoint written before the weights went bad "
+        "(trainer.train(resume_from_checkpoint=<last healthy checkpoint>)) "
+        "with a 10x lower learning rate (TrainingArguments(learning_rate=...), now 0.001).")
+    assert d.next_actions[1] == ("Keep single steps from blowing the weights up: "
+                                 "a lower TrainingArguments(max_grad_norm=...).")
+    assert not any(word in " ".join(d.next_actions) for word in ("model_args", "overwrite=", "gradient_clip_val"))
+
+
+def test_gradient_norm_equals_the_trainers_grad_norm_pre_clip(tmp_path):
+    # nancapture reads the norm every step; max_grad_norm=0.5 clips every step after that.
+    callback = StabletrainCallback(debug_args={"nancapture": {"enabled": True}})
+    trainer = train(causal_lm(planted=False), TokenData(), tmp_path, callback, max_steps=5)
+    logged = {row["step"] - 1: row["grad_norm"] for row in trainer.state.log_history if "grad_norm" in row}
+    assert sorted(logged) == [0, 1, 2, 3, 4] == sorted(callback.gradient_norms)
+    for step, value in logged.items():
+        assert value > 0.5, "pre-clip: above max_grad_norm"
+        assert callback.gradient_norms[step] == pytest.approx(value, rel=1e-6)
+
+
+def test_sequence_classifier_underflow_overflow_and_replay(tmp_path):
+    callback = StabletrainCallback(debug_args={"underflow_overflow": {"enabled": True}})
+    with pytest.raises(UnderflowOverflowError) as info:
+        train(classifier(), TokenData(bad=29, task="cls"), tmp_path, callback)
+    err = info.value
+    assert (err.step, err.phase, err.value) == (3, "forward", "nan")
+    assert err.module == "bert.embeddings.LayerNorm" and err.tensor == "output[0]"
+
+    callback = StabletrainCallback(debug_args={"nancapture": {"enabled": True}})
+    with pytest.raises(NaNDetectedError) as info:
+        train(classifier(), TokenData(bad=29, task="cls"), tmp_path / "nan", callback)
+    assert info.value.step == 3
+    cap = load_nan_capture(info.value.capture_path)
+    assert cap.ranks[0].model_class.endswith("BertForSequenceClassification")
+    result = cap.replay()
+    assert result.reproduced and result.losses_bitwise_equal
+
+
+def test_nan_loss_hidden_by_logging_nan_inf_filter_is_alerted(tmp_path, caplog):
+    # Trend alerts only: the Trainer replaces step 3's NaN loss in its log; the callback saw it.
+    callback = StabletrainCallback()
+    with caplog.at_level(logging.WARNING, logger="stabletrain"):
+        trainer = train(causal_lm(), TokenData(bad=29), tmp_path, callback, max_steps=4)
+    logged = {row["step"] - 1: row["loss"] for row in trainer.state.log_history if "loss" in row}
+    assert math.isfinite(logged[3]), "the Trainer's logging_nan_inf_filter hid it"
+    alerts = [a for a in callback.alerts if a["kind"] == "nonfinite" and a["signal"] == "loss"]
+    assert [a["step"] for a in alerts] == [3]
+    assert "loss is not finite (step 3)" in caplog.text
+    assert "TrainingArguments(fp16=False, bf16=False)" not in caplog.text  # 32-true: precision is not the cause
