@@ -216,16 +216,16 @@ class OnInstabilityArgs(_Settings):
     policy: Literal["stop", "skip_step", "rollback"] = Field(
         "stop", description="stop (the guard alone), skip_step (drop the bad update) or rollback (to a snapshot)."
     )
-    window: int = Field(50, ge=2, description="Good steps in the rolling window of log loss and log gradient norm.")
-    zscore: float = Field(6.0, gt=0, description="Spike threshold: log loss this many noise units above the last 5 "
+    window: Int = Field(50, ge=2, description="Good steps in the rolling window of log loss and log gradient norm.")
+    zscore: Float = Field(6.0, gt=0, description="Spike threshold: log loss this many noise units above the last 5 "
                                                  "good steps, or log gradient norm this many std above the window.")
-    warmup: int = Field(20, ge=2, description="Good steps seen before spikes are judged (non-finite values always are).")
-    max_ratio: float = Field(10.0, gt=1, description="A loss above this many times the largest loss seen is a spike.")
-    min_std: float = Field(0.05, ge=0, description="Floor of the noise and std of log values (a flat window would "
+    warmup: Int = Field(20, ge=2, description="Good steps seen before spikes are judged (non-finite values always are).")
+    max_ratio: Float = Field(10.0, gt=1, description="A loss above this many times the largest loss seen is a spike.")
+    min_std: Float = Field(0.05, ge=0, description="Floor of the noise and std of log values (a flat window would "
                                                    "make any wiggle a spike).")
-    max_recoveries: int = Field(10, ge=0, description="After this many recoveries the next bad step stops the run "
+    max_recoveries: Int = Field(10, ge=0, description="After this many recoveries the next bad step stops the run "
                                                       "with a capture.")
-    rollback_steps: int = Field(50, ge=1, description="rollback: keep an in-memory snapshot every this many steps.")
+    rollback_steps: Int = Field(50, ge=1, description="rollback: keep an in-memory snapshot every this many steps.")
     diagnose: bool = Field(True, description="After training, run stabletrain diagnose on the first 5 recoveries' "
                                              "captures (never during training); the report shows the verdicts.")
 
