@@ -24,7 +24,10 @@ KIND_COLORS = {
 MAX_HEATMAP_ROWS = 48
 
 
-def plot_all(data: RunData, episodes: Sequence[Episode], status: dict[str, str], folder: Path, warmup: int) -> list[Path]:
+def plot_all(
+    data: RunData, episodes: Sequence[Episode], status: dict[str, str], folder: Path, warmup: int
+) -> list[Path]:
+    """``<signal>.png`` for each signal with a status, and the per-layer heatmap when per-layer norms were logged."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)

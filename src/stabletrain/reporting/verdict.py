@@ -1,5 +1,11 @@
 """The verdict of a run: its episodes (the trend detector's, and those only the run's events show), the status
 of each signal and the worst of them. See ``docs/report.md``.
+
+A run whose loss or gradient norm went non-finite (logged, or found by the guard between logged
+steps) or grew by two orders of magnitude or more is never "stable"; with fewer logged points
+than the detector needs for a band (``trend_alerts.persist`` + 1) and nothing found, the verdict
+is "too few logged steps". A resumed run is read as one timeline: the rows logged after a resume
+replace those of the same and later steps (see :mod:`stabletrain.run_history`).
 """
 
 from __future__ import annotations

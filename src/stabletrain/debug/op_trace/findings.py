@@ -142,7 +142,9 @@ class OpFinding:
         lines = [head]
         for s in self.inputs:
             flag = " NON-FINITE" if s.nonfinite else ""
-            lines.append(f"  input[{s.index}] {s.dtype}{s.shape}: abs min {s.abs_min:.4g}, abs max {s.abs_max:.4g}{flag}")
+            lines.append(
+                f"  input[{s.index}] {s.dtype}{s.shape}: abs min {s.abs_min:.4g}, abs max {s.abs_max:.4g}{flag}"
+            )
         if self.source:
             lines.append(f"  source: {self.source}")
         lines.append(f"  origin: {self.chain()}" + (f"; it reached the {self.reached}" if self.reached else ""))

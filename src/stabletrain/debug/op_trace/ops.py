@@ -14,7 +14,9 @@ from stabletrain.debug.op_trace.findings import KINDS, NAN, POSINF
 
 #: Ops that return uninitialised memory, which may hold any bit pattern (NaN included) until
 #: the next op writes it (dropout's mask is built in an ``empty_like``).
-UNINITIALISED_OPS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted", "resize_"}
+UNINITIALISED_OPS = {
+    "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted", "resize_"
+}
 
 #: Ops that bring a constant written in the code (``torch.tensor(-inf)``) into the graph: the
 #: constant's values are born there, not in a tensor "made outside the traced ops".
