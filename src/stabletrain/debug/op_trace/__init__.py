@@ -4,7 +4,8 @@
 See ``docs/diagnose.md``; how provenance is decided is in :mod:`stabletrain.debug.op_trace.tracer`.
 
 One job per file: ``findings`` (what is reported), ``ops`` (what an aten op does to its tensors), ``source``
-(the model source line of an op), ``bad_op`` (an op with a non-finite output), ``tracer`` (the tracer).
+(the model source line of an op), ``bad_op`` (an op with a non-finite output), ``provenance`` (where each
+NaN/Inf came from, per storage), ``tracer`` (the tracer: hooks, dispatch, what is reported).
 """
 
 from stabletrain.debug.op_trace.findings import (

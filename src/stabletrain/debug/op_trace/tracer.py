@@ -47,24 +47,22 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
 
 from stabletrain.debug.op_trace.bad_op import OUTSIDE, BadInput, BadOp
-from stabletrain.debug.op_trace.findings import NAN, NEGINF, POSINF, OpFinding, pick_origin
+from stabletrain.debug.op_trace.findings import NAN, NEGINF, POSINF, OpFinding
 from stabletrain.debug.op_trace.ops import (
     CONSTANT_OPS,
     UNINITIALISED_OPS,
     copy_written,
-    is_elementwise,
     is_float,
     kind_mask,
     magnitude,
     nonfinite_kinds,
-    storage_ptr,
     writes_in_place,
 )
+from stabletrain.debug.op_trace.provenance import Provenance
 
 
 class _Tracer(TorchDispatchMode):
@@ -120,11 +118,8 @@ class OpTracer:
         self._handles: list[Any] = []
         self._anomaly: Any = None
         self._mode: Optional[_Tracer] = None
-        # Origins per storage, for each kind of value; a weak reference tells a storage that
-        # was freed (and whose memory may hold a new tensor) from a live one.
-        self._records: dict[int, tuple[Any, dict[str, OpFinding]]] = {}
-        # Tensors no traced op makes: weights, buffers and the data, by storage.
-        self._known: dict[int, tuple[Any, str, str]] = {}
+        #: Where each non-finite value seen so far came from, per storage.
+        self.provenance = Provenance()
         self._first_nan: Optional[OpFinding] = None
         self._loss_checked = False
 
@@ -137,14 +132,9 @@ class OpTracer:
     def _register_model(self) -> None:
         # Registered when armed: a replay replaces the parameters' storages before that.
         for name, p in self.model.named_parameters():
-            self._know(p, "weight", name)
+            self.provenance.know(p, "weight", name)
         for name, b in self.model.named_buffers():
-            self._know(b, "buffer", name)
-
-    def _know(self, t: torch.Tensor, source: str, name: str) -> None:
-        ptr = storage_ptr(t)
-        if ptr is not None and ptr not in self._known:
-            self._known[ptr] = (StorageWeakRef(t.untyped_storage()), source, name)
+            self.provenance.know(b, "buffer", name)
 
     def watch_batch(self, batch: Any, prefix: str = "batch") -> None:
         """Name the tensors of ``batch`` (as ``batch['x']``) for NaN/Inf found in them, and
@@ -154,7 +144,7 @@ class OpTracer:
             if isinstance(t, torch.Tensor):
                 if self.batch_size is None and t.ndim:
                     self.batch_size = int(t.shape[0])
-                self._know(t, "data", prefix + keystr(path))
+                self.provenance.know(t, "data", prefix + keystr(path))
 
     def batch_rows(self, t: torch.Tensor, kind: Optional[str] = None) -> Optional[list[int]]:
         """Rows of the batch where ``t`` holds non-finite values (of ``kind``), when ``t`` has a
@@ -182,11 +172,11 @@ class OpTracer:
                 for i, a in enumerate(args):
                     for t in tree_flatten(a)[0]:
                         if isinstance(t, torch.Tensor):
-                            self._know(t, "data", f"input[{i}]")
+                            self.provenance.know(t, "data", f"input[{i}]")
                 for k, v in kwargs.items():
                     for t in tree_flatten(v)[0]:
                         if isinstance(t, torch.Tensor):
-                            self._know(t, "data", f"input[{k!r}]")
+                            self.provenance.know(t, "data", f"input[{k!r}]")
             # What fed this module was computed by whoever runs now: the parent's forward, or
             # nobody's when it is called from training_step or the loop. Claim it so before this
             # module's post-hook can take it.
@@ -220,118 +210,6 @@ class OpTracer:
             meta[key] = owner
             todo.extend(n for n, _ in node.next_functions if n is not None)
 
-    # -- provenance ------------------------------------------------------------------
-    def _origins(self, t: torch.Tensor) -> dict[str, OpFinding]:
-        ptr = storage_ptr(t)
-        entry = self._records.get(ptr) if ptr is not None else None
-        if entry is None or entry[0].expired():
-            return {}
-        return entry[1]
-
-    def _record(self, t: torch.Tensor, origins: dict[str, OpFinding]) -> None:
-        ptr = storage_ptr(t)
-        if ptr is None or not origins:
-            return
-        entry = self._records.get(ptr)
-        if entry is None or entry[0].expired():
-            if len(self._records) > 4096:  # forget freed storages now and then
-                self._records = {k: v for k, v in self._records.items() if not v[0].expired()}
-            entry = self._records[ptr] = (StorageWeakRef(t.untyped_storage()), {})
-        entry[1].update(origins)
-
-    def _input_origin(self, op: BadOp, inp: BadInput, kind: str, bad: torch.Tensor) -> OpFinding:
-        """The origin of the ``kind`` values of input ``inp``; for a tensor that no traced op
-        made, a finding at this op (the first to use it), kept for later uses too."""
-        found = self._origins(inp.now).get(kind)
-        if found is not None:
-            return found
-        ptr = storage_ptr(inp.now)
-        known = self._known.get(ptr) if ptr is not None else None
-        if known is not None and known[0].expired():
-            known = None
-        source, name = (known[1], known[2]) if known is not None else ("untracked", None)
-        found = op.finding(bad, kind, source, input_name=name, rows_of=inp.was)
-        self._record(inp.now, {kind: found})
-        return found
-
-    def _output_origins(self, op: BadOp, out: torch.Tensor, inputs: list[BadInput]) -> dict[str, OpFinding]:
-        kinds = nonfinite_kinds(out)
-        if not inputs:
-            return {k: op.finding(out, k, "op") for k in kinds}
-        if is_elementwise(op.func) and self._broadcast(inputs, out):
-            return self._elementwise_origins(op, out, kinds, inputs)
-        found: dict[str, OpFinding] = {}
-        for k in kinds:
-            if k == NAN:
-                nan_in = [i for i in inputs if NAN in i.kinds]
-                inf_in = [i for i in inputs if POSINF in i.kinds or NEGINF in i.kinds]
-                if nan_in:
-                    found[k] = self._input_origin(op, nan_in[0], NAN, out)
-                elif inf_in:
-                    causes = [self._input_origin(op, i, s, out)
-                              for i in inf_in for s in (POSINF, NEGINF) if s in i.kinds]
-                    found[k] = op.finding(out, NAN, "inf", cause=pick_origin(causes))
-                else:
-                    found[k] = op.finding(out, NAN, "op")
-            else:
-                # Same sign first; the other sign passed through a negation; else born here.
-                other = NEGINF if k == POSINF else POSINF
-                src = next((i for i in inputs if k in i.kinds), None)
-                src = src or next((i for i in inputs if other in i.kinds), None)
-                if src is not None:
-                    found[k] = self._input_origin(op, src, k if k in src.kinds else other, out)
-                else:
-                    found[k] = op.finding(out, k, "op")
-        return found
-
-    @staticmethod
-    def _broadcast(inputs: list[BadInput], out: torch.Tensor) -> bool:
-        for inp in inputs:
-            try:
-                inp.broadcast = torch.broadcast_to(inp.was, out.shape)
-            except RuntimeError:
-                return False
-        return True
-
-    def _elementwise_origins(
-        self, op: BadOp, out: torch.Tensor, kinds: list[str], inputs: list[BadInput]
-    ) -> dict[str, OpFinding]:
-        """Origins decided element by element: a bad output element comes from a bad input
-        element at the same position, or is born here."""
-        masks = [{k: kind_mask(i.broadcast, k) for k in i.kinds} for i in inputs]  # type: ignore[arg-type]
-        any_bad = torch.zeros(out.shape, dtype=torch.bool, device=out.device)
-        for m in masks:
-            for v in m.values():
-                any_bad |= v
-        found: dict[str, OpFinding] = {}
-        for k in kinds:
-            at = kind_mask(out, k)
-            born = at & ~any_bad
-            if k == NAN:
-                src = next((i for i, m in zip(inputs, masks) if NAN in m and bool((at & m[NAN]).any())), None)
-                if src is not None:  # an older NaN passed on
-                    found[k] = self._input_origin(op, src, NAN, out)
-                    continue
-                causes = [self._input_origin(op, i, s, out) for i, m in zip(inputs, masks)
-                          for s in (POSINF, NEGINF) if s in m and bool((at & m[s]).any())]
-                if causes and not bool(born.any()):
-                    found[k] = op.finding(out, NAN, "inf", cause=pick_origin(causes), rows_of=at & ~born)
-                else:
-                    found[k] = op.finding(out, NAN, "op", rows_of=born)
-                continue
-            if bool(born.any()):  # a new Inf (an overflow) is named before Infs passed on with it
-                found[k] = op.finding(out, k, "op", rows_of=born)
-                continue
-            other = NEGINF if k == POSINF else POSINF
-            src, sign = None, k
-            for s in (k, other):
-                src = next((i for i, m in zip(inputs, masks) if s in m and bool((at & m[s]).any())), None)
-                if src is not None:
-                    sign = s
-                    break
-            found[k] = self._input_origin(op, src, sign, out) if src is not None else op.finding(out, k, "op")
-        return found
-
     # -- op inspection ---------------------------------------------------------------
     def inspect(self, func: Any, args: Any, kwargs: Any, out: Any, before: Any = None) -> None:
         """Trace the origins of ``func``'s non-finite outputs; report the first harmful one.
@@ -355,8 +233,8 @@ class OpTracer:
                     inputs.append(BadInput(now, was))
         first: Optional[dict[str, OpFinding]] = None
         for t in bad:
-            origins = self._output_origins(op, t, inputs)
-            self._record(t, origins)
+            origins = self.provenance.output_origins(op, t, inputs)
+            self.provenance.record(t, origins)
             first = first or origins
             if self._first_nan is None and NAN in origins:
                 self._first_nan = origins[NAN]
@@ -379,7 +257,7 @@ class OpTracer:
             return
         if bool(torch.isfinite(loss).all()):
             return
-        origins = self._origins(loss)
+        origins = self.provenance.origins(loss)
         if origins:
             self._report({k: origins[k] for k in nonfinite_kinds(loss) if k in origins} or origins, "loss")
 
@@ -410,7 +288,7 @@ class OpTracer:
         self._handles.clear()
         if self.finding is None and not self._loss_checked and self._first_nan is not None:
             self.finding = self._first_nan  # no loss to judge harm by: a NaN born is one
-        self._records.clear()
+        self.provenance.clear()
 
     def claim_remaining(self, output: Any, name: str = "", type_name: str = "") -> None:
         """Give nodes created outside every module (e.g. a loss in training_step) an explicit
