@@ -85,7 +85,7 @@ from stabletrain.utils.dist import any_rank as dist_any_rank
 from stabletrain.utils.dist import rank_and_world_size
 from stabletrain.utils.io import atomic_torch_save
 from stabletrain.utils.rng import raw_rng_state, storable_rng_state
-from stabletrain.utils.text import MEASURED_DIGITS, fmt_list, fmt_number, fmt_path, shell_path
+from stabletrain.utils.text import MEASURED_DIGITS, abs_path, fmt_list, fmt_number, shell_path
 from stabletrain.utils.tree import cpu_copy, detached_copy, to_storable
 
 #: The ``format`` entry of every capture file, and the newest ``version`` this code writes and reads.
@@ -802,7 +802,7 @@ def _import_spec(obj: Any, needs_no_args: bool) -> Optional[tuple[str, bool, str
     module = sys.modules[obj.__module__]
     source = getattr(module, "__file__", None)
     if source and source.endswith(".py"):
-        return fmt_path(source), True, obj.__qualname__
+        return abs_path(source), True, obj.__qualname__
     return obj.__module__, False, obj.__qualname__
 
 
@@ -943,5 +943,5 @@ def _replay_template(path: str | Path, model: Any, step_fn: Any) -> str:
             lines.append(f"# FILL IN: the step function your loop computed the loss with ({_qualified_name(step_fn)}):")
             lines.append("step_fn = ...")
         call += ", step_fn=step_fn"
-    lines.append(f"print(stabletrain.load_nan_capture({fmt_path(path)!r}, {call}).replay())")
+    lines.append(f"print(stabletrain.load_nan_capture({abs_path(path)!r}, {call}).replay())")
     return "\n".join(lines)
