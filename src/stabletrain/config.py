@@ -659,17 +659,17 @@ def parse_cli_overrides(args: list[str]) -> dict[str, Any]:
     problems.extend(repeats)
     if repeats:
         raise ConfigError(problems)
-    for parts, _, value in given:
+    for key_parts, _, value in given:
         node = result
-        for i, p in enumerate(parts[:-1]):
+        for i, p in enumerate(key_parts[:-1]):
             child = node.setdefault(p, {})
             if not isinstance(child, dict):
-                problems.append(f"{'.'.join(parts)}: {'.'.join(parts[: i + 1])} was already given a value, "
+                problems.append(f"{'.'.join(key_parts)}: {'.'.join(key_parts[: i + 1])} was already given a value, "
                                 "it cannot also have sub-keys")
                 break
             node = child
         else:
-            node[parts[-1]] = value
+            node[key_parts[-1]] = value
     if problems:
         raise ConfigError(problems)
     return result

@@ -51,7 +51,7 @@ def read_run(path: str | Path) -> RunHistory:
                     history.resumes.append(start)
                     for step in [s for s in by_step if s >= start]:
                         del by_step[step]
-                    kept = []
+                    kept: list[dict] = []
                     for ev in history.events[:-1]:
                         later = isinstance(ev.get("step"), int) and ev["step"] >= start and ev.get("event") != "resume"
                         (history.abandoned_events if later else kept).append(ev)
