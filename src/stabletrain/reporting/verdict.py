@@ -75,9 +75,19 @@ def missed_episodes(data: RunData, episodes: Sequence[Episode]) -> list[Episode]
     """What the detector cannot see but the run shows: a non-finite step the guard found
     between logged steps (or parameters the optimizer made non-finite), a checkpoint refused
     for NaN/Inf, and a series that grew by orders of magnitude without an exploding episode."""
+    found = _event_episodes(data.events, {(e.kind, e.signal) for e in episodes})
+    for signal in ("gradient_norm", "loss"):
+        # Only where the detector saw nothing (a spike is already not "stable").
+        if not any(e.signal == signal and not e.tolerated for e in episodes):
+            found += _growth_episode(data, signal, episodes)
+    return found
+
+
+def _event_episodes(events: Sequence[Mapping[str, Any]], kinds: set[tuple[str, str]]) -> list[Episode]:
+    """Non-finite episodes the run's events show (nancapture's stop, the guard's, a refused checkpoint),
+    where ``kinds`` (``(kind, signal)`` already found; updated) has none of that signal yet."""
     found: list[Episode] = []
-    kinds = {(e.kind, e.signal) for e in episodes}
-    for ev in data.events:
+    for ev in events:
         step = ev.get("step")
         if not isinstance(step, int):
             continue
@@ -103,23 +113,23 @@ def missed_episodes(data: RunData, episodes: Sequence[Episode]) -> list[Episode]
             found.append(Episode("nonfinite", "parameters", step, step, step, math.nan,
                                  note="a checkpoint was refused: " + ", ".join(ev.get("nonfinite") or [])[:200],
                                  open=False))
-    for signal in ("gradient_norm", "loss"):
-        # Only where the detector saw nothing (a spike is already not "stable").
-        if any(e.signal == signal and not e.tolerated for e in episodes):
-            continue
-        tolerated = [(e.start_step, e.end_step) for e in episodes if e.signal == signal and e.tolerated]
-        values = data.series(signal)
-        low, low_step = math.inf, None
-        for step, v in zip(data.steps.tolist(), values.tolist()):
-            if not math.isfinite(v) or v <= 0 or any(a <= step <= b for a, b in tolerated):
-                continue
-            if low_step is not None and v >= ORDERS_OF_MAGNITUDE * low:
-                found.append(Episode("exploding", signal, low_step, step, step, v, low, open=False,
-                                     note=f"grew {math.log10(v / low):.1f} orders of magnitude"))
-                break
-            if v < low:
-                low, low_step = v, step
     return found
+
+
+def _growth_episode(data: RunData, signal: str, episodes: Sequence[Episode]) -> list[Episode]:
+    """An exploding episode where ``signal`` grew :data:`ORDERS_OF_MAGNITUDE`-fold over its lowest earlier
+    value (outside tolerated warmup spikes); none when it did not."""
+    tolerated = [(e.start_step, e.end_step) for e in episodes if e.signal == signal and e.tolerated]
+    low, low_step = math.inf, None
+    for step, v in zip(data.steps.tolist(), data.series(signal).tolist()):
+        if not math.isfinite(v) or v <= 0 or any(a <= step <= b for a, b in tolerated):
+            continue
+        if low_step is not None and v >= ORDERS_OF_MAGNITUDE * low:
+            return [Episode("exploding", signal, low_step, step, step, v, low, open=False,
+                            note=f"grew {math.log10(v / low):.1f} orders of magnitude")]
+        if v < low:
+            low, low_step = v, step
+    return []
 
 
 def of_signal(episodes: Sequence[Episode], signal: str) -> list[Episode]:

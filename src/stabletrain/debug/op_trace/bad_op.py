@@ -5,7 +5,7 @@ the findings made for it (:class:`BadOp`), named after the module that ran it. S
 from __future__ import annotations
 
 import traceback
-from typing import Any, Optional, Protocol
+from typing import Any, Optional, Protocol, cast
 
 import torch
 from torch import nn
@@ -65,9 +65,10 @@ class BadOp:
             root_type = type(t.model).__name__
             if self.in_backward:
                 node = torch._C._current_autograd_node()
-                owner = node.metadata.get(t.node_key) if node is not None else None
+                # Node.metadata is a dict (the stubs say a method).
+                owner = cast(dict, node.metadata).get(t.node_key) if node is not None else None
                 outside = owner is None or owner == OUTSIDE
-                module, type_name = ("", root_type) if outside else owner
+                module, type_name = ("", root_type) if outside else cast(tuple[str, str], owner)
                 source = anomaly_source(node)
                 forward_op = node.name() if node is not None else None
             else:

@@ -43,7 +43,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import torch
 from torch import nn
@@ -204,7 +204,7 @@ class OpTracer:
             node = todo.pop()
             if node is None:
                 continue
-            meta = node.metadata
+            meta = cast(dict, node.metadata)  # a dict (the stubs say a method)
             if key in meta:
                 continue
             meta[key] = owner

@@ -21,7 +21,7 @@ def median_mad_sigma(xs: Sequence[float]) -> tuple[float, float]:
     return med, 1.4826 * median([abs(x - med) for x in xs])
 
 
-def theil_sen_slope(ys: Sequence[float]) -> float:
+def theil_sen_slope(ys: Sequence[float] | np.ndarray) -> float:
     """Median of the pairwise slopes of equally spaced points (robust to outliers)."""
     y = np.asarray(ys, dtype=np.float64)
     n = len(y)
