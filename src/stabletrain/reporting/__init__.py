@@ -9,6 +9,7 @@ printed text and summary.md), ``plots`` (the PNGs), ``build`` (:func:`report`).
 from stabletrain.reporting.build import Report, report
 from stabletrain.reporting.data import RunData
 from stabletrain.reporting.plots import KIND_COLORS, MAX_HEATMAP_ROWS, signal_figure
+from stabletrain.reporting.summary import recovery_section
 from stabletrain.reporting.verdict import ORDERS_OF_MAGNITUDE, STATUS_ORDER, TOO_FEW
 
 __all__ = [
@@ -22,4 +23,5 @@ __all__ = [
     "MAX_HEATMAP_ROWS",
     "ORDERS_OF_MAGNITUDE",
     "TOO_FEW",
+    "recovery_section",
 ]

@@ -176,6 +176,11 @@ def _mark_run_events(ax: Any, data: RunData) -> None:
         if grew.any():
             ax.scatter(data.steps[grew], np.full(grew.sum(), 0.03), transform=trans, marker="^", color="#8c564b",
                        s=26, label="fp16 skipped steps", zorder=5, clip_on=False)
+    recoveries = [ev["step"] for ev in data.events
+                  if ev.get("event") == "recovery" and isinstance(ev.get("step"), int)]
+    if recoveries:
+        ax.scatter(recoveries, np.full(len(recoveries), 0.97), transform=trans, marker="v", color="#d62728", s=40,
+                   label="recovery (on_instability)", zorder=6, clip_on=False)
     guard = [ev["step"] for ev in data.events
              if ev.get("event") == "nonfinite_step" and isinstance(ev.get("step"), int)]
     for i, step in enumerate(guard):

@@ -4,8 +4,10 @@ checkpoint, episodes, next actions, events). See ``docs/report.md``.
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -140,7 +142,8 @@ def markdown_text(
     if tolerated:
         md += ["", "## Tolerated", ""]
         md += [f"- {e.describe()}" for e in tolerated]
-    others = [ev for ev in data.events if ev.get("event") != "trend_alert"]
+    md += recovery_section(data.events)
+    others = [ev for ev in data.events if ev.get("event") not in ("trend_alert", "recovery")]
     if others:
         md += ["", "## Other events recorded during training", ""]
         for ev in others:
@@ -158,3 +161,43 @@ def markdown_text(
         "",
     ]
     return "\n".join(md)
+
+
+def recovery_section(events: Sequence[dict[str, Any]]) -> list[str]:
+    """The summary's "Recoveries" section: one table row per ``{"event": "recovery"}`` row."""
+    rows = [ev for ev in events if ev.get("event") == "recovery"]
+    if not rows:
+        return []
+    md = ["", "## Recoveries (on_instability)", "",
+          "| step | trigger | action | skipped samples | capture | diagnosis |", "|---|---|---|---|---|---|"]
+    for ev in rows:
+        trigger = str(ev.get("trigger"))
+        z, ratio = ev.get("zscore"), ev.get("ratio")
+        if isinstance(z, (int, float)) and math.isfinite(z):
+            trigger += f" (z={z:.1f}" + (f", {ratio:.1f}x the largest loss" if isinstance(ratio, (int, float))
+                                         and ratio > 1 else "") + ")"
+        action = str(ev.get("action"))
+        if ev.get("rolled_back_to") is not None:
+            action += f" to step {ev['rolled_back_to']}"
+        samples = ev.get("skipped_samples") or []
+        shown = ", ".join(str(i) for i in samples[:12]) + (f", ... ({len(samples) - 12} more)" if len(samples) > 12
+                                                            else "")
+        capture = f"`{ev['capture']}`" if ev.get("capture") else "-"
+        verdict = _diagnosis_verdict(ev.get("capture")) or "not computed (`stabletrain diagnose <capture>`)"
+        md.append(f"| {ev.get('step')} | {trigger} | {action} | {shown or '-'} | {capture} | {verdict} |")
+    return md
+
+
+def _diagnosis_verdict(capture: Any) -> Optional[str]:
+    """The verdict of ``diagnosis.json`` next to a recovery's capture (its rank folder, or the
+    step folder of all ranks), when diagnose has run."""
+    if not isinstance(capture, str):
+        return None
+    for folder in (Path(capture).parent, Path(capture).parent.parent):
+        try:
+            verdict = json.loads((folder / "diagnosis.json").read_text(encoding="utf-8")).get("verdict")
+        except (OSError, ValueError):
+            continue
+        if isinstance(verdict, str):
+            return verdict.replace("|", "/")
+    return None
