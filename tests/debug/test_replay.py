@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import stabletrain.debug.replay as replay_module
+import stabletrain.debug.replay.rerun as rerun_module
 from stabletrain import NaNCaptureError, NaNCaptureMonitor, NaNDetectedError, load_nan_capture
 from stabletrain.checkpoint import load_checkpoint
 from stabletrain.debug.nan_capture import default_replay_command, no_replay_command_reason
@@ -145,7 +145,7 @@ def test_forward_backward_on_chosen_microbatches_samples_and_precision(tmp_path,
     assert len(made) == 1 and made[0].ops == counter.ops
 
     # Positive control: without restoring the RNG, dropout draws other masks.
-    monkeypatch.setattr(replay_module, "set_rng_state", lambda state: None)
+    monkeypatch.setattr(rerun_module, "set_rng_state", lambda state: None)
     assert not torch.equal(forward_backward(cap, microbatches=[0]).losses[0], captured[0])
 
 
