@@ -8,7 +8,7 @@ import inspect
 import shlex
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional, cast
 
 from torch import Tensor, nn
 
@@ -63,7 +63,7 @@ def _not_importable_reason(obj: Any, needs_no_args: bool) -> Optional[str]:
         return f"{what} is defined in an interactive session, not in a file"
     if needs_no_args:
         try:
-            sig = inspect.signature(obj)
+            sig = inspect.signature(cast(Callable[..., Any], obj))
         except (TypeError, ValueError):
             return f"the signature of {what} cannot be read"
         required = [
