@@ -161,8 +161,10 @@ def test_docs_plain_loop_example_runs_and_replays(tmp_path):
     assert "Non-finite loss at step 4 (rank 0 of 1)." in run.stdout
     assert "reproduced: YES" in run.stdout and "losses: bitwise equal to the captured ones" in run.stdout
     command = re.search(r"Replay it offline:\n\s+(.+)", run.stdout).group(1)
-    assert command == ("stabletrain replay out/plain/nan_capture/rank0 --model example.py:Net "
-                       "--step-fn example.py:my_step_fn")
+    # Absolute paths, so that the command works when pasted in any folder (the docs show them
+    # relative to the folder gen_examples.py ran in).
+    capture, example = (shlex.quote(str(tmp_path / p)) for p in ("out/plain/nan_capture/rank0", "example.py"))
+    assert command == f"stabletrain replay {capture} --model {example}:Net --step-fn {example}:my_step_fn"
     pasted = subprocess.run(command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert pasted.returncode == 0 and "reproduced: YES" in pasted.stdout, pasted.stderr[-2000:]
 
@@ -185,6 +187,11 @@ def test_docs_diagnose_example_is_what_the_code_prints(tmp_path, capsys, monkeyp
 
     def untimed(text):
         return [line for line in text.strip().splitlines() if not line.startswith("Diagnosed in ")]
+
+    # Commands name absolute paths; the page shows them relative to where it was generated, as
+    # docs/gen_examples.py writes every output (Workspace.normalize).
+    for root in {str(tmp_path.resolve()), str(tmp_path)}:
+        printed = printed.replace(f"{root}/", "")
 
     assert untimed(printed) == untimed(shown)
     assert "The sample at dataset index 77 of microbatch 1" in printed

@@ -15,7 +15,8 @@ rank  modules                                                      why there
                                                                    norms and shards: no knowledge of training or of
                                                                    the tools
 3     ``config``                                                   the settings
-4     ``checkpoint``, ``data.*``                                   files and datasets
+4     ``checkpoint``, ``preflight``, ``data.*``                    files and datasets; the checks of settings that
+                                                                   need no torch
 5     ``tasks.*``, ``loggers.*``                                   models and metric sinks, built from settings
 6     ``events``                                                   the callback protocol (``TrainerLike`` types name
                                                                    settings, loggers and tasks)
@@ -65,6 +66,7 @@ RANKS: dict[str, int] = {
     "distributed": 2,  # sharding helpers (FSDP2 norms, shards): torch and errors only, like utils
     "config": 3,
     "checkpoint": 4,
+    "preflight": 4,
     "data": 4,
     "commands": 4,  # pasteable `stabletrain train` commands, from settings
     "signals": 4,  # SIGINT/SIGTERM recorded for the trainer

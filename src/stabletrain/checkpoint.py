@@ -24,14 +24,16 @@ import os
 import re
 import shutil
 import tempfile
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
-
-import torch
+from typing import Any, Callable, Optional
 
 from stabletrain.errors import StabletrainError
-from stabletrain.utils.io import atomic_torch_save
+from stabletrain.utils.text import shell_path
+
+# torch is imported where a checkpoint is written or read, so that the command line can check
+# a run's checkpoints (unreadable_reason) before it loads torch.
 
 FORMAT = "stabletrain.checkpoint"
 VERSION = 1
@@ -71,6 +73,8 @@ def periodic_name(steps_done: int) -> str:
 
 def save_checkpoint(state: dict[str, Any], out: Path, periodic: bool, keep: int) -> Path:
     """Write ``last.ckpt`` (and ``step_N.ckpt`` when ``periodic``) atomically; prune old periodic files."""
+    from stabletrain.utils.io import atomic_torch_save
+
     folder = checkpoint_dir(out)
     state = {
         "format": FORMAT,
@@ -128,19 +132,23 @@ def _prune(folder: Path, keep: int) -> None:
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Load a checkpoint safely (no code runs); raise CheckpointError with the reason otherwise."""
+    """Load a checkpoint safely (no code runs); raise CheckpointError with the reason otherwise.
+
+    When the file is missing or cannot be read, the error names the checkpoint beside it to
+    continue from (:func:`fallback_advice`).
+    """
+    import torch
+
     path = Path(path)
     if path.is_dir():
         path = checkpoint_dir(path) / "last.ckpt" if (checkpoint_dir(path) / "last.ckpt").exists() else path / "last.ckpt"
-    later = ("; continue from another checkpoint of the run (resume_from=<its path>; the newest healthy one is "
-             "named in train.log and by stabletrain report) or start again with overwrite=true")
     if not path.exists():
-        raise CheckpointError(f"no checkpoint at {path}{later}")
+        raise CheckpointError(f"no checkpoint at {path}. {fallback_advice(path)}")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # truncated, corrupt, or holding pickled objects
-        first = str(exc).splitlines()[0] if str(exc) else ""
-        raise CheckpointError(f"cannot read checkpoint {path}: {type(exc).__name__}: {first}{later}") from None
+    except Exception as exc:  # empty, truncated, corrupt, or holding pickled objects
+        reason = unreadable_reason(path) or _exception_text(exc)
+        raise CheckpointError(f"cannot read checkpoint {path}: {reason}. {fallback_advice(path)}") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a stabletrain checkpoint")
     if int(state.get("version", 0)) > VERSION:
@@ -149,6 +157,85 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
             f"this version reads up to {VERSION}); upgrade stabletrain"
         )
     return state
+
+
+def unreadable_reason(path: str | Path) -> Optional[str]:
+    """Why the file at ``path`` cannot be a whole checkpoint, found without torch and without
+    unpickling (the size and the zip directory that ``torch.save`` writes last); None when it
+    looks whole. Reading it can still fail on what is inside."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        return f"cannot open it ({exc.strerror or exc})"
+    if size == 0:
+        return "the file is empty (0 bytes)"
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except (zipfile.BadZipFile, OSError):
+        return f"the file is cut short or is not a checkpoint ({size:,} bytes without the index torch.save writes last)"
+    if not any(n == "data.pkl" or n.endswith("/data.pkl") for n in names):
+        return f"the file is a zip archive but not a torch checkpoint (no data.pkl among {len(names)} entries)"
+    return None
+
+
+def fallback_checkpoint(failed: str | Path) -> Optional[CheckpointInfo]:
+    """The checkpoint to continue from when ``failed`` cannot be read: among the others in its
+    folder that read, the newest recorded healthy, else the newest whose health was not
+    recorded (older stabletrain); None when every other one is unreadable or not healthy."""
+    failed = Path(failed)
+    others = [c for c in list_checkpoints(failed.parent) if c.path.resolve() != failed.resolve()]
+    healthy = [c for c in others if c.healthy]
+    unknown = [c for c in others if c.healthy is None]
+    pick = healthy or unknown
+    return pick[-1] if pick else None
+
+
+def _setting(**start: Any) -> str:
+    """The start settings as ``key=value`` words: paths absolute and quoted, booleans as true/false."""
+    def word(v: Any) -> str:
+        return shell_path(v) if isinstance(v, Path) else json.dumps(v)
+
+    return " ".join(f"{k}={word(v)}" for k, v in start.items())
+
+
+def fallback_advice(failed: str | Path, command: Optional[Callable[..., str]] = None) -> str:
+    """A sentence: where to continue from when ``failed`` (missing or unreadable) cannot be
+    used, by the rule of :func:`fallback_checkpoint`, or to start again.
+
+    Args:
+        failed: The checkpoint file that could not be read.
+        command: Builds what to run from start settings, called as ``command(resume_from=path)``
+            or ``command(overwrite=True)`` (e.g. :func:`stabletrain.commands.train_command` with
+            the run's settings bound); by default the settings themselves
+            (``resume_from=/abs/path``).
+
+    Example::
+
+        fallback_advice(Path("out/run/checkpoints/last.ckpt"))
+        # "The newest healthy checkpoint is out/run/checkpoints/step_000200.ckpt (step 200); continue
+        #  from it: resume_from=/abs/out/run/checkpoints/step_000200.ckpt"
+    """
+    failed = Path(failed)
+    build = command or _setting
+    best = fallback_checkpoint(failed)
+    if best is not None:
+        which, where = ("healthy", f"{best.path} (step {best.step})") if best.healthy else (
+            "readable", f"{best.path}, {best.reason()}")
+        return f"The newest {which} checkpoint is {where}; continue from it: {build(resume_from=best.path)}"
+    others = [c for c in list_checkpoints(failed.parent) if c.path.resolve() != failed.resolve()]
+    if others:  # all recorded unhealthy
+        found = f"is healthy (the newest, {others[-1].path}, is {others[-1].reason()})"
+    else:
+        found = "can be read"
+    return f"No other checkpoint in {failed.parent} {found}; start again: {build(overwrite=True)}"
+
+
+def _exception_text(exc: BaseException) -> str:
+    """``Type: first line of the message``; the type alone when the message is empty (EOFError)."""
+    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
 def resume_conflicts(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
@@ -208,6 +295,8 @@ def read_checkpoint_health(path: str | Path) -> tuple[int, Optional[dict[str, An
     st = path.stat()
     key = (str(path.resolve()), st.st_mtime_ns, st.st_size)
     if key not in _CACHE:
+        import torch
+
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         if not isinstance(state, dict) or "step" not in state:
             raise ValueError(f"{path} is not a stabletrain checkpoint")

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from stabletrain.config import TrainSettings
+from stabletrain.utils.text import abs_path
 
 #: Settings a continuation replaces: how a run starts, not what it trains.
 _START_KEYS = ("out", "resume_interrupted", "resume_from", "overwrite")
@@ -52,7 +53,7 @@ def _cli_pairs(settings: TrainSettings) -> Optional[list[tuple[str, Any]]]:
 
 def _value(key: str, value: Any) -> str:
     if key == "data" and isinstance(value, str) and Path(value).exists():
-        value = str(Path(value).resolve())
+        value = abs_path(value)
     if isinstance(value, str):
         return value
     if isinstance(value, bool):
@@ -76,7 +77,7 @@ def train_command(settings: TrainSettings, **start: Any) -> str:
     start_items = []
     for key, value in start.items():
         if key in ("resume_from",) and value is not None:
-            value = str(Path(value).resolve())
+            value = abs_path(value)
         start_items.append((key, value))
     if _invocation is not None:
         pairs = []
@@ -89,13 +90,13 @@ def train_command(settings: TrainSettings, **start: Any) -> str:
         if found is None:
             return _python_call(settings, start_items, extra)
         pairs = [(k, _value(k, v)) for k, v in found if k not in extra]
-    out = str(Path(settings.out).resolve())
+    out = abs_path(settings.out)
     items = [("out", out), *pairs, *((k, _value(k, v)) for k, v in [*start_items, *extra.items()])]
     return "stabletrain train " + " ".join(shlex.quote(f"{k}={v}") for k, v in items)
 
 
 def _python_call(settings: TrainSettings, start_items: list[tuple[str, Any]], extra: dict[str, Any]) -> str:
-    args = [f"out={str(Path(settings.out).resolve())!r}", "... your other settings ..."]
+    args = [f"out={abs_path(settings.out)!r}", "... your other settings ..."]
     args += [f"{k}={v!r}" for k, v in start_items]
     nested = ", ".join(f"{k}={v!r}" for k, v in extra.items())
     text = "stabletrain.train(" + ", ".join(args) + ")"

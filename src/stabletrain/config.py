@@ -11,10 +11,11 @@ from __future__ import annotations
 import difflib
 import json
 from pathlib import Path
-from typing import Any, Literal, Optional, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
@@ -25,6 +26,23 @@ from stabletrain.errors import ConfigError
 
 PRECISIONS = ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true")
 Precision = Literal["auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true"]
+
+
+def _refuse_booleans(what: str) -> BeforeValidator:
+    def check(value: Any) -> Any:
+        # pydantic reads true as 1 and false as 0: batch_size=true would train with batch size 1.
+        if isinstance(value, bool):
+            raise ValueError(f"expected {what}, not true/false")
+        return value
+
+    return BeforeValidator(check)
+
+
+#: A whole number; true/false are refused. A float that is exactly whole (2.0, or 1e4 on the
+#: command line, where JSON reads it as a float) is taken as that number; 2.5 is refused.
+Int = Annotated[int, _refuse_booleans("a whole number")]
+#: A number; true/false are refused.
+Float = Annotated[float, _refuse_booleans("a number")]
 
 
 class _Settings(BaseModel):
@@ -46,29 +64,29 @@ class _Settings(BaseModel):
 class ModelArgs(_Settings):
     """Optimiser, schedule and architecture settings (``model_args.*``)."""
 
-    lr: float = Field(1e-3, gt=0, description="Peak learning rate.")
-    weight_decay: float = Field(
+    lr: Float = Field(1e-3, gt=0, description="Peak learning rate.")
+    weight_decay: Float = Field(
         0.01, ge=0, description="Decoupled weight decay, applied to weights of 2 or more dimensions."
     )
-    warmup_steps: int = Field(50, ge=0, description="Linear learning-rate warmup, in optimizer steps.")
+    warmup_steps: Int = Field(50, ge=0, description="Linear learning-rate warmup, in optimizer steps.")
     lr_schedule: Literal["cosine", "linear", "constant"] = Field(
         "cosine", description="Decay after warmup: cosine or linear to min_lr_ratio*lr, or constant."
     )
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final learning rate as a fraction of lr.")
+    min_lr_ratio: Float = Field(0.1, ge=0, le=1, description="Final learning rate as a fraction of lr.")
     optimizer: Literal["adamw", "sgd"] = Field("adamw", description="Optimizer.")
-    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
-    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum.")
+    betas: tuple[Float, Float] = Field((0.9, 0.95), description="AdamW betas.")
+    momentum: Float = Field(0.9, ge=0, lt=1, description="SGD momentum.")
     # Language model architecture.
-    n_layers: int = Field(2, ge=1, description="Language model: transformer blocks.")
-    n_heads: int = Field(4, ge=1, description="Language model: attention heads per block.")
-    dim: int = Field(128, ge=1, description="Language model: embedding width; a multiple of n_heads.")
-    context_length: int = Field(64, ge=2, description="Language model: tokens per training sample.")
+    n_layers: Int = Field(2, ge=1, description="Language model: transformer blocks.")
+    n_heads: Int = Field(4, ge=1, description="Language model: attention heads per block.")
+    dim: Int = Field(128, ge=1, description="Language model: embedding width; a multiple of n_heads.")
+    context_length: Int = Field(64, ge=2, description="Language model: tokens per training sample.")
     tokenizer: Literal["byte", "char"] = Field(
         "byte", description="Language model: byte-level (256 symbols) or character-level vocabulary."
     )
-    dropout: float = Field(0.1, ge=0, lt=1, description="Dropout probability (language model and built-in CNN).")
+    dropout: Float = Field(0.1, ge=0, lt=1, description="Dropout probability (language model and built-in CNN).")
     # Image classification architecture.
-    cnn_width: int = Field(32, ge=1, description="Built-in CNN: channels of the first convolution.")
+    cnn_width: Int = Field(32, ge=1, description="Built-in CNN: channels of the first convolution.")
 
     @field_validator("betas")
     @classmethod
@@ -84,10 +102,10 @@ IMAGE_MODEL_ARGS = ("cnn_width",)
 
 
 class NormalizeArgs(_Settings):
-    mean: tuple[float, float, float] = Field(
+    mean: tuple[Float, Float, Float] = Field(
         (0.485, 0.456, 0.406), description="Per-channel mean subtracted from images in [0, 1]."
     )
-    std: tuple[float, float, float] = Field((0.229, 0.224, 0.225), description="Per-channel std divisor.")
+    std: tuple[Float, Float, Float] = Field((0.229, 0.224, 0.225), description="Per-channel std divisor.")
 
     @field_validator("std")
     @classmethod
@@ -100,8 +118,20 @@ class NormalizeArgs(_Settings):
 class TransformArgs(_Settings):
     """Image preprocessing (``transform_args.*``)."""
 
-    image_size: int = Field(32, ge=8, description="Images are resized to image_size x image_size.")
+    image_size: Int = Field(32, ge=8, description="Images are resized to image_size x image_size.")
     normalize: NormalizeArgs = Field(default_factory=NormalizeArgs, description="Input normalization.")
+
+
+class DataArgs(_Settings):
+    """Reading the training data (``data_args.*``)."""
+
+    bad_images: Literal["error", "skip"] = Field(
+        "error",
+        description=(
+            "Image folders: files that cannot be read as images (corrupt, truncated, empty). error: list them "
+            "and stop before training; skip: train without them and list them in train.log."
+        ),
+    )
 
 
 class TorchCompileArgs(_Settings):
@@ -123,11 +153,11 @@ class UnderflowOverflowArgs(_Settings):
     """Per-module abs min/max tracing that stops at the first non-finite value."""
 
     enabled: bool = Field(False, description="Turn the underflow/overflow monitor on.")
-    max_frames_to_save: int = Field(21, ge=1, description="Frames kept and written to the report.")
-    trace_batch_nums: list[int] = Field(
+    max_frames_to_save: Int = Field(21, ge=1, description="Frames kept and written to the report.")
+    trace_batch_nums: list[Int] = Field(
         default_factory=list, description="Steps at which every frame is written, without aborting."
     )
-    abort_after_batch_num: Optional[int] = Field(None, ge=0, description="Stop training after this step.")
+    abort_after_batch_num: Optional[Int] = Field(None, ge=0, description="Stop training after this step.")
     include_backward: bool = Field(True, description="Also trace gradients during the backward pass.")
 
     @field_validator("trace_batch_nums")
@@ -143,7 +173,7 @@ class NaNCaptureArgs(_Settings):
     """Capture the failing step when gradients go non-finite, for offline replay."""
 
     enabled: bool = Field(False, description="Turn NaN/Inf capture on.")
-    max_skipped_steps: int = Field(
+    max_skipped_steps: Int = Field(
         10,
         ge=1,
         description="Under fp16 loss scaling: capture after this many consecutive skipped steps.",
@@ -242,30 +272,30 @@ class TrendAlertArgs(_Settings):
     """
 
     enabled: bool = Field(True, description="Warn once per exploding/vanishing/spike/plateau/NaN episode.")
-    window: int = Field(20, ge=3, description="Logged points in the reference band (median and MAD of log values).")
-    persist: int = Field(
+    window: Int = Field(20, ge=3, description="Logged points in the reference band (median and MAD of log values).")
+    persist: Int = Field(
         3, ge=2, description="Consecutive logged points a rise or fall must last to be exploding or vanishing."
     )
-    explode_factor: float = Field(
+    explode_factor: Float = Field(
         10.0, gt=1, description="gradient_norm exploding: persistently this many times above its lowest level."
     )
-    vanish_factor: float = Field(
+    vanish_factor: Float = Field(
         100.0, gt=1, description="gradient_norm vanishing: persistently this many times below its highest level."
     )
-    spike_factor: float = Field(
+    spike_factor: Float = Field(
         5.0, gt=1, description="gradient_norm spike: one point this many times above the band (ignored in warmup)."
     )
-    loss_explode_factor: float = Field(
+    loss_explode_factor: Float = Field(
         4.0, gt=1, description="loss exploding: persistently this many times above its lowest level."
     )
-    loss_spike_factor: float = Field(2.0, gt=1, description="loss spike: one point this many times above the band.")
-    plateau_min_improvement: float = Field(
+    loss_spike_factor: Float = Field(2.0, gt=1, description="loss spike: one point this many times above the band.")
+    plateau_min_improvement: Float = Field(
         0.05,
         ge=0,
         lt=1,
         description="loss plateau: after window points, improved less than this fraction since the start, and flat.",
     )
-    z: float = Field(
+    z: Float = Field(
         6.0, gt=0, description="A jump must also exceed z robust standard deviations (1.4826 x MAD) of the band."
     )
 
@@ -296,18 +326,19 @@ class TrainSettings(_Settings):
             "from Python also a map-style Dataset. Default: generated built-in data."
         ),
     )
-    steps: int = Field(500, ge=1, description="Optimizer steps to train for.")
-    batch_size: int = Field(
+    steps: Int = Field(500, ge=1, description="Optimizer steps to train for.")
+    batch_size: Int = Field(
         32, ge=1, description="Samples per optimizer step over all devices and accumulation steps."
     )
-    gradient_accumulation_steps: int = Field(1, ge=1, description="Microbatches per optimizer step.")
+    gradient_accumulation_steps: Int = Field(1, ge=1, description="Microbatches per optimizer step.")
     model_args: ModelArgs = Field(default_factory=ModelArgs)
     transform_args: TransformArgs = Field(default_factory=TransformArgs)
+    data_args: DataArgs = Field(default_factory=DataArgs)
     precision: Precision = Field(
         "auto", description="Numerical precision; auto = bf16-mixed on a GPU that supports it, else 32-true."
     )
-    gradient_clip_val: float = Field(0.0, ge=0, description="Clip the total gradient norm to this value; 0 = off.")
-    log_every_num_steps: int = Field(10, ge=1, description="Log metrics and the progress line every N steps.")
+    gradient_clip_val: Float = Field(0.0, ge=0, description="Clip the total gradient norm to this value; 0 = off.")
+    log_every_num_steps: Int = Field(10, ge=1, description="Log metrics and the progress line every N steps.")
     gradient_norm_per_layer: bool = Field(
         False,
         description=(
@@ -315,8 +346,8 @@ class TrainSettings(_Settings):
             "norms as gradient_norm, at the logging cadence."
         ),
     )
-    checkpoint_every_num_steps: int = Field(100, ge=1, description="Save checkpoints every N steps.")
-    max_checkpoints_to_keep: int = Field(
+    checkpoint_every_num_steps: Int = Field(100, ge=1, description="Save checkpoints every N steps.")
+    max_checkpoints_to_keep: Int = Field(
         3, ge=0, description="Periodic step_*.ckpt files kept besides last.ckpt; 0 keeps only last.ckpt."
     )
     resume_interrupted: bool = Field(False, description="Continue from out/checkpoints/last.ckpt.")
@@ -328,12 +359,12 @@ class TrainSettings(_Settings):
         ),
     )
     overwrite: bool = Field(False, description="Start afresh in a non-empty out folder, replacing its outputs.")
-    seed: int = Field(0, ge=0, description="Random seed for initialisation, data order and dropout.")
+    seed: Int = Field(0, ge=0, description="Random seed for initialisation, data order and dropout.")
     accelerator: str = Field("auto", description="cpu, cuda, gpu, mps or auto.")
-    devices: Union[int, str, list[int]] = Field("auto", description="Devices per node: a count, a list or auto.")
-    num_nodes: int = Field(1, ge=1, description="Number of nodes.")
+    devices: Union[Int, str, list[Int]] = Field("auto", description="Devices per node: a count, a list or auto.")
+    num_nodes: Int = Field(1, ge=1, description="Number of nodes.")
     strategy: str = Field("auto", description="Lightning Fabric strategy: auto, ddp, ddp_spawn, ...")
-    num_workers: Union[int, Literal["auto"]] = Field(
+    num_workers: Union[Int, Literal["auto"]] = Field(
         "auto", description="DataLoader workers; auto = 0 for in-memory data, else up to 8."
     )
     torch_compile_args: TorchCompileArgs = Field(default_factory=TorchCompileArgs)
@@ -345,6 +376,23 @@ class TrainSettings(_Settings):
         default_factory=list, description="Python only: objects with on_* event methods (see stabletrain.events)."
     )
 
+    @field_validator("out", mode="before")
+    @classmethod
+    def _out_given(cls, v: Any) -> Any:
+        # Path("") is the current folder: an empty out= would train into wherever the command runs.
+        if isinstance(v, str) and not v.strip():
+            raise ValueError("empty; give an output folder, e.g. out=out/my_run (out=. for the current folder)")
+        return v
+
+    @field_validator("resume_from", mode="before")
+    @classmethod
+    def _resume_from_given(cls, v: Any) -> Any:
+        # Path("") is the current folder, which is no checkpoint file; null means not resuming.
+        if isinstance(v, str) and not v.strip():
+            raise ValueError("empty; give a checkpoint file, e.g. resume_from=out/my_run/checkpoints/step_000200.ckpt, "
+                             "or leave the setting out")
+        return v
+
     @field_validator("num_workers")
     @classmethod
     def _workers(cls, v: Union[int, str]) -> Union[int, str]:
@@ -355,12 +403,16 @@ class TrainSettings(_Settings):
     @field_validator("accelerator")
     @classmethod
     def _known_accelerator(cls, v: str) -> str:
+        if v in COMMON_FABRIC_NAMES["accelerator"]:
+            return v
         return _one_of(v, fabric_choices("accelerator"), "a Lightning Fabric accelerator")
 
     @field_validator("strategy")
     @classmethod
     def _known_strategy(cls, v: str) -> str:
         # Fabric lower-cases strategy names; so do we, so that the names compare equal.
+        if v.lower() in COMMON_FABRIC_NAMES["strategy"]:
+            return v.lower()
         return _one_of(v.lower(), fabric_choices("strategy"), "a Lightning Fabric strategy")
 
     def to_json_dict(self) -> dict[str, Any]:
@@ -371,6 +423,17 @@ class TrainSettings(_Settings):
         data["data"] = _describe(self.data)
         data["callbacks"] = [_describe(c) for c in self.callbacks]
         return json.loads(json.dumps(data, default=str))
+
+
+#: Names every Lightning Fabric 2.x accepts, so that these settings are checked without importing
+#: Fabric (and torch, seconds on a cold start); any other name is looked up in Fabric's registries.
+COMMON_FABRIC_NAMES: dict[str, frozenset[str]] = {
+    "accelerator": frozenset(("auto", "cpu", "cuda", "gpu", "mps", "tpu")),
+    "strategy": frozenset(
+        ("auto", "ddp", "ddp_spawn", "ddp_fork", "ddp_notebook", "ddp_find_unused_parameters_true", "dp", "fsdp",
+         "deepspeed")
+    ),
+}
 
 
 def fabric_choices(setting: Literal["accelerator", "strategy"]) -> list[str]:
@@ -488,8 +551,14 @@ def _drop(data: dict[str, Any], loc: tuple[Any, ...]) -> Optional[str]:
 
 def _format_validation_error(exc: ValidationError, root: type[BaseModel]) -> list[str]:
     problems = []
+    # A value that fits no member of a union (devices=true) fails once per member; one line per setting.
+    by_setting: dict[tuple[str, ...], list[Any]] = {}
     for err in exc.errors():
-        loc = [str(p) for p in err["loc"]]
+        key = tuple(p for p in _setting_loc(root, err["loc"]) if not isinstance(p, int))
+        by_setting.setdefault(key, []).append(err)
+    for names, errs in by_setting.items():
+        err = next((e for e in errs if e["type"] == "value_error"), errs[0])  # our own checks say most
+        loc = [str(p) for p in (_setting_loc(root, err["loc"]) if len(errs) == 1 else names)]
         where = ".".join(loc) or "settings"
         if err["type"] == "extra_forbidden":
             parent = _model_at(root, err["loc"][:-1])
@@ -508,10 +577,38 @@ def _format_validation_error(exc: ValidationError, root: type[BaseModel]) -> lis
             problems.append(f"{where}: required setting is missing.")
             continue
         msg = err["msg"]
+        if len(errs) > 1 and err["type"] != "value_error":
+            annotation = _annotation_at(root, names)
+            if annotation is not None:
+                msg = f"Input should be {_type_name(annotation)}"
         if msg.startswith("Value error, "):
             msg = msg[len("Value error, ") :]
         problems.append(f"{where}: {msg} (got {err.get('input')!r})")
     return problems
+
+
+def _setting_loc(root: type[BaseModel], loc: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``loc`` without pydantic's names of union members (``function-before[...]``, ``str``):
+    the setting's names, with list positions (ints) and unknown keys kept."""
+    model: Any = root
+    parts: list[Any] = []
+    for part in loc:
+        if isinstance(model, type) and issubclass(model, BaseModel):
+            parts.append(str(part))
+            field = model.model_fields.get(str(part))
+            model = field.annotation if field is not None else None
+        elif isinstance(part, int):
+            parts.append(part)
+    return tuple(parts)
+
+
+def _annotation_at(root: type[BaseModel], loc: tuple[str, ...]) -> Any:
+    model: Any = root
+    for part in loc:
+        if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
+            return None
+        model = model.model_fields[part].annotation
+    return model
 
 
 def _model_at(root: type[BaseModel], loc: tuple[Any, ...]) -> Optional[type[BaseModel]]:
@@ -541,10 +638,13 @@ def parse_cli_overrides(args: list[str]) -> dict[str, Any]:
     """Turn ``["model_args.lr=0.01", "out=out/x"]`` into a nested dict.
 
     Values are parsed as JSON where possible (numbers, true/false, null, lists, objects);
-    anything else is kept as a string, so ``precision=bf16-mixed`` needs no quoting.
+    anything else is kept as a string, so ``precision=bf16-mixed`` needs no quoting. A setting
+    given twice is an error (the last value would silently win), and so is a group given whole
+    and by key (``model_args={"lr": 1} model_args.lr=2``).
     """
     result: dict[str, Any] = {}
     problems = []
+    given: list[tuple[tuple[str, ...], str, Any]] = []  # (key parts, argument, value) of the valid arguments
     for arg in args:
         key, sep, raw = arg.partition("=")
         if not sep or not key:
@@ -554,18 +654,56 @@ def parse_cli_overrides(args: list[str]) -> dict[str, Any]:
         if any(not p for p in parts):
             problems.append(f"{arg!r}: malformed key {key!r}")
             continue
+        given.append((tuple(parts), arg, _parse_value(raw)))
+    repeats = _repeated_keys(given)
+    problems.extend(repeats)
+    if repeats:
+        raise ConfigError(problems)
+    for parts, _, value in given:
         node = result
-        for p in parts[:-1]:
+        for i, p in enumerate(parts[:-1]):
             child = node.setdefault(p, {})
             if not isinstance(child, dict):
-                problems.append(f"{key}: {p} was already given a value, it cannot also have sub-keys")
+                problems.append(f"{'.'.join(parts)}: {'.'.join(parts[: i + 1])} was already given a value, "
+                                "it cannot also have sub-keys")
                 break
             node = child
         else:
-            node[parts[-1]] = _parse_value(raw)
+            node[parts[-1]] = value
     if problems:
         raise ConfigError(problems)
     return result
+
+
+def _repeated_keys(given: list[tuple[tuple[str, ...], str, Any]]) -> list[str]:
+    """One line per setting given more than once: the same key, or a group and keys inside it."""
+    problems = []
+    done: set[int] = set()
+    for i, (parts, _, _) in enumerate(given):
+        if i in done:
+            continue
+        # The shortest key that is a prefix of this one, or of which it is a prefix, heads the cluster.
+        related = [j for j, (other, _, _) in enumerate(given) if _nested(parts, other)]
+        head = min(related, key=lambda j: len(given[j][0]))
+        cluster = [j for j, (other, _, _) in enumerate(given) if _nested(given[head][0], other)]
+        done.update(cluster)
+        if len(cluster) < 2:
+            continue
+        key = ".".join(given[head][0])
+        args = [given[j][1] for j in cluster]
+        listed = ", ".join(args)
+        if all(given[j][0] == given[head][0] for j in cluster):
+            problems.append(f"{key}: given {len(args)} times ({listed}); give each setting once")
+        elif isinstance(given[head][2], dict):
+            problems.append(f"{key}: given as a whole and by key ({listed}); give the group once, or only its keys")
+        else:
+            problems.append(f"{key}: was given a value and sub-keys ({listed}); a setting cannot also have sub-keys")
+    return problems
+
+
+def _nested(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
+    n = min(len(a), len(b))
+    return a[:n] == b[:n]
 
 
 def _parse_value(raw: str) -> Any:
@@ -598,6 +736,8 @@ def settings_help(model: type[BaseModel] = TrainSettings, prefix: str = "") -> l
 
 def _type_name(ann: Any) -> str:
     """A readable type: ``float``, ``one of cosine|linear|constant``, ``int or null``."""
+    if get_origin(ann) is Annotated:
+        return _type_name(get_args(ann)[0])
     origin = get_origin(ann)
     args = get_args(ann)
     if ann is Any:

@@ -8,7 +8,6 @@ when it is older, ``overwrite=true`` when the run has none.
 
 from __future__ import annotations
 
-import shlex
 from pathlib import Path
 from typing import Any, Optional
 
@@ -17,6 +16,7 @@ from stabletrain.checkpoint import CheckpointInfo, list_checkpoints, newest_heal
 from stabletrain.commands import train_command
 from stabletrain.debug.guard import ORIGIN_OPTIMIZER, GuardFailure
 from stabletrain.debug import advice
+from stabletrain.utils.text import shell_path
 
 
 def _last_step(folder: Path) -> Optional[int]:
@@ -108,7 +108,7 @@ def guard_message(
     nexts = []
     if capture is not None:
         nexts.append(f"the optimizer step was captured: {capture}; explain and replay it offline: "
-                     f"stabletrain diagnose {shlex.quote(str(capture.parent.resolve()))}")
+                     f"stabletrain diagnose {shell_path(capture.parent)}")
     elif failure.origin == ORIGIN_OPTIMIZER:
         cap = _capture_command(trainer, best, step)
         nexts.append(f"capture the optimizer step for stabletrain diagnose (debug_args.nancapture.enabled=true): {cap}")

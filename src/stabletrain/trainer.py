@@ -38,10 +38,11 @@ from stabletrain.loggers.console import Console, format_duration, progress_line
 from stabletrain.safety import SafetyNet
 from stabletrain.signals import TrainingInterrupted, wait_for_launcher
 from stabletrain.tasks import build_task, resolve_task_name
-from stabletrain.trainer_checks import resolve_precision, validate_settings
+from stabletrain.trainer_checks import resolve_precision, settings_warnings, validate_settings
 from stabletrain.utils.dist import max_over_ranks
 from stabletrain.utils.io import atomic_write_text
 from stabletrain.utils.rng import get_rng_state, seed_everything, set_rng_state
+from stabletrain.utils.text import shell_path
 
 #: Files and folders a run writes directly under ``out/``; ``overwrite=True`` removes these only.
 RUN_OUTPUTS = (
@@ -164,6 +165,7 @@ class Trainer:
             ) from None
 
     def _check_dataset_size(self, world_size: int) -> list[str]:
+        """The loader drops incomplete microbatches: every rank needs at least one full one."""
         return trainer_checks.dataset_size_problems(self.settings, world_size)
 
     def _prepare_out_dir(self) -> None:
@@ -313,7 +315,7 @@ class Trainer:
             others = [c for c in list_checkpoints(checkpoint_dir(self.out))
                       if c.healthy and c.path.resolve() != source.resolve()]
             best = others[-1] if others else None
-            fix = (f"resume_from={best.path} (step {best.step}, healthy)" if best
+            fix = (f"resume_from={shell_path(best.path)} (step {best.step}, healthy)" if best
                    else "overwrite=true (no healthy checkpoint)")
             problems.append(f"{which}: {source} holds NaN/Inf ({', '.join(bad[:4])}); continue from {fix} instead")
         if problems:
@@ -407,11 +409,14 @@ class Trainer:
         n_params = sum(p.numel() for p in self.model.parameters())
         self.console.info(f"stabletrain {__version__} | torch {torch.__version__} | out: {self.out}")
         self.console.info(
-            f"task {resolve_task_name(self.settings)}: {type(self.model).__name__} with {n_params:,} parameters, "
+            f"task {resolve_task_name(self.settings)}: {self.task.model_name or type(self.model).__name__} "
+            f"with {n_params:,} parameters, "
             f"{len(self.task.dataset):,} samples | device {self.fabric.device} x {self.world_size} | "
             f"precision {self.precision} | microbatch {self.microbatch_size} x "
             f"{self.settings.gradient_accumulation_steps} accumulation x {self.world_size} devices"
         )
+        for warning in [*settings_warnings(self.settings), *self.task.warnings]:
+            self.console.info(f"Warning: {warning}")
         self.console.log_only("resolved settings:\n" + text)
 
     # ------------------------------------------------------------------------------ loop
@@ -519,8 +524,11 @@ class Trainer:
 
     def _log_step(self, step: int, losses: list[torch.Tensor], gn: GradNorm, lr: float) -> None:
         loss = torch.stack(losses).float().mean()
+        task_names, task_values = _training_metrics(self.model, loss.device)
         if self.world_size > 1:
-            loss = self.fabric.all_reduce(loss, reduce_op="mean")
+            # Every rank saw as many samples: the mean over ranks is the metric over all of them.
+            reduced = self.fabric.all_reduce(torch.cat([loss.reshape(1), task_values]), reduce_op="mean")
+            loss, task_values = reduced[0], reduced[1:]
         values = [loss, gn.total.to(loss.device)]
         if self.scaler is not None:
             values.append(_scale_tensor(self.scaler, loss.device))
@@ -531,6 +539,7 @@ class Trainer:
         if self.settings.gradient_norm_per_layer:
             layer_names, layer_norms = layer_grad_norms(gn)
             flat = torch.cat([flat, layer_norms.to(loss.device).double()])
+        flat = torch.cat([flat, task_values.double()])
         terms = self.safety.verdict_terms()
         n_flat = len(flat)
         if terms is not None:
@@ -558,6 +567,7 @@ class Trainer:
         if layer_names:
             offset = len(values)
             metrics.update({f"gradient_norm/{n}": host[offset + i] for i, n in enumerate(layer_names)})
+        metrics.update(zip(task_names, host[n_flat - len(task_names) : n_flat]))
         if self.fabric.device.type == "cuda":
             metrics["max_memory_gb"] = torch.cuda.max_memory_allocated(self.fabric.device) / 2**30
         self._t_last, self._steps_at_last_log = now, step + 1
@@ -658,6 +668,15 @@ def _scale_tensor(scaler: Any, device: torch.device) -> torch.Tensor:
     if isinstance(scale, torch.Tensor):
         return scale.to(device)
     return torch.tensor(float(scaler.get_scale()), device=device)
+
+
+def _training_metrics(model: nn.Module, device: torch.device) -> tuple[list[str], torch.Tensor]:
+    """The model's ``training_metrics()`` (see :mod:`stabletrain.tasks.base`) as names and one
+    float32 device vector, read later with the step's other values."""
+    read = getattr(model, "training_metrics", None)
+    metrics = read() if callable(read) else {}
+    values = [v.detach().float().reshape(()).to(device) for v in metrics.values()]
+    return list(metrics), torch.stack(values) if values else torch.zeros(0, device=device)
 
 
 def _build_debug_callbacks(trainer: Trainer) -> list[Any]:

@@ -4,7 +4,10 @@ written or trained.
 :func:`validate_settings` (what ``train()`` calls first) reports pydantic's problems together
 with those of the checks that do not read a rejected value; :func:`setup_problems` is the full
 set, run once Lightning Fabric knows the world size. Each problem names the setting, the value
-and what to do instead.
+and what to do instead. The checks that need no torch live in :mod:`stabletrain.preflight`
+(``stabletrain train`` runs them before it loads torch) and are part of these.
+:func:`settings_warnings` are the valid settings that are probably not what was meant; the
+run's header prints them.
 """
 
 from __future__ import annotations
@@ -16,11 +19,11 @@ from typing import Any, Optional
 
 import torch
 
-from stabletrain.checkpoint import checkpoint_dir
 from stabletrain.config import IMAGE_MODEL_ARGS, LANGUAGE_MODEL_ARGS, TrainSettings, load_settings, partial_settings
 from stabletrain.data.loader import samples_needed
 from stabletrain.errors import ConfigError
 from stabletrain.loggers import check_loggers
+from stabletrain.preflight import out_dir_problems
 from stabletrain.tasks import check_task, num_samples, resolve_task_name
 
 #: Settings the task checks (model name, data) read; with one of them rejected they cannot run.
@@ -145,35 +148,22 @@ def dataset_size_problems(settings: TrainSettings, world_size: int) -> list[str]
     return [f"data: {what} holds {n} samples{unit}, too few: {need}; {fix}"]
 
 
-def out_dir_problems(settings: TrainSettings) -> list[str]:
-    s = settings
-    out = Path(s.out)
-    last = checkpoint_dir(out) / "last.ckpt"
-    if s.resume_interrupted and s.resume_from is not None:
-        return [
-            f"resume_from: given together with resume_interrupted=true; use one: resume_from={s.resume_from} "
-            f"continues from that file, resume_interrupted=true from {last}"
-        ]
-    if s.resume_from is not None:
-        source = Path(s.resume_from)
-        if not source.is_file():
-            return [f"resume_from: no checkpoint file at {source}; pass a .ckpt file, e.g. {last}"]
-        return []
-    if s.resume_interrupted:
-        if not last.exists():
-            return [
-                f"resume_interrupted: no checkpoint to resume from at {last}: the run stopped before its first "
-                "checkpoint; start again with overwrite=true instead of resume_interrupted=true"
-            ]
-        return []
-    if out.exists() and not out.is_dir():
-        return [f"out: {out} exists and is not a folder"]
-    if out.is_dir() and any(out.iterdir()) and not s.overwrite:
-        return [
-            f"out: {out} is not empty; pass overwrite=true to replace its outputs, "
-            "resume_interrupted=true to continue its run, or choose another folder"
-        ]
-    return []
+def settings_warnings(settings: TrainSettings) -> list[str]:
+    """Settings that are valid but probably not what was meant, one sentence each."""
+    warnings = []
+    args = settings.model_args
+    if args.warmup_steps >= settings.steps:
+        tenth = settings.steps // 10
+        example = f"e.g. {tenth}, a tenth of steps" if tenth else "e.g. 0, no warmup"
+        peak = "reaches model_args.lr only at the last step" if args.warmup_steps == settings.steps else (
+            f"never reaches model_args.lr={args.lr:g} (it ends at {settings.steps / args.warmup_steps:.0%} of it)"
+        )
+        warnings.append(
+            f"model_args.warmup_steps={args.warmup_steps} is not below steps={settings.steps}: the learning rate "
+            f"rises for the whole run, {peak}, and the {args.lr_schedule} schedule after warmup never starts; "
+            f"lower model_args.warmup_steps ({example}) or raise steps"
+        )
+    return warnings
 
 
 def available_accelerators() -> list[str]:

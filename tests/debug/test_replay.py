@@ -169,7 +169,7 @@ def test_error_message_command_works_when_pasted(cli, tmp_path, capsys):
     assert trained.returncode == 1
     assert "stabletrain train: NaNDetectedError: " in trained.stderr
     command = pasted_command(trained.stderr)
-    assert command == "stabletrain replay boom/debug/nan_capture/rank0"
+    assert command == f"stabletrain replay {shlex.quote(str(tmp_path / 'boom/debug/nan_capture/rank0'))}"
     # The only checkpoint (step 3) is finite but was written while the loss exploded: not called healthy.
     assert ("No non-finite value reached the optimizer or a checkpoint. No checkpoint of this run is healthy "
             "(step 3: loss at step 2 is") in trained.stderr
@@ -245,7 +245,8 @@ def test_two_ddp_ranks_only_rank1_poisoned(tmp_path, capsys):
     assert samples_of_step(2, world_size=2, rank=1)[1] in r1["indices"][0].tolist()
 
     command = pasted_command(proc.stderr)
-    assert command.startswith("stabletrain replay run/debug/nan_capture --model ") and command.endswith("nan_models.py:PoisonNet")
+    assert command.startswith(f"stabletrain replay {shlex.quote(str(tmp_path / 'run/debug/nan_capture'))} --model ")
+    assert command.endswith("nan_models.py:PoisonNet")
     pasted = subprocess.run(command, shell=True, cwd=tmp_path, env=shell_env(), capture_output=True, text=True, timeout=120)
     assert pasted.returncode == 0, pasted.stderr[-2000:]
     assert "reproduced: YES" in pasted.stdout

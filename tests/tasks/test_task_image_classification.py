@@ -206,3 +206,81 @@ def test_num_samples_is_the_built_datasets_length_and_too_few_fail(tmp_path: Pat
         )
     ]
     assert not out.exists()
+
+
+# --------------------------------------------------------------------------------------
+# Training accuracy (logged with the loss)
+# --------------------------------------------------------------------------------------
+
+
+def test_training_accuracy_counts_since_the_previous_read_against_float64():
+    from stabletrain.tasks.image_classification import TrainingAccuracy
+
+    g = torch.Generator().manual_seed(0)
+    logits = [torch.randn(n, 5, generator=g) for n in (7, 9, 4)]
+    labels = [torch.randint(0, 5, (len(x),), generator=g) for x in logits]
+    acc = TrainingAccuracy()
+    assert acc.read() == {}
+    for x, y in zip(logits[:2], labels[:2]):
+        acc.update(x, y)
+    hits = sum(int((x.numpy().argmax(1) == y.numpy()).sum()) for x, y in zip(logits[:2], labels[:2]))
+    assert acc.read()["accuracy"].item() == hits / 16
+    acc.update(logits[2], labels[2])  # a new window: only the last batch
+    assert acc.read()["accuracy"].item() == float((logits[2].argmax(1) == labels[2]).double().mean())
+
+
+def test_trainer_logs_the_accuracy_of_the_samples_since_the_previous_logged_step(tmp_path: Path):
+    """Every microbatch's batch and weights are recorded; the logged accuracy must be the share of
+    samples since the previous logged step that those weights (train mode) classify correctly."""
+    import copy
+
+    import stabletrain
+    from stabletrain.loggers.jsonl import read_metrics
+
+    seen: list[tuple[int, dict[str, torch.Tensor], Any]] = []
+
+    class Record:
+        def on_microbatch(self, trainer, *, step, micro_step, batch, indices):
+            seen.append((step, copy.deepcopy(trainer.model.state_dict()), batch))
+
+    out = tmp_path / "run"
+    stabletrain.train(out=out, model="cnn", steps=5, batch_size=8, gradient_accumulation_steps=2, log_every_num_steps=2,
+                      model_args={"cnn_width": 4, "dropout": 0.0, "lr": 0.05, "warmup_steps": 0}, callbacks=[Record()])
+    rows, _ = read_metrics(out / "metrics.jsonl")
+    logged = {r["step"]: r["accuracy"] for r in rows if "accuracy" in r}
+    assert sorted(logged) == [0, 2, 4]
+
+    model = SmallCNN(num_classes=4, width=4).train()
+    hits = {0: 0, 2: 0, 4: 0}
+    for step, state, (images, labels) in seen:
+        model.load_state_dict(state)
+        with torch.no_grad():
+            correct = int((model(images).argmax(1) == labels).sum())
+        hits[next(s for s in sorted(hits) if s >= step)] += correct
+    samples = {0: 8, 2: 16, 4: 16}  # windows: step 0; steps 1-2; steps 3-4
+    assert logged == {s: pytest.approx(hits[s] / samples[s], abs=1e-7) for s in hits}
+    assert "acc " in (out / "train.log").read_text(), "the progress line shows it"
+
+
+def test_accuracy_adds_no_host_sync(tmp_path: Path, monkeypatch):
+    import stabletrain
+    from stabletrain.utils.sync import SyncsPerStep
+
+    def counts(name: str) -> dict[int, int]:
+        counter = SyncsPerStep()
+        stabletrain.train(out=tmp_path / name, model="cnn", steps=4, batch_size=8, log_every_num_steps=2,
+                          model_args={"cnn_width": 4, "warmup_steps": 0}, callbacks=[counter])
+        return counter.counts
+
+    with_accuracy = counts("with")
+    assert "accuracy" in (tmp_path / "with" / "metrics.jsonl").read_text()
+    # Positive control: a metric read on the host is one more sync at each logged step (0, 2, 3).
+    original = SmallCNN.training_metrics
+    monkeypatch.setattr(SmallCNN, "training_metrics", lambda self: {"accuracy": torch.tensor(
+        original(self)["accuracy"].item())})
+    reading = counts("reading")
+    monkeypatch.delattr(SmallCNN, "training_metrics")
+    without = counts("without")
+    assert "accuracy" not in (tmp_path / "without" / "metrics.jsonl").read_text()
+    assert with_accuracy == without, (with_accuracy, without)
+    assert reading == {s: n + (s in (0, 2, 3)) for s, n in without.items()}, (reading, without)

@@ -55,13 +55,17 @@ def run(argv: list[str]) -> int:
         return 0
     from stabletrain.commands import set_cli_invocation
     from stabletrain.config import parse_cli_overrides
-    from stabletrain.trainer import train
+    from stabletrain.preflight import check_without_torch
 
     overrides = parse_cli_overrides(argv)
     if "out" not in overrides:
         raise ConfigError("out: required setting is missing; e.g. stabletrain train out=out/demo")
     set_cli_invocation(argv)  # messages rebuild this command to continue the run
     try:
+        # Loading torch takes seconds: what can be checked without it is checked first.
+        check_without_torch(overrides)
+        from stabletrain.trainer import train
+
         train(**overrides)
     finally:
         set_cli_invocation(None)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import math
-import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -39,6 +38,7 @@ from torch import Tensor, nn
 from stabletrain.debug.guard import GuardFailure
 from stabletrain.debug.optimizer_damage import explain_optimizer_damage, optimizer_name, smallest_positive
 from stabletrain.utils.io import atomic_write_text
+from stabletrain.utils.text import shell_path
 
 REASON_OPTIMIZER_STEP = "optimizer_step"
 
@@ -148,7 +148,7 @@ def capture_optimizer_step(trainer: Any, failure: GuardFailure) -> Optional[Path
         model, folder, rank=trainer.rank, world_size=trainer.world_size, scaler=trainer.scaler,
         precision=trainer.precision, gradient_accumulation_steps=trainer.settings.gradient_accumulation_steps,
         settings=settings, model_meta=dict(trainer.task.model_meta), any_rank=lambda flag: False,
-        replay_command=f"stabletrain diagnose {shlex.quote(str((folder / f'rank{trainer.rank}').resolve()))}",
+        replay_command=f"stabletrain diagnose {shell_path(folder / f'rank{trainer.rank}')}",
     )
     collector = _Collector(trainer, k, monitor)
     callbacks, trainer.callbacks = trainer.callbacks, CallbackList([collector])

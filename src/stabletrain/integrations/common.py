@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import logging
 import math
-import shlex
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -200,16 +199,6 @@ def pending_scale(scaler: Any, optimizer: Any) -> Optional[Tensor]:
             return None
     scale = getattr(scaler, "_scale", None)
     return scale if isinstance(scale, Tensor) else None
-
-
-def shell_path(path: Union[str, Path]) -> str:
-    """``path`` for a command line: relative to the working directory when below it, quoted."""
-    p = Path(path).absolute()
-    try:
-        shown = str(p.relative_to(Path.cwd()))
-    except ValueError:
-        shown = str(p)
-    return shlex.quote(shown)
 
 
 # --------------------------------------------------------------------------------------

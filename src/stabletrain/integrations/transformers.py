@@ -60,7 +60,8 @@ import torch
 from torch import Tensor, nn
 
 from stabletrain import NaNCaptureError
-from stabletrain.integrations.common import Settings, StepTools, dist_rank_and_world, parse_tool_settings, shell_path
+from stabletrain.integrations.common import Settings, StepTools, dist_rank_and_world, parse_tool_settings
+from stabletrain.utils.text import shell_path
 
 try:
     from transformers import TrainerCallback

@@ -78,6 +78,7 @@ def progress_line(step: int, steps: int, metrics: dict[str, float]) -> str:
         ("loss", "loss", "{:.4f}"),
         ("gradient_norm", "grad_norm", "{:.4g}"),
         ("lr", "lr", "{:.2e}"),
+        ("accuracy", "acc", "{:.3f}"),
     ):
         if key in metrics:
             parts.append(f"{label} " + fmt.format(metrics[key]))

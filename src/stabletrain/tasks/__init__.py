@@ -50,6 +50,11 @@ def check_task(settings: TrainSettings) -> list[str]:
     for key in foreign:
         if key in explicit:
             problems.append(f"model_args.{key}: not used by the {name} task (got {getattr(settings.model_args, key)!r})")
+    if name != "image_classification" and "bad_images" in settings.data_args.model_fields_set:
+        problems.append(
+            f"data_args.bad_images: only image folders are checked for unreadable files, not used by the {name} "
+            f"task (got {settings.data_args.bad_images!r})"
+        )
     if name == "custom":
         model = settings.model
         if not callable(getattr(model, "training_step", None)):

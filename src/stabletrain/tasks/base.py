@@ -18,7 +18,11 @@ stabletrain, and every debugging tool works on it::
 The trainer moves each microbatch to the device, runs ``training_step`` under the chosen
 precision (through DDP when distributed), and back-propagates the returned scalar loss.
 Optionally the model may define ``configure_optimizer(model_args) -> torch.optim.Optimizer``;
-otherwise AdamW (or SGD) is built from ``model_args``.
+otherwise AdamW (or SGD) is built from ``model_args``. It may also define
+``training_metrics() -> dict[str, Tensor]``: scalar device tensors that the trainer logs
+with the loss at each logged step (the built-in image models give ``accuracy`` over the
+samples since the previous call). The trainer calls it at logged steps only and reads the
+values with the step's one host read, so it must not read device values itself.
 """
 
 from __future__ import annotations
@@ -49,6 +53,10 @@ class Task:
         model_meta: JSON-compatible facts learnt from the data that, together with the
             settings, rebuild the same architecture without the data (e.g. the vocabulary).
         in_memory: True when the dataset is already in memory (worker processes do not help).
+        warnings: What the user should know about the data before training, one sentence each
+            (e.g. the unreadable images left out); the trainer prints them.
+        model_name: How the run's header names the model (e.g. ``torchvision/resnet18``); empty
+            for the model's class name.
     """
 
     name: str
@@ -56,3 +64,5 @@ class Task:
     dataset: Dataset
     model_meta: dict[str, Any] = field(default_factory=dict)
     in_memory: bool = True
+    warnings: list[str] = field(default_factory=list)
+    model_name: str = ""

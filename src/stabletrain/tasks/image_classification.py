@@ -39,12 +39,23 @@ from stabletrain.data.images import (
     ImageFolderDataset,
     ImageTransform,
     TensorImageDataset,
+    find_bad_images,
     find_image_classes,
     generate_images,
 )
+from stabletrain.preflight import IMAGE_DATA_HINT, data_path_problems
 from stabletrain.tasks.base import Task
+from stabletrain.utils.text import fmt_list
 
-__all__ = ["SmallCNN", "TorchvisionClassifier", "build", "build_model", "check", "torchvision_model_names"]
+__all__ = [
+    "SmallCNN",
+    "TorchvisionClassifier",
+    "TrainingAccuracy",
+    "build",
+    "build_model",
+    "check",
+    "torchvision_model_names",
+]
 
 #: Size, count and classes of the built-in generated dataset.
 GENERATED_IMAGE_SIZE = 32
@@ -55,12 +66,39 @@ _TORCHVISION_PREFIX = "torchvision/"
 _LIST_COMMAND = (
     "python -c \"import torchvision; print(torchvision.models.list_models(module=torchvision.models))\""
 )
-_DATA_HINT = "give a folder with one subfolder of images per class, or omit data for the built-in generated images"
+_DATA_HINT = IMAGE_DATA_HINT
+#: Unreadable files named in an error or a warning; the rest are counted.
+_BAD_LISTED = 10
 
 
 # --------------------------------------------------------------------------------------
 # Models
 # --------------------------------------------------------------------------------------
+
+
+class TrainingAccuracy:
+    """Top-1 training accuracy, counted on the device in ``training_step`` and read by the
+    trainer at logged steps (``training_metrics``): the fraction of the samples since the
+    previous read that the model, in training mode and before that step's update, classified
+    correctly. No host synchronisation: the sample count is known on the host.
+    """
+
+    def __init__(self) -> None:
+        self.correct: torch.Tensor | None = None
+        self.seen = 0
+
+    def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        hits = (logits.detach().argmax(dim=-1) == labels).sum()
+        self.correct = hits if self.correct is None else self.correct + hits
+        self.seen += labels.numel()
+
+    def read(self) -> dict[str, torch.Tensor]:
+        """``{"accuracy": device scalar}`` since the previous read, then starts counting afresh."""
+        if self.correct is None:
+            return {}
+        accuracy = self.correct.double() / self.seen
+        self.correct, self.seen = None, 0
+        return {"accuracy": accuracy}
 
 
 class ConvBlock(nn.Module):
@@ -100,6 +138,7 @@ class SmallCNN(nn.Module):
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.drop = nn.Dropout(dropout)
         self.head = nn.Linear(widths[2], num_classes)
+        self.accuracy = TrainingAccuracy()
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         """Logits ``(B, num_classes)`` for images ``(B, 3, H, W)``; H and W at least 8."""
@@ -108,7 +147,13 @@ class SmallCNN(nn.Module):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Mean cross-entropy of an ``(images, labels)`` batch."""
         images, labels = batch
-        return F.cross_entropy(self(images).float(), labels)
+        logits = self(images)
+        self.accuracy.update(logits, labels)
+        return F.cross_entropy(logits.float(), labels)
+
+    def training_metrics(self) -> dict[str, torch.Tensor]:
+        """``accuracy`` since the previous call (:class:`TrainingAccuracy`)."""
+        return self.accuracy.read()
 
 
 #: Weight of auxiliary classifier losses (GoogLeNet, Inception v3), as in their papers.
@@ -129,6 +174,7 @@ class TorchvisionClassifier(nn.Module):
     def __init__(self, net: nn.Module):
         super().__init__()
         self.net = net
+        self.accuracy = TrainingAccuracy()
 
     def forward(self, images: torch.Tensor) -> Any:
         return self.net(images)
@@ -138,14 +184,21 @@ class TorchvisionClassifier(nn.Module):
         images, labels = batch
         out = self(images)
         if isinstance(out, torch.Tensor):
+            self.accuracy.update(out, labels)
             return F.cross_entropy(out.float(), labels)
         # Named tuples: InceptionOutputs(logits, aux_logits), GoogLeNetOutputs(logits, aux_logits2, aux_logits1).
         outputs = out._asdict()
-        loss = F.cross_entropy(outputs.pop("logits").float(), labels)
+        logits = outputs.pop("logits")
+        self.accuracy.update(logits, labels)
+        loss = F.cross_entropy(logits.float(), labels)
         for aux in outputs.values():
             if aux is not None:
                 loss = loss + AUX_LOSS_WEIGHT * F.cross_entropy(aux.float(), labels)
         return loss
+
+    def training_metrics(self) -> dict[str, torch.Tensor]:
+        """``accuracy`` since the previous call (:class:`TrainingAccuracy`), from the main logits."""
+        return self.accuracy.read()
 
 
 def torchvision_model_names() -> list[str]:
@@ -225,11 +278,10 @@ def _data_path(data: Any) -> Path | None:
     return Path(data) if isinstance(data, (str, os.PathLike)) else None
 
 
-def _check_folder(path: Path) -> list[str]:
-    if not path.exists():
-        return [f"data: folder not found: {path} ({_DATA_HINT})"]
-    if not path.is_dir():
-        return [f"data: {path} is not a folder ({_DATA_HINT}; for a text file use the language model task)"]
+def _check_folder(path: Path, bad_images: str = "error") -> list[str]:
+    missing = data_path_problems("image_classification", path)
+    if missing:
+        return missing
     try:
         classes, samples = find_image_classes(path)
     except OSError as exc:
@@ -246,16 +298,36 @@ def _check_folder(path: Path) -> list[str]:
         problems.append(
             f"data: {path} has 1 class subfolder ({classes[0]!r}); classification needs at least 2 classes"
         )
+    bad = find_bad_images([p for p, _ in samples])
+    if bad and bad_images == "error":
+        problems.append(
+            f"data: {bad_images_text(path, bad, len(samples))}; remove or replace them, or set "
+            "data_args.bad_images=skip to train without them"
+        )
     counts = [0] * len(classes)
-    for _, label in samples:
-        counts[label] += 1
+    for p, label in samples:
+        counts[label] += p not in bad
     empty = [c for c, n in zip(classes, counts) if n == 0]
     if empty:
+        readable = " readable" if bad else ""
         problems.append(
-            f"data: class folders without images in {path}: {', '.join(repr(c) for c in empty)} "
+            f"data: class folders without{readable} images in {path}: {', '.join(repr(c) for c in empty)} "
             f"(looked for {exts}); add images or remove the folders"
         )
     return problems
+
+
+def bad_images_text(root: Path, bad: dict[Path, str], total: int) -> str:
+    """``3 of 40 images in ROOT cannot be read: cat/x.jpg (reason), ...``, the first few named."""
+
+    def name(p: Path) -> str:
+        try:
+            return str(p.relative_to(root))
+        except ValueError:
+            return str(p)
+
+    listed = fmt_list(sorted(bad.items()), limit=_BAD_LISTED, fmt=lambda item: f"{name(item[0])} ({item[1]})")
+    return f"{len(bad)} of {total} images in {root} cannot be read: {listed}"
 
 
 def check(settings: TrainSettings) -> list[str]:
@@ -278,7 +350,7 @@ def check(settings: TrainSettings) -> list[str]:
                 "training_step> as well)"
             )
         else:
-            problems += _check_folder(path)
+            problems += _check_folder(path, settings.data_args.bad_images)
     return problems
 
 
@@ -288,7 +360,10 @@ def num_samples(settings: TrainSettings) -> int:
     """
     if settings.data is None:
         return GENERATED_NUM_IMAGES
-    return len(find_image_classes(Path(settings.data))[1])
+    samples = find_image_classes(Path(settings.data))[1]
+    if settings.data_args.bad_images == "skip":
+        return len(samples) - len(find_bad_images([p for p, _ in samples]))
+    return len(samples)
 
 
 # --------------------------------------------------------------------------------------
@@ -308,6 +383,7 @@ def build(settings: TrainSettings) -> Task:
     t = settings.transform_args
     transform = ImageTransform(t.image_size, t.normalize.mean, t.normalize.std)
     dataset: TensorImageDataset | ImageFolderDataset
+    warnings: list[str] = []
     if settings.data is None:
         images, labels = generate_images(GENERATED_NUM_IMAGES, GENERATED_IMAGE_SIZE, GENERATED_NUM_CLASSES)
         classes = list(SHAPE_NAMES[:GENERATED_NUM_CLASSES])
@@ -317,9 +393,15 @@ def build(settings: TrainSettings) -> Task:
         path = _data_path(settings.data)
         if path is None:
             raise ValueError(f"data: expected an image folder path, got {type(settings.data).__name__}")
-        dataset = ImageFolderDataset(path, transform)
+        bad: dict[Path, str] = {}
+        if settings.data_args.bad_images == "skip":
+            bad = find_bad_images([p for p, _ in find_image_classes(path)[1]])
+        dataset = ImageFolderDataset(path, transform, exclude=bad)
         classes = list(dataset.classes)
         in_memory = False
+        if bad:
+            total = len(dataset) + len(bad)
+            warnings.append(f"data_args.bad_images=skip: {bad_images_text(path, bad, total)}; training without them")
     meta = {"num_classes": len(classes), "classes": classes}
     return Task(
         name="image_classification",
@@ -327,6 +409,8 @@ def build(settings: TrainSettings) -> Task:
         dataset=dataset,
         model_meta=meta,
         in_memory=in_memory,
+        warnings=warnings,
+        model_name=name if (name := _model_name(settings)).startswith(_TORCHVISION_PREFIX) else "",
     )
 
 

@@ -37,6 +37,7 @@ from stabletrain.data.text import (
     generate_text,
     num_windows,
 )
+from stabletrain.preflight import TEXT_DATA_HINT, data_path_problems
 from stabletrain.tasks.base import Task
 
 __all__ = ["MODEL_NAMES", "TransformerLM", "build", "build_model", "check"]
@@ -47,7 +48,7 @@ MODEL_NAMES = ("transformer",)
 #: Length of the built-in generated text, in characters (= byte tokens; it is ASCII).
 GENERATED_TEXT_CHARS = 200_000
 
-_DATA_HINT = "give a UTF-8 text file, or omit data for the built-in generated text"
+_DATA_HINT = TEXT_DATA_HINT
 
 
 # --------------------------------------------------------------------------------------
@@ -228,17 +229,8 @@ def check(settings: TrainSettings) -> list[str]:
             "(to train on your own Dataset, pass model=<nn.Module with training_step> as well)"
         )
         return problems
-    if not path.exists():
-        problems.append(f"data: file not found: {path} ({_DATA_HINT})")
-    elif path.is_dir():
-        problems.append(
-            f"data: {path} is a directory, the language model needs a text file ({_DATA_HINT}; "
-            "for an image folder set model='cnn' or 'torchvision/<name>')"
-        )
-    elif not path.is_file():
-        problems.append(f"data: {path} is not a regular file ({_DATA_HINT})")
-    else:
-        problems.extend(_check_text_file(path, args.tokenizer, needed))
+    missing = data_path_problems("language_model", path)
+    problems.extend(missing or _check_text_file(path, args.tokenizer, needed))
     return problems
 
 

@@ -8,7 +8,8 @@
 ``fmt_factor(f)``      a ratio: ``22.7x``, ``1.2e+04x``; ``far`` when it is not finite.
 ``fmt_list(items)``    the first few items, then how many are left out: ``a, b, c, d (+3 more)``.
 ``fmt_path(p)``        relative to the working directory when below it, else absolute.
-``shell_path(p)``      ``fmt_path`` quoted for a POSIX shell.
+``abs_path(p)``        absolute (``..`` resolved, symlinks kept): for paths in commands.
+``shell_path(p)``      ``abs_path`` quoted for a POSIX shell: for commands.
 ``json_float(x)``      a float for JSON: non-finite values as the strings ``"nan"``, ``"inf"``.
 =====================  ==========================================================================
 """
@@ -28,6 +29,7 @@ __all__ = [
     "fmt_column",
     "fmt_factor",
     "fmt_list",
+    "abs_path",
     "fmt_path",
     "shell_path",
     "json_float",
@@ -95,9 +97,15 @@ def fmt_path(path: str | Path) -> str:
     return "./" + text if text.startswith("-") else text
 
 
+def abs_path(path: str | Path) -> str:
+    """``path`` made absolute, for commands in messages, which must work when pasted in any folder,
+    not only where the run started. Symlinks are kept: the path stays the one the user gave."""
+    return os.path.abspath(os.path.expanduser(path))
+
+
 def shell_path(path: str | Path) -> str:
-    """:func:`fmt_path`, quoted for a POSIX shell (spaces, quotes, ``$`` and all)."""
-    return shlex.quote(fmt_path(path))
+    """:func:`abs_path` quoted for a POSIX shell (spaces, quotes, ``$`` and all)."""
+    return shlex.quote(abs_path(path))
 
 
 def json_float(x: float) -> Any:

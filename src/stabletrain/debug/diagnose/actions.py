@@ -5,7 +5,6 @@ of the arithmetic, per kind of op). See ``docs/diagnose.md``.
 from __future__ import annotations
 
 import math
-import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -136,7 +135,7 @@ def not_reproducible(ev: Evidence, ctx: RunContext) -> list[str]:
     """Rerun and watch: the step does not fail again from what it started with."""
     cap = ctx.cap
     if other_rank_only(ev, cap):
-        return [f"Diagnose all ranks together: stabletrain diagnose {cap.ranks[0].path.parent.parent}"]
+        return [f"Diagnose all ranks together: stabletrain diagnose {shell_path(cap.ranks[0].path.parent.parent)}"]
     last = ""
     if ctx.out and not ctx.terms:
         last = f" ({ctx.out / 'checkpoints' / 'last.ckpt'} holds no NaN: nancapture stopped before the optimizer step)"
@@ -192,7 +191,7 @@ def _resume_before_the_damage(ev: Evidence, ctx: RunContext, state: str, lr: str
         ck = next(c for c in w.checkpoints if c["path"] == w.healthy_checkpoint)
         path = Path(w.healthy_checkpoint)
         where = (RESUME if path.name == "last.ckpt" else
-                 f"rerun your training command with resume_from={shlex.quote(str(path.resolve()))}")
+                 f"rerun your training command with resume_from={shell_path(path)}")
         why = f": {ck['why']}" if ck.get("why") else ""
         return (f"Resume from before the damage: the newest checkpoint with healthy {state} is step {ck['step']} "
                 f"(|w| up to {fmt_number(ck['abs_max'])}{why}); {where} and {lr}.")

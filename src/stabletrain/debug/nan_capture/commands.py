@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional, cast
 
 from torch import Tensor, nn
 
-from stabletrain.utils.text import fmt_path, shell_path
+from stabletrain.utils.text import abs_path, shell_path
 
 
 def default_step_fn(model: nn.Module, batch: Any, *step_args: Any) -> Tensor:
@@ -38,7 +38,7 @@ def _import_spec(obj: Any, needs_no_args: bool) -> Optional[tuple[str, bool, str
     module = sys.modules[obj.__module__]
     source = getattr(module, "__file__", None)
     if source and source.endswith(".py"):
-        return fmt_path(source), True, obj.__qualname__
+        return abs_path(source), True, obj.__qualname__
     return obj.__module__, False, obj.__qualname__
 
 
@@ -183,5 +183,5 @@ def _replay_template(path: str | Path, model: Any, step_fn: Any) -> str:
             )
             lines.append("step_fn = ...")
         call += ", step_fn=step_fn"
-    lines.append(f"print(stabletrain.load_nan_capture({fmt_path(path)!r}, {call}).replay())")
+    lines.append(f"print(stabletrain.load_nan_capture({abs_path(path)!r}, {call}).replay())")
     return "\n".join(lines)

@@ -1,0 +1,164 @@
+"""The checks of a run's settings that need neither torch nor Lightning.
+
+``stabletrain train`` runs :func:`check_without_torch` before it imports torch, which takes
+seconds on a cold start, so that a mistyped setting, a value of the wrong type, a missing data
+path or a non-empty ``out`` folder is reported at once. When these checks pass, ``train()``
+runs every check (the task's model and data, the loggers, Fabric's devices), these included,
+before anything is written.
+
+Example::
+
+    check_without_torch({"out": "out/x", "steps": 0, "data": "missing.txt"})
+    # ConfigError: Invalid settings (2 problems):
+    #   - steps: Input should be greater than or equal to 1 (got 0)
+    #   - data: file not found: missing.txt (give a UTF-8 text file, ...)
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Any
+
+from stabletrain.checkpoint import checkpoint_dir, fallback_advice, unreadable_reason
+from stabletrain.commands import train_command
+from stabletrain.config import TrainSettings, load_settings, partial_settings
+from stabletrain.errors import ConfigError
+
+__all__ = [
+    "IMAGE_DATA_HINT",
+    "TEXT_DATA_HINT",
+    "check_without_torch",
+    "data_path_problems",
+    "out_dir_problems",
+]
+
+TEXT_DATA_HINT = "give a UTF-8 text file, or omit data for the built-in generated text"
+IMAGE_DATA_HINT = (
+    "give a folder with one subfolder of images per class, or omit data for the built-in generated images"
+)
+
+#: Environment variables through which launchers (Lightning's, torchrun, SLURM, MPI) give a process its rank.
+_RANK_VARIABLES = ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+
+
+def check_without_torch(settings: dict[str, Any]) -> TrainSettings:
+    """Validate ``settings`` with every check that needs no torch; the settings, or one
+    :class:`ConfigError` listing every problem found.
+
+    pydantic's checks (unknown keys, types, ranges), then on the values it accepts: the data
+    path exists and is a file (language model) or a folder (images), and the ``out`` folder
+    can take the run (see :func:`out_dir_problems`).
+    """
+    try:
+        parsed = load_settings(settings)
+    except ConfigError as exc:
+        partial, rejected = partial_settings(settings)
+        more = [] if partial is None else _problems_despite(partial, rejected)
+        raise ConfigError(exc.problems + more) from None
+    problems = _problems_despite(parsed, [])
+    if problems:
+        raise ConfigError(problems)
+    return parsed
+
+
+def _problems_despite(settings: TrainSettings, rejected: list[str]) -> list[str]:
+    def reads(*keys: str) -> bool:
+        return any(r == k or r.startswith(k + ".") or k.startswith(r + ".") for r in rejected for k in keys)
+
+    problems = []
+    if not reads("task", "model", "data") and isinstance(settings.data, (str, os.PathLike)):
+        problems.extend(data_path_problems(_task_name(settings), Path(settings.data)))
+    if not reads("out", "overwrite", "resume_interrupted", "resume_from") and not _launched_as_later_rank():
+        problems.extend(out_dir_problems(settings))
+    return problems
+
+
+def _task_name(settings: TrainSettings) -> str:
+    """The built-in task of the settings, as ``stabletrain.tasks.resolve_task_name`` decides it
+    for model names; "custom" for a Python object."""
+    model = settings.model
+    if model is not None and not isinstance(model, str):
+        return "custom"
+    if settings.task is not None:
+        return settings.task
+    if isinstance(model, str) and (model == "cnn" or model.startswith("torchvision/")):
+        return "image_classification"
+    return "language_model"
+
+
+def _launched_as_later_rank() -> bool:
+    """Whether a launcher started this process as a rank other than the first: the first
+    process owns ``out`` and checks it; the others find it already in use by the run."""
+    for name in _RANK_VARIABLES:
+        value = os.environ.get(name, "").strip()
+        if value.isdigit() and int(value) != 0:
+            return True
+    return False
+
+
+def data_path_problems(task: str, path: Path) -> list[str]:
+    """Whether ``path`` exists and is what ``task`` reads: a text file for the language model,
+    a folder for image classification. What is inside is the task's own check."""
+    if task == "language_model":
+        if not path.exists():
+            return [f"data: file not found: {path} ({TEXT_DATA_HINT})"]
+        if path.is_dir():
+            return [
+                f"data: {path} is a directory, the language model needs a text file ({TEXT_DATA_HINT}; "
+                "for an image folder set model='cnn' or 'torchvision/<name>')"
+            ]
+        if not path.is_file():
+            return [f"data: {path} is not a regular file ({TEXT_DATA_HINT})"]
+    elif task == "image_classification":
+        if not path.exists():
+            return [f"data: folder not found: {path} ({IMAGE_DATA_HINT})"]
+        if not path.is_dir():
+            return [f"data: {path} is not a folder ({IMAGE_DATA_HINT}; for a text file use the language model task)"]
+    return []
+
+
+def out_dir_problems(settings: TrainSettings) -> list[str]:
+    """Whether the ``out`` folder can take the run: empty or absent for a new run (or
+    ``overwrite``); for ``resume_interrupted`` a whole ``last.ckpt``, for ``resume_from`` a whole
+    file. An unreadable checkpoint's problem names the one to continue from instead
+    (:func:`stabletrain.checkpoint.fallback_advice`), with the command."""
+    s = settings
+    out = Path(s.out)
+    last = checkpoint_dir(out) / "last.ckpt"
+    if s.resume_interrupted and s.resume_from is not None:
+        return [
+            f"resume_from: given together with resume_interrupted=true; use one: resume_from={s.resume_from} "
+            f"continues from that file, resume_interrupted=true from {last}"
+        ]
+    if s.resume_from is not None:
+        source = Path(s.resume_from)
+        if not source.is_file():
+            return [f"resume_from: no checkpoint file at {source}; pass a .ckpt file, e.g. {last}"]
+        return _unreadable("resume_from", source, s)
+    if s.resume_interrupted:
+        if not last.exists():
+            return [
+                f"resume_interrupted: no checkpoint to resume from at {last}: the run stopped before its first "
+                "checkpoint; start again with overwrite=true instead of resume_interrupted=true"
+            ]
+        return _unreadable("resume_interrupted", last, s)
+    if out.exists() and not out.is_dir():
+        return [f"out: {out} exists and is not a folder"]
+    if out.is_dir() and any(out.iterdir()) and not s.overwrite:
+        return [
+            f"out: {out} is not empty; pass overwrite=true to replace its outputs, "
+            "resume_interrupted=true to continue its run, or choose another folder"
+        ]
+    return []
+
+
+def _unreadable(setting: str, path: Path, settings: TrainSettings) -> list[str]:
+    reason = unreadable_reason(path)  # no torch: the size and the zip index
+    if reason is None:
+        return []
+    # Naming the checkpoint to use instead reads the others' recorded health, which needs torch;
+    # only this error pays for loading it.
+    advice = fallback_advice(path, command=functools.partial(train_command, settings))
+    return [f"{setting}: cannot read {path}: {reason}. {advice}"]
