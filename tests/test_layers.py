@@ -80,6 +80,10 @@ RANKS: dict[str, int] = {
     "debug.advice": 7,
     "debug.guard": 7,  # the always-on guard: device-side checks, usable in any loop
     "debug.optimizer_damage": 7,
+    "debug.spike_detector": 7,  # on_instability: rolling z-score detection on the device
+    "debug.skip_step": 7,  # undo an optimizer step on the device
+    "debug.instability_guard": 7,  # detector + skip, for any loop
+    "debug.rollback_snapshot": 7,  # in-memory snapshots to roll a plain loop back
     "debug.nan_capture": 8,
     "debug.underflow_overflow": 8,
     "debug.trends": 8,
@@ -90,6 +94,7 @@ RANKS: dict[str, int] = {
     "reporting": 11,
     "trainer": 11,
     "trainer_checks": 11,
+    "healing": 11,  # on_instability in the trainer: recoveries, evidence, rollback snapshots
     "safety": 11,  # the trainer's guard, checkpoint verification and signals
     "stop_messages": 11,
     "integrations": 11,

@@ -10,6 +10,7 @@ Public API (imported lazily, so ``import stabletrain`` is cheap and has no side 
     stabletrain.report(out)                     # trends, plots and a summary of a run
     stabletrain.TrendDetector()                 # live trend alerts in any loop
     stabletrain.StepGuard(model, optimizer)     # the trainer's always-on guard, in any loop
+    stabletrain.InstabilityGuard(optimizer)     # skip non-finite or spiking steps, in any loop
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ _EXPORTS = {
     "Diagnosis": "stabletrain.debug.diagnose",
     "StepGuard": "stabletrain.debug.guard",
     "NonFiniteStepError": "stabletrain.debug.guard",
+    "InstabilityGuard": "stabletrain.debug.instability_guard",
+    "SpikeDetector": "stabletrain.debug.spike_detector",
+    "RollbackSnapshots": "stabletrain.debug.rollback_snapshot",
+    "RecoveryLimitError": "stabletrain.healing",
     "NonFiniteCheckpointError": "stabletrain.safety",
     "TrainingInterrupted": "stabletrain.signals",
 }

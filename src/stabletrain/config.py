@@ -200,6 +200,36 @@ class GuardArgs(_Settings):
     )
 
 
+class OnInstabilityArgs(_Settings):
+    """What to do when a step goes non-finite or spikes (``on_instability.*``); see docs/self_healing.md.
+
+    ``stop`` is the guard alone: the run stops at the first non-finite step. ``skip_step`` does
+    not apply a bad step's update (decided on the device, no host sync); ``rollback`` restores
+    the newest in-memory snapshot (taken every ``rollback_steps``) and skips the data since it.
+    A step is bad when its loss or gradient norm is non-finite, when (after ``warmup`` good
+    steps) its log loss lies more than ``zscore`` noise units above the mean of the last 5 good
+    steps (the noise: the step-to-step scatter over the last ``window`` good steps) or its log
+    gradient norm more than ``zscore`` standard deviations above the window's mean, or when the
+    loss exceeds ``max_ratio`` times the largest loss seen.
+    """
+
+    policy: Literal["stop", "skip_step", "rollback"] = Field(
+        "stop", description="stop (the guard alone), skip_step (drop the bad update) or rollback (to a snapshot)."
+    )
+    window: Int = Field(50, ge=2, description="Good steps in the rolling window of log loss and log gradient norm.")
+    zscore: Float = Field(6.0, gt=0, description="Spike threshold: log loss this many noise units above the last 5 "
+                                                 "good steps, or log gradient norm this many std above the window.")
+    warmup: Int = Field(20, ge=2, description="Good steps seen before spikes are judged (non-finite values always are).")
+    max_ratio: Float = Field(10.0, gt=1, description="A loss above this many times the largest loss seen is a spike.")
+    min_std: Float = Field(0.05, ge=0, description="Floor of the noise and std of log values (a flat window would "
+                                                   "make any wiggle a spike).")
+    max_recoveries: Int = Field(10, ge=0, description="After this many recoveries the next bad step stops the run "
+                                                      "with a capture.")
+    rollback_steps: Int = Field(50, ge=1, description="rollback: keep an in-memory snapshot every this many steps.")
+    diagnose: bool = Field(True, description="After training, run stabletrain diagnose on the first 5 recoveries' "
+                                             "captures (never during training); the report shows the verdicts.")
+
+
 class DebugArgs(_Settings):
     """On-demand debugging tools (``debug_args.*``)."""
 
@@ -370,6 +400,7 @@ class TrainSettings(_Settings):
     torch_compile_args: TorchCompileArgs = Field(default_factory=TorchCompileArgs)
     debug_args: DebugArgs = Field(default_factory=DebugArgs)
     guard: GuardArgs = Field(default_factory=GuardArgs)
+    on_instability: OnInstabilityArgs = Field(default_factory=OnInstabilityArgs)
     loggers: LoggersArgs = Field(default_factory=LoggersArgs)
     trend_alerts: TrendAlertArgs = Field(default_factory=TrendAlertArgs)
     callbacks: list[Any] = Field(
@@ -659,17 +690,17 @@ def parse_cli_overrides(args: list[str]) -> dict[str, Any]:
     problems.extend(repeats)
     if repeats:
         raise ConfigError(problems)
-    for parts, _, value in given:
+    for key_parts, _, value in given:
         node = result
-        for i, p in enumerate(parts[:-1]):
+        for i, p in enumerate(key_parts[:-1]):
             child = node.setdefault(p, {})
             if not isinstance(child, dict):
-                problems.append(f"{'.'.join(parts)}: {'.'.join(parts[: i + 1])} was already given a value, "
+                problems.append(f"{'.'.join(key_parts)}: {'.'.join(key_parts[: i + 1])} was already given a value, "
                                 "it cannot also have sub-keys")
                 break
             node = child
         else:
-            node[parts[-1]] = value
+            node[key_parts[-1]] = value
     if problems:
         raise ConfigError(problems)
     return result

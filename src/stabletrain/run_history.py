@@ -5,7 +5,9 @@ A resumed run appends to ``metrics.jsonl``: the steps it redoes are logged again
 written for steps N and later belong to an abandoned timeline: the later rows win, and rows of
 the abandoned timeline that the resumed run did not log again are dropped too (a run resumed
 from an older checkpoint with ``resume_from`` may log at other steps), and so are the events
-of those steps (alerts, the guard's stop), kept apart as ``abandoned_events``.
+of those steps (alerts, the guard's stop), kept apart as ``abandoned_events``. Recovery events
+(``on_instability``) always stay: a rollback logs a resume to the step it restored, and the
+recovery that caused it is part of the run's story.
 """
 
 from __future__ import annotations
@@ -51,9 +53,9 @@ def read_run(path: str | Path) -> RunHistory:
                     history.resumes.append(start)
                     for step in [s for s in by_step if s >= start]:
                         del by_step[step]
-                    kept = []
+                    kept: list[dict] = []
                     for ev in history.events[:-1]:
-                        later = isinstance(ev.get("step"), int) and ev["step"] >= start and ev.get("event") != "resume"
+                        later = isinstance(ev.get("step"), int) and ev["step"] >= start and ev.get("event") not in ("resume", "recovery")
                         (history.abandoned_events if later else kept).append(ev)
                     history.events = kept + [obj]
                 continue

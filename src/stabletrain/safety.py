@@ -71,6 +71,8 @@ class SafetyNet:
         self._agree_t = torch.from_numpy(self._agree)
         self._last: Optional[tuple[list[Tensor], Tensor]] = None
         self.replaying = False
+        #: The self-healing of ``on_instability`` (a trainer callback too), None under ``stop``.
+        self.healer: Any = next((c for c in trainer.callbacks.callbacks if getattr(c, "is_healer", False)), None)
         #: The state training started from, kept on the CPU only with nancapture on in a fresh
         #: run (one copy of the weights), so that an optimizer-step failure before the first
         #: checkpoint can be re-run and captured.
@@ -97,15 +99,20 @@ class SafetyNet:
 
     def check_gradients(self, step: int, losses: list[Tensor], grad_norm: Tensor) -> None:
         self._last = (losses, grad_norm)
-        if self.guard is None or self.replaying:
+        if self.replaying:
             return
-        self.guard.check_gradients(step, grad_norm, losses)
+        skip = self.healer.check(step, losses, grad_norm) if self.healer is not None else None
+        if self.guard is None:
+            return
+        self.guard.check_gradients(step, grad_norm, losses, skip=skip)
         if self.trainer.world_size == 1:
             host = self.guard.visible()  # free: already on the host, or None
             if host is not None and host[0] >= 0:
                 self.fail(host, stopped_at=step)
 
     def check_update(self, step: int) -> None:
+        if self.healer is not None and not self.replaying:
+            self.healer.after_step()  # undo a bad step's update before anything looks at it
         if self.guard is not None and not self.replaying:
             self.guard.check_update(step)
 
@@ -132,6 +139,8 @@ class SafetyNet:
                 other_step = -neg
         if (host is not None and host[0] >= 0) or other_step is not None:
             self.fail(host, stopped_at=t.step - 1, other_step=other_step)  # type: ignore[arg-type]
+        if self.healer is not None:
+            self.healer.end_of_step()
         if signal_flag and self.interrupted is None:
             self.interrupted = self.signals.received or "SIGTERM"  # another rank's signal: stop with it
             t.request_stop(f"{self.interrupted} received")

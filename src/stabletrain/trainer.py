@@ -691,6 +691,10 @@ def _build_debug_callbacks(trainer: Trainer) -> list[Any]:
         from stabletrain.debug.underflow_overflow import UnderflowOverflowCallback
 
         callbacks.append(UnderflowOverflowCallback(debug.underflow_overflow))
+    if trainer.settings.on_instability.policy != "stop":
+        from stabletrain.healing import Healer
+
+        callbacks.append(Healer(trainer))
     if trainer.settings.trend_alerts.enabled:
         from stabletrain.debug.trends import TrendAlerts
 

@@ -218,7 +218,7 @@ def find_image_classes(root: str | os.PathLike) -> tuple[list[str], list[tuple[P
     classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
     samples: list[tuple[Path, int]] = []
     for label, name in enumerate(classes):
-        files = []
+        files: list[Path] = []
         for dirpath, dirnames, filenames in os.walk(root / name, followlinks=True):
             dirnames[:] = [d for d in dirnames if not d.startswith(".")]
             files.extend(Path(dirpath) / f for f in filenames if _is_image_file(Path(f)))

@@ -175,7 +175,7 @@ def _stable_prefix(rows: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]
     """The rows before the first non-finite value or the first rise of LOSS_RISE / NORM_RISE."""
     low = {"loss": math.inf, "gradient_norm": math.inf}
     limits = {"loss": LOSS_RISE, "gradient_norm": NORM_RISE}
-    out = []
+    out: list[Mapping[str, Any]] = []
     for r in rows:
         for key, limit in limits.items():
             v = r.get(key)

@@ -312,11 +312,13 @@ class StepGuard:
 
     # ------------------------------------------------------------------ device checks
 
-    def check_gradients(self, step: int, grad_norm: Tensor, losses: Sequence[Tensor] = ()) -> None:
+    def check_gradients(self, step: int, grad_norm: Tensor, losses: Sequence[Tensor] = (),
+                        skip: Optional[Tensor] = None) -> None:
         """Record whether this step's losses and gradient norm are finite (no host sync).
 
         Call it once the gradients are final (after un-scaling under fp16) and before the
-        optimizer step.
+        optimizer step. ``skip``: a device bool, true when the step's update is skipped
+        (``on_instability``): its non-finite loss or gradients are then not a failure.
         """
         gn = grad_norm.detach().reshape(()).float().to(self.device)
         grad_bad = ~torch.isfinite(gn)
@@ -337,6 +339,9 @@ class StepGuard:
             stacked = torch.stack([x.detach().reshape(()).float().to(self.device) for x in losses])
             flags[0] = ~torch.isfinite(stacked).all()
             loss = stacked.mean()
+        if skip is not None:  # a skipped update harms nothing: the healer records it instead
+            flags[0] = flags[0] & ~skip
+            flags[1] = flags[1] & ~skip
         self._record(step, flags, loss, gn)
 
     def check_update(self, step: int) -> None:

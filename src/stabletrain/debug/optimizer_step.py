@@ -358,7 +358,9 @@ def diagnose_optimizer_step(
     result = _step_once(model, part, entry, dev, None)
     precision = cap.precision
     if result is None:
-        bad_params, bad_state, explanation = {}, [], (
+        bad_params: dict[str, int] = {}
+        bad_state: list[str] = []
+        explanation = (
             f"{entry['optimizer']} is not a torch.optim optimizer, so it cannot be rebuilt from the capture; "
             "the re-run in training found: " + (entry.get("failure", {}).get("explanation") or "no explanation"))
         reproduced = False

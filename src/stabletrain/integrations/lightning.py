@@ -197,6 +197,7 @@ class StabletrainCallback(pl.Callback):
         receives it and the RNG states just before it runs, the loss it returns."""
         original = pl_module.training_step
         tools = self.tools
+        assert tools is not None, "_wrap runs after setup() made the step tools"
 
         @functools.wraps(original)
         def training_step(*args: Any, **kwargs: Any) -> Any:

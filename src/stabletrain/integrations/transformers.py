@@ -125,9 +125,10 @@ def model_from_meta(meta: Mapping[str, Any]) -> nn.Module:
             "from its config here; pass the model: load_nan_capture(path, model=MyModel(config)) "
             "(stabletrain replay PATH --model file.py:build_model)"
         )
-    config = cls.config_class.from_dict(json.loads(meta["config"]))
+    model_cls: Any = cls
+    config = model_cls.config_class.from_dict(json.loads(meta["config"]))
     attn = meta.get("attn_implementation")
-    return cls._from_config(config, **({"attn_implementation": attn} if attn else {}))
+    return model_cls._from_config(config, **({"attn_implementation": attn} if attn else {}))
 
 
 def _precision(args: Any, model: nn.Module) -> str:
@@ -218,6 +219,7 @@ class StabletrainCallback(TrainerCallback):
         original = model.forward
         signature = inspect.signature(original)
         tools = self.tools
+        assert tools is not None, "the wrapper is put on after the step tools exist"
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             if tools is None or tools.closed or not tools.in_step or not (model.training and torch.is_grad_enabled()):

@@ -94,8 +94,8 @@ def build_loggers(settings: TrainSettings, out: Path) -> list[Logger]:
         if _wanted(settings, "wandb"):
             from stabletrain.loggers.wandb import WandbLogger
 
-            args = settings.loggers.wandb
-            loggers.append(WandbLogger(out, project=args.project, name=args.name, mode=args.mode))
+            wandb_args = settings.loggers.wandb
+            loggers.append(WandbLogger(out, project=wandb_args.project, name=wandb_args.name, mode=wandb_args.mode))
     except BaseException:
         for logger in loggers:
             logger.close()

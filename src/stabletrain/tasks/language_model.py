@@ -76,6 +76,7 @@ class CausalSelfAttention(nn.Module):
         self.resid_drop = nn.Dropout(dropout)
         mask = torch.ones(context_length, context_length, dtype=torch.bool).triu(diagonal=1)
         # Not persistent: derived from context_length, so it stays out of checkpoints.
+        self.causal_mask: torch.Tensor
         self.register_buffer("causal_mask", mask, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -160,6 +161,7 @@ class TransformerLM(nn.Module):
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
         for block in self.blocks:
+            assert isinstance(block, Block)
             for proj in (block.attn.proj, block.mlp.fc2):
                 nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * n_layers))
 

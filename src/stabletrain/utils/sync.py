@@ -138,7 +138,7 @@ class CountSyncs(TorchDispatchMode):
             self._saved[name] = getattr(torch.Tensor, name)
             setattr(torch.Tensor, name, copying(name, self._saved[name]))
         original_to = self._saved["to"] = torch.Tensor.to
-        torch.Tensor.to = to  # type: ignore[method-assign]
+        torch.Tensor.to = to  # type: ignore[method-assign,assignment]
 
     def _unpatch(self) -> None:
         for name, original in self._saved.items():

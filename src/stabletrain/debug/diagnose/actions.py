@@ -55,7 +55,7 @@ class RunContext:
     def of(cls, cap: NaNCapture, out: Optional[Path], unstable_from: Optional[int] = None) -> RunContext:
         settings = cap.settings or {}
         meta = cap.ranks[0].model_meta or {}
-        terms = advice.FRAMEWORK_TERMS.get(meta.get("framework")) if not settings else None
+        terms = advice.FRAMEWORK_TERMS.get(str(meta.get("framework"))) if not settings else None
         if terms is not None:
             # Lightning, the Hugging Face Trainer, Accelerate: their settings, not stabletrain train's.
             lr = advice.positive(meta.get("lr"))

@@ -76,9 +76,18 @@ def diagnose(
         cap = _load(capture, model, step_fn)
         if cap.reason == REASON_OPTIMIZER_STEP:  # the guard's capture: the optimizer step did it
             return diagnose_optimizer_step(cap, device=None if device is None else torch.device(device), write=write)
+    dev = torch.device(device) if device is not None else cap.default_device()
+    ev, out = _gather(cap, dev, clock, huge_weight, max_subset_replays)
+    return _conclude(cap, ev, out, write)
+
+
+def _gather(cap: NaNCapture, dev: torch.device, clock: PhaseTimer, huge_weight: float,
+            max_subset_replays: int) -> tuple[Evidence, Optional[Path]]:
+    """Every piece of evidence, each phase timed: weights and inputs, replays, the culprit data and its
+    trace, checkpoints and the logged history. Also returns the run folder (None when not found)."""
+    with clock("load"):
         replay_model = cap.get_model()
         precision = normalize_precision(cap.precision)
-        dev = torch.device(device) if device is not None else cap.default_device()
     with clock("weights"):
         stats, bad_buffers = param_stats(cap), nonfinite_buffers(cap)
         bad_inputs, out_of_range = nonfinite_inputs(cap), out_of_range_inputs(cap, precision)
@@ -107,8 +116,14 @@ def diagnose(
         deterministic=replayed.deterministic, matches_capture=replayed.matches_capture, replays=replayed.replays,
         reproduces_in=replayed.reproduces_in, finding=finding, traced_on=traced_on,
         origin=origin(finding, data, weights, precision, traced_on), data=data, weights=weights, history=logged,
-        timings=timings,
+        timings=clock.timings,
     )
+    return ev, out
+
+
+def _conclude(cap: NaNCapture, ev: Evidence, out: Optional[Path], write: bool) -> Diagnosis:
+    """The :class:`Diagnosis`, built once from the evidence and its prose; written next to the capture
+    (``diagnosis.md`` and ``diagnosis.json``) when ``write``."""
     files = _files(cap) if write else []
     diag = Diagnosis.of(ev, cause_explanation=cause_explanation(ev, cap), summary=summary(ev, cap),
                         probable_cause=probable_cause(ev, cap), next_actions=next_actions(ev, cap, out),

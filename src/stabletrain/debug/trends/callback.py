@@ -1,0 +1,116 @@
+"""The trainer callback :class:`TrendAlerts`: a :class:`~stabletrain.debug.trends.detector.TrendDetector` on
+every logged step, each new episode printed with next actions and recorded in ``metrics.jsonl``; and
+:func:`checkpoint_context`, the newest healthy checkpoint for those actions. See ``docs/trend_alerts.md``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from stabletrain.config import TrendAlertArgs
+from stabletrain.debug.trends.detector import TrendDetector
+from stabletrain.debug.trends.episode import AlertContext, format_alerts
+from stabletrain.events import TrainerLike
+
+#: Logged rows a live TrendAlerts keeps for the lr advice.
+HISTORY_ROWS = 500
+
+
+class TrendAlerts:
+    """Trainer callback: runs a :class:`TrendDetector` on every logged step (``on_log``).
+
+    Each new episode is printed once with concrete next actions (``trainer.console``) and
+    recorded in ``metrics.jsonl`` as ``{"event": "trend_alert", "kind": ..., "signal": ...,
+    "start_step": ..., "end_step": ..., "actions": [...]}``. The metrics it reads are host
+    floats the trainer already read back, so it adds no host synchronisation.
+
+    Args:
+        settings: Thresholds; default: the trainer's ``trend_alerts`` settings.
+
+    Example::
+
+        stabletrain.train(out="out/x", trend_alerts={"explode_factor": 5})   # on by default
+    """
+
+    def __init__(self, settings: Optional[TrendAlertArgs] = None):
+        self._settings = settings
+        self.detector: Optional[TrendDetector] = None
+        self.context: Optional[AlertContext] = None
+        self.alerts: list[dict[str, Any]] = []
+        self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_ROWS)
+
+    def on_train_start(self, trainer: TrainerLike) -> None:
+        s = trainer.settings
+        self.detector = TrendDetector(self._settings or s.trend_alerts, warmup_steps=s.model_args.warmup_steps)
+        self.context = AlertContext(
+            lr=s.model_args.lr,
+            precision=getattr(trainer, "precision", None),
+            gradient_clip_val=s.gradient_clip_val,
+            warmup_steps=s.model_args.warmup_steps,
+            n_params=sum(p.numel() for p in trainer.model.parameters()),
+            task=(trainer.task.name if getattr(trainer, "task", None) is not None else None),
+        )
+        if s.resume_interrupted or getattr(s, "resume_from", None) is not None:
+            self._replay_history(Path(trainer.out) / "metrics.jsonl", before_step=trainer.step)
+
+    def _replay_history(self, path: Path, before_step: int) -> None:
+        """After a resume, continue the trend of the steps already logged (alerts already given)."""
+        from stabletrain.run_history import read_run
+
+        if self.detector is None or not path.exists():
+            return
+        for row in read_run(path).rows:
+            step = row.get("step")
+            if isinstance(step, int) and step < before_step:
+                self.detector.update(step, row)
+                self.history.append(_history_row(step, row))
+
+    def on_log(self, trainer: TrainerLike, *, step: int, metrics: dict[str, float]) -> None:
+        if self.detector is None:
+            self.on_train_start(trainer)
+        assert self.detector is not None
+        self.history.append(_history_row(step, metrics))
+        opened = self.detector.update(step, metrics)
+        if not opened:
+            return
+        assert self.context is not None
+        self.context.history = list(self.history)
+        if any(e.kind in ("nonfinite", "exploding") for e in opened) and hasattr(trainer, "healthy_checkpoint"):
+            checkpoint_context(self.context, trainer)
+        for episode in opened:
+            event = episode.to_event(self.context)
+            self.alerts.append(event)
+            trainer.log_event(event)
+        trainer.console.info(format_alerts(opened, self.context))
+
+    def on_train_end(self, trainer: TrainerLike) -> None:
+        if self.detector is not None:
+            self.detector.finish()
+
+
+def _history_row(step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
+    return {"step": step, **{k: metrics.get(k) for k in ("lr", "loss", "gradient_norm")}}
+
+
+def checkpoint_context(context: AlertContext, trainer: Any) -> None:
+    """The newest healthy checkpoint, as the setting that resumes from it."""
+    best = trainer.healthy_checkpoint()
+    context.checkpoint_known = True
+    if best is None:
+        context.resume_setting = None
+        return
+    last = best.path.parent / "last.ckpt"
+    same = best.path == last or _step_of(last) == best.step
+    context.resume_setting = "resume_interrupted=true" if same else f"resume_from={best.path}"
+    context.checkpoint_why = f"step {best.step}: {best.why}"
+
+
+def _step_of(path: Path) -> Optional[int]:
+    from stabletrain.checkpoint import read_checkpoint_health
+
+    try:
+        return read_checkpoint_health(path)[0] if path.is_file() else None
+    except Exception:
+        return None

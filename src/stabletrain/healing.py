@@ -1,0 +1,311 @@
+"""Self-healing in the trainer: ``on_instability.policy`` ``skip_step`` or ``rollback``.
+
+:class:`Healer` is a trainer callback that the :class:`~stabletrain.safety.SafetyNet` also calls
+at three points of every step:
+
+* :meth:`~Healer.check` (before the optimizer step): the loss and gradient norm are judged on the
+  device by :class:`~stabletrain.debug.instability_guard.InstabilityGuard`; its "bad" flag joins
+  the guard's (a skipped non-finite step is not a guard failure) and the parameters and the
+  optimizer state are saved for :meth:`~Healer.after_step`;
+* :meth:`~Healer.after_step` (right after it): the update is undone on the device if bad;
+* :meth:`~Healer.end_of_step`: the verdicts the host already has (on the CPU at once; on a GPU
+  once their asynchronous copy landed, ranks agreeing on how many) become recoveries: a capture
+  of the step, a ``{"event": "recovery"}`` row for every logger, a console line, and under
+  ``rollback`` the restore of the newest in-memory snapshot, with the data since it skipped.
+
+The snapshot is the trainer's checkpoint state copied to the CPU at the start, every
+``rollback_steps`` steps and at every checkpoint, so that a run resumed from any of its
+checkpoints holds the same snapshot as the run that wrote it: the losses after a rollback are
+bitwise the same on the CPU. The detector's window and the recoveries made are checkpointed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from stabletrain.debug.instability_guard import InstabilityGuard, Recovery
+from stabletrain.debug.nan_capture import NaNCaptureMonitor, default_replay_command
+from stabletrain.errors import StabletrainError
+from stabletrain.utils.rng import set_rng_state
+
+__all__ = ["Healer", "RecoveryLimitError", "snapshot_bytes"]
+
+#: Capture reasons that replay and diagnose know, by trigger.
+_REASONS = {"nonfinite_loss": "nonfinite_loss", "nonfinite_grad": "nonfinite_gradients"}
+
+
+class RecoveryLimitError(StabletrainError):
+    """More than ``on_instability.max_recoveries`` bad steps: training stopped.
+
+    Attributes:
+        step: The bad step that went over the limit.
+        recoveries: The recoveries made before it.
+        capture_path: The capture of that step, when written.
+    """
+
+    def __init__(self, message: str, step: int, recoveries: int, capture_path: Optional[Path] = None):
+        super().__init__(message)
+        self.step, self.recoveries, self.capture_path = step, recoveries, capture_path
+
+    def __reduce__(self) -> Any:
+        return (type(self), (str(self), self.step, self.recoveries, self.capture_path))
+
+
+def snapshot_bytes(state: Any) -> int:
+    """Bytes of the tensors in a (nested) state."""
+    if isinstance(state, Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(snapshot_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(snapshot_bytes(v) for v in state)
+    return 0
+
+
+class Healer:
+    """The trainer's self-healing (``on_instability``); see the module docstring."""
+
+    is_healer = True
+
+    def __init__(self, trainer: Any):
+        self.trainer = trainer
+        args = trainer.settings.on_instability
+        self.args = args
+        self.policy = args.policy
+        reduce = None
+        if trainer.world_size > 1:
+            def reduce(t: Tensor) -> Tensor:
+                return trainer.fabric.all_reduce(t.clone(), reduce_op="mean")
+        self.guard = InstabilityGuard(
+            trainer.optimizer, window=args.window, zscore=args.zscore, warmup=args.warmup,
+            max_ratio=args.max_ratio, min_std=args.min_std, all_reduce=reduce, action=self.policy,
+        )
+        #: Recoveries made so far (host rows, as logged); checkpointed.
+        self.recoveries: list[dict[str, Any]] = []
+        self.snapshot: Optional[dict[str, Any]] = None
+        #: Sample indices of each step since the snapshot (rollback skips them).
+        self._since: dict[int, list[Any]] = {}
+        self._indices: list[Any] = []
+        self.monitor: Optional[NaNCaptureMonitor] = None
+        self._group: Any = None
+
+    # ------------------------------------------------------------------ callback events
+
+    def on_train_start(self, trainer: Any) -> None:
+        self.monitor = NaNCaptureMonitor(
+            trainer.model, trainer.out / "debug" / "recoveries", rank=trainer.rank, world_size=trainer.world_size,
+            scaler=trainer.scaler, precision=trainer.precision,
+            gradient_accumulation_steps=trainer.settings.gradient_accumulation_steps,
+            settings=trainer.resolved_settings(), model_meta=dict(trainer.task.model_meta),
+            any_rank=lambda flag: False, replay_command="stabletrain replay",
+        )
+        if trainer.world_size > 1 and trainer.fabric.device.type == "cuda":
+            import torch.distributed as dist
+
+            self._group = dist.new_group(backend="gloo")
+        if self.policy == "rollback":
+            self._take_snapshot()
+
+    def on_step_start(self, trainer: Any, *, step: int) -> None:
+        self._indices = []
+        if self.monitor is not None:
+            self.monitor.begin_step(step)
+
+    def on_microbatch(self, trainer: Any, *, step: int, micro_step: int, batch: Any, indices: Any) -> None:
+        self._indices.append(indices)
+        if self.monitor is not None:
+            self.monitor.collect_batch(batch, indices)
+
+    def on_after_microbatch(self, trainer: Any, *, step: int, micro_step: int, loss: Tensor) -> None:
+        if self.monitor is not None:
+            self.monitor.collect_loss(loss)
+
+    def on_checkpoint_save(self, trainer: Any, *, step: int, state: dict[str, Any]) -> None:
+        state.setdefault("callbacks", {})["on_instability"] = {
+            **self.guard.state_dict(), "recoveries": [dict(r) for r in self.recoveries],
+        }
+        if self.policy == "rollback" and (self.snapshot is None or self.snapshot["step"] != step):
+            self._set_snapshot(_cpu_copy(state))  # a resume from this checkpoint starts from this snapshot
+
+    def on_checkpoint_load(self, trainer: Any, *, state: dict[str, Any]) -> None:
+        saved = (state.get("callbacks") or {}).get("on_instability")
+        if saved:
+            self.guard.load_state_dict(saved)
+            self.recoveries = [dict(r) for r in saved.get("recoveries", [])]
+
+    def on_train_end(self, trainer: Any) -> None:
+        self._handle(self.guard.poll(wait=True))
+        if self.monitor is not None:
+            self.monitor.close()
+        if self.args.diagnose and trainer.is_rank_zero:
+            self._diagnose_captures()
+
+    def _diagnose_captures(self, limit: int = 5) -> None:
+        """Diagnose the first captures now that training is over (it never holds a step back);
+        ``diagnosis.json`` lands next to each capture, where the report reads the verdict."""
+        import copy
+
+        from stabletrain.debug.diagnose import diagnose
+
+        t = self.trainer
+        done = 0
+        for row in self.recoveries:
+            if not row.get("capture") or done >= limit:
+                continue
+            done += 1
+            folder = Path(row["capture"]).parent if t.world_size == 1 else Path(row["capture"]).parent.parent
+            custom = t.resolved_settings().get("task") == "custom"
+            try:
+                result = diagnose(folder, model=copy.deepcopy(t.model) if custom else None)
+            except Exception as exc:  # a diagnosis that cannot run must not fail a finished run
+                t.console.info(f"Could not diagnose the capture of step {row['step']}: {type(exc).__name__}: {exc}")
+                continue
+            t.console.info(f"Diagnosis of the recovery at step {row['step']}: {result.verdict}")
+
+    def on_exception(self, trainer: Any, *, exception: BaseException) -> None:
+        if self.monitor is not None:
+            self.monitor.close()
+
+    # ------------------------------------------------------------------ SafetyNet's calls
+
+    def check(self, step: int, losses: list[Tensor], grad_norm: Tensor) -> Tensor:
+        """Judge the step on the device; the device bool "this update is skipped"."""
+        if self.policy == "rollback":
+            self._since[step] = self._indices
+        return self.guard.check(step, losses, grad_norm, samples=self._indices)
+
+    def after_step(self) -> None:
+        self.guard.after_step()
+
+    def end_of_step(self) -> None:
+        """Turn the verdicts the host has into recoveries; take the periodic snapshot."""
+        t = self.trainer
+        n = self.guard.ready_count()
+        if self._group is not None:  # a GPU under DDP: the ranks agree on how many (host tensors)
+            import torch.distributed as dist
+
+            agreed = torch.tensor([n], dtype=torch.int64)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self._group)
+            n = int(agreed[0])
+        self._handle(self.guard.take(n))
+        if self.policy == "rollback" and t.step % self.args.rollback_steps == 0:
+            if self.snapshot is None or self.snapshot["step"] != t.step:
+                self._take_snapshot()
+
+    # ------------------------------------------------------------------ recoveries
+
+    def _handle(self, found: list[Recovery]) -> None:
+        for rec in found:
+            self._recover(rec)
+
+    def _recover(self, rec: Recovery) -> None:
+        t = self.trainer
+        capture = self._capture(rec)
+        over = len(self.recoveries) >= self.args.max_recoveries
+        row = rec.to_row()
+        if t.world_size > 1:
+            row["samples"] = row["skipped_samples"] = self._gather(rec.samples)
+        row["capture"] = None if capture is None else str(capture)
+        row["recovery"] = len(self.recoveries) + 1
+        if over:
+            row["action"] = "stop"
+        elif self.policy == "rollback":
+            row.update(self._rollback(rec))
+        self.recoveries.append(row)
+        t.log_event(row)
+        where = f"; capture: {capture}" if capture is not None else ""
+        samples = _few(row["skipped_samples"])
+        if over:
+            text = (f"Step {rec.step}: {rec.description}, after {self.args.max_recoveries} recoveries "
+                    f"(on_instability.max_recoveries): stopping{where}. Skipped samples: {samples}.")
+            t.console.info(text)
+            raise RecoveryLimitError(text, rec.step, len(self.recoveries) - 1, capture)
+        what = ("update skipped" if self.policy == "skip_step"
+                else f"rolled back to step {row['rolled_back_to']}, {len(row['skipped_steps'])} step(s) of data skipped")
+        t.console.info(f"Recovered step {rec.step}: {rec.description}; {what}; samples {samples}{where}")
+
+    def _gather(self, samples: list[int]) -> list[int]:
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * self.trainer.world_size
+        dist.all_gather_object(gathered, list(samples))
+        return [int(i) for part in gathered for i in part]
+
+    def _capture(self, rec: Recovery) -> Optional[Path]:
+        """Capture the triggering step when its batches are still held (the verdict was read
+        in the same step: always on the CPU). The update was skipped, so the model's weights
+        are the ones the step started from."""
+        m = self.monitor
+        if m is None or m.step != rec.step:
+            return None
+        t = self.trainer
+        folder = t.out / "debug" / "recoveries" / f"step{rec.step}"
+        m.out_dir = folder
+        m.replay_command = default_replay_command(
+            folder / f"rank{t.rank}" if t.world_size == 1 else folder, model=t.model,
+            builtin=t.resolved_settings().get("task") != "custom")
+        reason = _REASONS.get(rec.trigger, rec.trigger)
+        extra = {"recovery": {"trigger": rec.trigger, "zscore": rec.zscore, "ratio": rec.ratio,
+                              "loss": rec.loss, "gradient_norm": rec.gradient_norm, "action": self.policy}}
+        return m.write_capture(reason, extra=extra)
+
+    # ------------------------------------------------------------------ rollback
+
+    def _take_snapshot(self) -> None:
+        state = self.trainer.checkpoint_state(on_cpu=True)
+        state["callbacks"]["on_instability"] = self.guard.state_dict()
+        self._set_snapshot(state)
+
+    def _set_snapshot(self, state: dict[str, Any]) -> None:
+        self.snapshot = state
+        self._since = {s: ix for s, ix in self._since.items() if s >= int(state["step"])}
+
+    def _rollback(self, rec: Recovery) -> dict[str, Any]:
+        """Restore the snapshot; the data position stays, so the batches since it are skipped."""
+        t = self.trainer
+        snap = self.snapshot
+        assert snap is not None, "rollback without a snapshot"
+        steps = sorted(s for s in self._since if s >= snap["step"])
+        samples: list[int] = []
+        for s in steps:
+            samples.extend(_flat(self._since[s]))
+        if t.world_size > 1:
+            samples = self._gather(samples)
+        t.model.load_state_dict(snap["model"])
+        saved_groups = [{k: v for k, v in g.items() if k != "params"} for g in t.optimizer.param_groups]
+        t.optimizer.load_state_dict(snap["optimizer"])
+        for group, kept in zip(t.optimizer.param_groups, saved_groups):
+            group.update(kept)
+        if t.scaler is not None and snap.get("scaler"):
+            t.scaler.load_state_dict(snap["scaler"])
+        set_rng_state(snap["rng"][t.rank])
+        # The detector judges the re-run against the window it had then, not against values
+        # from the abandoned steps (a rollback to the start would otherwise see a "spike").
+        self.guard.load_state_dict(snap["callbacks"]["on_instability"])
+        t.step = int(snap["step"])
+        self._since = {}
+        # The rows of the abandoned steps are superseded, as after a resume (stabletrain.run_history).
+        t.log_event({"event": "resume", "step": t.step, "reason": f"rollback after step {rec.step}"})
+        return {"rolled_back_to": t.step, "skipped_steps": steps, "skipped_samples": samples}
+
+
+def _cpu_copy(state: dict[str, Any]) -> dict[str, Any]:
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda x: x.detach().to("cpu", copy=True) if isinstance(x, Tensor) else x, state)
+
+
+def _flat(indices: list[Any]) -> list[int]:
+    out: list[int] = []
+    for ix in indices:
+        out.extend(int(i) for i in (ix.reshape(-1).tolist() if isinstance(ix, Tensor) else ix))
+    return out
+
+
+def _few(items: list[int], limit: int = 16) -> str:
+    text = ", ".join(str(i) for i in items[:limit])
+    return f"[{text}{f', ... ({len(items) - limit} more)' if len(items) > limit else ''}]"

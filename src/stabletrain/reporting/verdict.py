@@ -1,0 +1,138 @@
+"""The verdict of a run: its episodes (the trend detector's, and those only the run's events show), the status
+of each signal and the worst of them. See ``docs/report.md``.
+
+A run whose loss or gradient norm went non-finite (logged, or found by the guard between logged
+steps) or grew by two orders of magnitude or more is never "stable"; with fewer logged points
+than the detector needs for a band (``trend_alerts.persist`` + 1) and nothing found, the verdict
+is "too few logged steps". A resumed run is read as one timeline: the rows logged after a resume
+replace those of the same and later steps (see :mod:`stabletrain.run_history`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Optional, Sequence
+
+from stabletrain.config import TrendAlertArgs
+from stabletrain.debug.trends import Episode, TrendDetector
+from stabletrain.reporting.data import RunData
+
+#: Worst first: the overall verdict is the worst status of any signal.
+TOO_FEW = "too few logged steps"
+STATUS_ORDER = ("non-finite", "exploding", "vanishing", "plateau", "spiking", TOO_FEW, "stable")
+#: Growth over the lowest earlier value that makes a series "exploding" whatever the detector says.
+ORDERS_OF_MAGNITUDE = 100.0
+STATUS_OF_KIND = {
+    "nonfinite": "non-finite",
+    "exploding": "exploding",
+    "vanishing": "vanishing",
+    "plateau": "plateau",
+    "spike": "spiking",
+}
+
+
+def run_thresholds(settings: Mapping[str, Any]) -> tuple[Optional[TrendAlertArgs], int]:
+    """The run's own trend thresholds (None: defaults) and its lr warmup steps, from its settings.json."""
+    args = None
+    if isinstance(settings.get("trend_alerts"), dict):
+        try:  # the run's own thresholds; a settings.json of another version falls back to defaults
+            args = TrendAlertArgs(**settings["trend_alerts"])
+        except ValueError:
+            args = None
+    warmup = int((settings.get("model_args") or {}).get("warmup_steps") or 0)
+    return args, warmup
+
+
+def run_episodes(data: RunData, args: Optional[TrendAlertArgs], warmup: int) -> list[Episode]:
+    """Every episode of the run: the live detector's over the whole series, then the missed ones."""
+    detector = TrendDetector(args, warmup_steps=warmup)
+    for row in data.rows:
+        detector.update(row["step"], row)
+    episodes = detector.finish()
+    return episodes + missed_episodes(data, episodes)
+
+
+def statuses(data: RunData, episodes: Sequence[Episode], min_points: int) -> tuple[dict[str, str], str]:
+    """The status of each logged signal (and of the parameters, when the optimizer made them non-finite),
+    and the verdict: the worst of them. A signal with fewer than ``min_points`` logged points and no
+    episode has too few logged steps."""
+    status: dict[str, str] = {}
+    for signal in ("gradient_norm", "loss"):
+        if not any(signal in r for r in data.rows):
+            continue
+        kinds = [STATUS_OF_KIND[e.kind] for e in of_signal(episodes, signal) if not e.tolerated]
+        if kinds:
+            status[signal] = min(kinds, key=STATUS_ORDER.index)
+        else:
+            status[signal] = TOO_FEW if sum(signal in r for r in data.rows) < min_points else "stable"
+    if any(e.signal == "parameters" for e in episodes):
+        status["parameters"] = "non-finite"
+    verdict = min(status.values(), key=STATUS_ORDER.index) if status else TOO_FEW
+    return status, verdict
+
+
+def missed_episodes(data: RunData, episodes: Sequence[Episode]) -> list[Episode]:
+    """What the detector cannot see but the run shows: a non-finite step the guard found
+    between logged steps (or parameters the optimizer made non-finite), a checkpoint refused
+    for NaN/Inf, and a series that grew by orders of magnitude without an exploding episode."""
+    found = _event_episodes(data.events, {(e.kind, e.signal) for e in episodes})
+    for signal in ("gradient_norm", "loss"):
+        # Only where the detector saw nothing (a spike is already not "stable").
+        if not any(e.signal == signal and not e.tolerated for e in episodes):
+            found += _growth_episode(data, signal, episodes)
+    return found
+
+
+def _event_episodes(events: Sequence[Mapping[str, Any]], kinds: set[tuple[str, str]]) -> list[Episode]:
+    """Non-finite episodes the run's events show (nancapture's stop, the guard's, a refused checkpoint),
+    where ``kinds`` (``(kind, signal)`` already found; updated) has none of that signal yet."""
+    found: list[Episode] = []
+    for ev in events:
+        step = ev.get("step")
+        if not isinstance(step, int):
+            continue
+        if ev.get("event") == "nan_detected":  # nancapture stopped the run before logging the step
+            signal = "loss" if ev.get("reason") == "nonfinite_loss" else "gradient_norm"
+            if ev.get("reason") in ("nonfinite_loss", "nonfinite_gradients", "gradient_norm_overflow") and (
+                    "nonfinite", signal) not in kinds:
+                found.append(Episode("nonfinite", signal, step, step, step, math.nan,
+                                     note=f"found by nancapture ({ev.get('reason')})", open=False))
+                kinds.add(("nonfinite", signal))
+        elif ev.get("event") == "nonfinite_step":
+            what = ev.get("nonfinite") or []
+            for signal in ("loss", "gradient_norm"):
+                if signal in what and ("nonfinite", signal) not in kinds:
+                    found.append(Episode("nonfinite", signal, step, step, step, math.nan,
+                                         note="found by the guard", open=False))
+                    kinds.add(("nonfinite", signal))
+            if ev.get("origin") == "optimizer_step" or not ({"loss", "gradient_norm"} & set(what)):
+                note = "the optimizer step made " + " and ".join(w.replace("_", " ") for w in what)
+                found.append(Episode("nonfinite", "parameters", step, step, step, math.nan, note=note + " non-finite",
+                                     open=False))
+        elif ev.get("event") == "checkpoint_refused" and not any(k == "nonfinite" for k, _ in kinds):
+            found.append(Episode("nonfinite", "parameters", step, step, step, math.nan,
+                                 note="a checkpoint was refused: " + ", ".join(ev.get("nonfinite") or [])[:200],
+                                 open=False))
+    return found
+
+
+def _growth_episode(data: RunData, signal: str, episodes: Sequence[Episode]) -> list[Episode]:
+    """An exploding episode where ``signal`` grew :data:`ORDERS_OF_MAGNITUDE`-fold over its lowest earlier
+    value (outside tolerated warmup spikes); none when it did not."""
+    tolerated = [(e.start_step, e.end_step) for e in episodes if e.signal == signal and e.tolerated]
+    low, low_step = math.inf, None
+    for step, v in zip(data.steps.tolist(), data.series(signal).tolist()):
+        if not math.isfinite(v) or v <= 0 or any(a <= step <= b for a, b in tolerated):
+            continue
+        if low_step is not None and v >= ORDERS_OF_MAGNITUDE * low:
+            return [Episode("exploding", signal, low_step, step, step, v, low, open=False,
+                            note=f"grew {math.log10(v / low):.1f} orders of magnitude")]
+        if v < low:
+            low, low_step = v, step
+    return []
+
+
+def of_signal(episodes: Sequence[Episode], signal: str) -> list[Episode]:
+    """The episodes of one signal: each has its own step range (a non-finite gradient_norm
+    and the loss that followed it are two episodes, each starting where its signal did)."""
+    return [e for e in episodes if e.signal == signal]

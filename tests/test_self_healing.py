@@ -1,0 +1,329 @@
+"""on_instability: skip_step and rollback with faults planted at known steps and samples."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib
+import matplotlib.axes
+import pytest
+import torch
+
+import stabletrain
+from stabletrain import ConfigError, InstabilityGuard, NonFiniteStepError, RecoveryLimitError, load_nan_capture
+from stabletrain.config import load_settings, parse_cli_overrides
+from stabletrain.run_history import read_run
+from stabletrain.utils.sync import CountSyncs
+
+from conftest import cli_env
+from heal_faults import NAN_STEP, SPIKE_STEP, planted, settings
+
+
+def _events(out: Path, kind: str) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
+            if f'"event": "{kind}"' in line]
+
+
+class _WatchStep:
+    """Parameters and optimizer state before and after the optimizer step of ``step``."""
+
+    def __init__(self, step: int):
+        self.step, self.before, self.after = step, None, None
+
+    def _state(self, trainer):
+        params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        moments = {k: v.clone() for k, v in trainer.optimizer.state_dict()["state"].items()
+                   for k, v in [(f"{k}:{kk}", vv) for kk, vv in v.items()]}
+        return params, moments
+
+    def on_step_start(self, trainer, *, step):
+        if step == self.step:
+            self.before = self._state(trainer)
+
+    def on_after_optimizer_step(self, trainer, *, step):
+        if step == self.step:
+            self.after = self._state(trainer)
+
+
+def test_skip_step_in_train_records_exactly_the_planted_steps_and_samples(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    watch = _WatchStep(NAN_STEP)
+    result = stabletrain.train(**settings(out, "skip_step", callbacks=[watch]))
+    assert result.steps_done == 40
+    rows = _events(out, "recovery")
+    nan_samples, spike_samples = planted()
+    assert [r["step"] for r in rows] == [NAN_STEP, SPIKE_STEP]
+    assert [r["trigger"] for r in rows] == ["nonfinite_loss", "loss_spike"]
+    assert [r["skipped_samples"] for r in rows] == [nan_samples, spike_samples]
+    assert all(r["action"] == "skip_step" for r in rows)
+    assert rows[1]["zscore"] > 6 and rows[1]["loss"] > 1e6
+    # The skipped step changed no parameter and no moment; the step count advanced.
+    (p0, s0), (p1, s1) = watch.before, watch.after
+    assert all(torch.equal(p0[n], p1[n]) for n in p0)
+    for key in s0:
+        if key.endswith(":step"):
+            assert float(s1[key]) == float(s0[key]) + 1, "AdamW's step count advances on a skipped step"
+        else:
+            assert torch.equal(s0[key], s1[key]), key
+    # The lr schedule advances: the logged lr of the step after the skip follows the cosine.
+    logged = {r["step"]: r for r in read_run(out / "metrics.jsonl").rows}
+    lr0 = 0.01
+    expect = lr0 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (NAN_STEP + 1) / 40)))
+    assert logged[NAN_STEP + 1]["lr"] == pytest.approx(expect, rel=1e-12)
+    # Evidence: captures that load, console lines, and a finite final state.
+    for row, samples in zip(rows, (nan_samples, spike_samples)):
+        cap = load_nan_capture(row["capture"])
+        assert cap.step == row["step"] and cap.ranks[0].indices[0].tolist() == samples
+    log = (out / "train.log").read_text()
+    assert f"Recovered step {NAN_STEP}: nonfinite_loss; update skipped" in log
+    assert f"Recovered step {SPIKE_STEP}: loss_spike" in log
+    final = torch.load(out / "checkpoints" / "last.ckpt", weights_only=False)
+    assert all(torch.isfinite(v).all() for v in final["model"].values())
+    assert [r["step"] for r in final["callbacks"]["on_instability"]["recoveries"]] == [NAN_STEP, SPIKE_STEP]
+    # Diagnosed after training; the report's summary has a section and its plots a marker per recovery.
+    assert "Diagnosis of the recovery at step 25: deterministic numerical: bad data" in log
+    marked = []
+    real_scatter = matplotlib.axes.Axes.scatter
+
+    def scatter(ax, x, y, *args, **kwargs):
+        if kwargs.get("label") == "recovery (on_instability)":
+            marked.append(list(x))
+        return real_scatter(ax, x, y, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "scatter", scatter)
+    stabletrain.report(out, quiet=True)
+    md = (out / "report" / "summary.md").read_text()
+    assert "## Recoveries (on_instability)" in md
+    assert f"| {NAN_STEP} | nonfinite_loss | skip_step | {', '.join(map(str, nan_samples))} |" in md
+    assert f"| {SPIKE_STEP} | loss_spike (z=" in md and "bad data: batch['x'] of sample" in md
+    assert marked and all(m == [NAN_STEP, SPIKE_STEP] for m in marked), marked
+
+
+def test_the_default_stop_policy_ends_at_the_first_fault(tmp_path):
+    with pytest.raises(NonFiniteStepError) as info:
+        stabletrain.train(**settings(tmp_path / "run", "stop"))
+    assert info.value.step == NAN_STEP
+    assert not _events(tmp_path / "run", "recovery")
+
+
+def test_over_max_recoveries_the_run_stops_with_a_capture(tmp_path):
+    run = settings(tmp_path / "run", "skip_step")
+    run["on_instability"]["max_recoveries"] = 1
+    with pytest.raises(RecoveryLimitError) as info:
+        stabletrain.train(**run)
+    assert info.value.step == SPIKE_STEP and info.value.recoveries == 1
+    assert load_nan_capture(info.value.capture_path).step == SPIKE_STEP
+    assert [r["action"] for r in _events(tmp_path / "run", "recovery")] == ["skip_step", "stop"]
+
+
+def test_on_instability_from_cli_keys_and_errors_name_the_value():
+    parsed = load_settings({"out": "x", **parse_cli_overrides(
+        ["on_instability.policy=rollback", "on_instability.zscore=4", "on_instability.rollback_steps=25"])})
+    assert (parsed.on_instability.policy, parsed.on_instability.zscore, parsed.on_instability.rollback_steps) == (
+        "rollback", 4.0, 25)
+    assert load_settings({"out": "x"}).on_instability.policy == "stop", "the default is today's behaviour"
+    with pytest.raises(ConfigError, match="on_instability.policy"):
+        load_settings({"out": "x", "on_instability": {"policy": "retry"}})
+
+
+def _timeline(out: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_run(out / "metrics.jsonl").rows}
+
+
+def test_rollback_skips_the_data_since_the_snapshot_and_resumes_bitwise(tmp_path):
+    out = tmp_path / "run"
+    result = stabletrain.train(**settings(out, "rollback"))
+    assert result.steps_done == 40
+    rows = _events(out, "recovery")
+    nan_samples, spike_samples = planted()
+    # The NaN at step 25 rolls back to the snapshot of step 20: the data of steps 20-25 is skipped,
+    # so the spike sample, planted in the 33rd batch, arrives at step 26 of the new timeline.
+    assert [(r["step"], r["trigger"], r["rolled_back_to"]) for r in rows] == [
+        (NAN_STEP, "nonfinite_loss", 20), (SPIKE_STEP - 6, "loss_spike", 20)]
+    assert rows[0]["samples"] == nan_samples and rows[1]["samples"] == spike_samples
+    assert rows[0]["skipped_steps"] == list(range(20, 26)) and len(rows[0]["skipped_samples"]) == 6 * 8
+    assert rows[0]["skipped_samples"][-8:] == nan_samples
+    assert rows[1]["skipped_samples"][-8:] == spike_samples
+    losses = _timeline(out)
+    assert sorted(losses) == list(range(40)) and all(math.isfinite(v) for v in losses.values())
+    # Resumed from its own checkpoints, before and after the rollbacks: bitwise the same losses.
+    for ckpt in ("step_000010.ckpt", "step_000030.ckpt"):
+        again = tmp_path / f"again_{ckpt}"
+        shutil.copytree(out, again)
+        stabletrain.train(**settings(again, "rollback", resume_from=again / "checkpoints" / ckpt))
+        assert _timeline(again) == losses, f"resumed from {ckpt}"
+        assert [r["step"] for r in _events(again, "recovery")][-2:] == [NAN_STEP, SPIKE_STEP - 6]
+
+
+def test_rollback_to_the_start_judges_the_rerun_with_the_window_of_then(tmp_path):
+    """The only snapshot is step 0's: after the rollback the detector must judge the re-run
+    with its window of step 0 (empty, warming up), not the low losses of the abandoned steps."""
+    from nan_models import PoisonData
+
+    run = settings(tmp_path / "run", "rollback")
+    run["checkpoint_every_num_steps"] = 100
+    run["on_instability"]["rollback_steps"] = 100
+    run["data"] = PoisonData(n=512, input_poison={planted()[0][-1]: float("nan")})
+    seen = []
+
+    class Window:
+        def on_step_start(self, trainer, *, step):
+            seen.append((step, int(trainer.safety.healer.guard.detector.count)))
+
+    run["callbacks"] = [Window()]
+    assert stabletrain.train(**run).steps_done == 40
+    rows = _events(tmp_path / "run", "recovery")
+    assert [(r["step"], r["trigger"], r["rolled_back_to"]) for r in rows] == [(NAN_STEP, "nonfinite_loss", 0)]
+    assert rows[0]["skipped_steps"] == list(range(NAN_STEP + 1))
+    assert seen[NAN_STEP] == (NAN_STEP, NAN_STEP), "25 good steps in the window before the NaN"
+    assert seen[NAN_STEP + 1] == (0, 0), "the re-run starts with the window of step 0"
+
+
+def test_plain_loop_guard_matches_adamw_bitwise_and_skips_exactly_the_planted_steps():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    guard = InstabilityGuard(opt, warmup=5)
+    x, y = torch.randn(30, 8, 4), torch.randn(30, 8, 1)
+    x[12, 3, 0] = float("nan")  # a NaN sample in step 12
+    y[20, 5] = 1e4  # a loss spike in step 20
+    found = []
+    for step in range(30):
+        loss = torch.nn.functional.mse_loss(model(x[step]), y[step])
+        loss.backward()
+        gn = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+        ref_model, ref_opt = copy.deepcopy(model), None
+        for a, b in zip(ref_model.parameters(), model.parameters()):
+            a.grad = b.grad.clone()
+        if opt.state:
+            ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.1)
+            ref_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        with CountSyncs() as syncs:
+            guard.check(step, loss, gn, samples=torch.arange(8) + 8 * step)
+        opt.step()
+        with CountSyncs() as after:
+            guard.after_step()
+        assert syncs.count == 0 and after.count == 0, (syncs.by_op, after.by_op)
+        opt.zero_grad()
+        found += guard.poll()
+        if step in (12, 20):
+            assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
+        elif ref_opt is not None:
+            ref_opt.step()
+            assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters())), step
+    assert [(r.step, r.trigger) for r in found] == [(12, "nonfinite_loss"), (20, "loss_spike")]
+    assert found[0].samples == list(range(96, 104)) and found[1].samples == list(range(160, 168))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["skip_step", "rollback"])
+def test_two_ddp_ranks_agree_and_record_every_rank_s_samples(tmp_path, policy):
+    script = Path(__file__).with_name("heal_faults.py")
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(script), str(out), policy], cwd=tmp_path, env=cli_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _events(out, "recovery")
+    nan_samples, spike_samples = planted(world_size=2)
+    spike_step = SPIKE_STEP if policy == "skip_step" else SPIKE_STEP - 6
+    assert [(r["step"], r["trigger"]) for r in rows] == [(NAN_STEP, "nonfinite_loss"), (spike_step, "loss_spike")]
+    assert [r["samples"] for r in rows] == [nan_samples, spike_samples]
+    for r in rows:
+        step_folder = Path(r["capture"]).parent.parent
+        assert {"rank0", "rank1"} <= {p.name for p in step_folder.iterdir()}, "each rank wrote its capture"
+        assert json.loads((step_folder / "diagnosis.json").read_text())["world_size"] == 2, "diagnosed after training"
+    final = torch.load(out / "checkpoints" / "last.ckpt", weights_only=False)
+    assert final["step"] == 40 and all(torch.isfinite(v).all() for v in final["model"].values())
+
+
+def test_plain_loop_with_an_fp16_grad_scaler_the_scaler_keeps_its_own_rules():
+    """A skipped step leaves the weights alone; the GradScaler still backs off on the NaN step
+    (its own found-inf) and keeps its scale on the spike step (finite gradients)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+    guard = InstabilityGuard(opt, warmup=5)
+    x, y = torch.randn(20, 8, 4), torch.randn(20, 8, 1)
+    x[10, 0, 0] = float("nan")
+    y[15, 0] = 1e4
+    scales, found = {}, []
+    for step in range(20):
+        loss = torch.nn.functional.mse_loss(model(x[step]), y[step])
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        gn = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+        guard.check(step, loss, gn)
+        before = [p.detach().clone() for p in model.parameters()]
+        guard.step(lambda: scaler.step(opt))
+        scaler.update()
+        opt.zero_grad()
+        found += guard.poll()
+        scales[step] = scaler.get_scale()
+        if step in (10, 15):
+            assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), step
+    assert [(r.step, r.trigger) for r in found] == [(10, "nonfinite_loss"), (15, "loss_spike")]
+    assert scales[10] == scales[9] / 2, "the scaler backs off on its own found-inf"
+    assert scales[15] == scales[14], "a finite spike does not concern the scaler"
+
+
+def test_plain_loop_rollback_restores_the_snapshot_bitwise_and_skips_the_data_since():
+    from stabletrain import RollbackSnapshots
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    guard = InstabilityGuard(opt, warmup=5)
+    snapshots = RollbackSnapshots(model, opt, every=5, extra=(guard,))
+    data = [(torch.arange(8) + 8 * i, torch.randn(8, 4), torch.randn(8, 1)) for i in range(40)]
+    data[12][1][2, 0] = float("nan")  # batch 12: steps 10-12 roll back, batches 10-12 are skipped
+    at_start, position, step, seen = {}, 0, 0, []
+    while step < 20:
+        snapshots.maybe_take(step)
+        at_start.setdefault(step, ([p.detach().clone() for p in model.parameters()], torch.get_rng_state()))
+        indices, x, y = data[position]
+        position += 1
+        seen.append((step, int(indices[0]) // 8))
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        guard.check(step, loss, torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]), samples=indices)
+        guard.step()
+        opt.zero_grad()
+        step += 1
+        found = guard.poll()
+        if found:
+            assert [(r.step, r.samples) for r in found] == [(12, list(range(96, 104)))]
+            step = snapshots.restore()
+            params, rng = at_start[10]
+            assert step == 10 and all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+            assert torch.equal(torch.get_rng_state(), rng)
+    assert seen[10:14] == [(10, 10), (11, 11), (12, 12), (10, 13)], "after the rollback, step 10 gets batch 13"
+    assert position == 23 and snapshots.nbytes > 0
+
+
+def test_healing_adds_no_host_sync_on_steps_where_nothing_happens(tmp_path):
+    from stabletrain.utils.sync import SyncsPerStep
+
+    from conftest import tiny_lm
+
+    counts = {}
+    for policy in ("stop", "skip_step", "rollback"):
+        counter = SyncsPerStep()
+        stabletrain.train(out=tmp_path / policy, callbacks=[counter],
+                          on_instability={"policy": policy, "rollback_steps": 4, "diagnose": False},
+                          **tiny_lm(steps=8, log_every_num_steps=5, checkpoint_every_num_steps=3))
+        counts[policy] = counter.counts
+    assert sorted(counts["stop"]) == list(range(8))
+    assert counts["skip_step"] == counts["stop"]
+    # rollback copies the state to the host at its snapshots (every 4 steps) and checkpoints
+    # (every 3 steps, and the last): one copy per tensor there, and nothing added elsewhere.
+    quiet = [s for s in range(8) if (s + 1) % 4 and (s + 1) % 3 and s != 7]
+    assert quiet == [0, 1, 4, 6]
+    assert [counts["rollback"][s] for s in quiet] == [counts["stop"][s] for s in quiet]
+    assert all(counts["rollback"][s] > counts["stop"][s] for s in (2, 3))
