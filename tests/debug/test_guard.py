@@ -12,14 +12,13 @@ import torch
 from torch import nn
 
 import stabletrain
+from conftest import LinearData, cli_env, tiny_lm
 from stabletrain.debug.grad_norm import compute_grad_norm
 from stabletrain.debug.guard import NonFiniteStepError, StepGuard
 from stabletrain.loggers.jsonl import read_metrics
 from stabletrain.safety import NonFiniteCheckpointError
 from stabletrain.trainer import train
 from stabletrain.utils.sync import SyncsPerStep
-
-from conftest import LinearData, cli_env, tiny_lm
 
 BOOM = tiny_lm(steps=60, log_every_num_steps=10, checkpoint_every_num_steps=2, model_args={"lr": 1e3})
 

@@ -106,8 +106,7 @@ class _Collector:
 
 def _source(trainer: Any, k: int) -> tuple[Optional[dict[str, Any]], str]:
     """The newest state at or before step ``k`` to re-run from, and where it came from."""
-    from stabletrain.checkpoint import checkpoint_dir, load_checkpoint
-    from stabletrain.checkpoint import list_checkpoints
+    from stabletrain.checkpoint import checkpoint_dir, list_checkpoints, load_checkpoint
 
     usable = [c for c in list_checkpoints(checkpoint_dir(trainer.out)) if c.step <= k]
     if usable:
