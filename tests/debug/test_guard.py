@@ -186,6 +186,7 @@ def test_16_true_adamw_capture_diagnose_explains_and_reproduces_the_optimizer_st
     d = stabletrain.diagnose(err.capture_path, write=False)
     assert d.reproduced and set(d.nonfinite_params) == set(err.param_names) and d.float32_finite
     assert d.gradients_finite and d.gradient_norm == d.captured_gradient_norm, "forward/backward replayed bitwise"
+    assert d.verdict.startswith("the optimizer step: torch.optim.AdamW wrote NaN/Inf"), "one line, as Diagnosis has"
 
 
 class _BrokenAdamW(torch.optim.AdamW):

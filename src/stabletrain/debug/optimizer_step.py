@@ -236,6 +236,11 @@ class OptimizerStepDiagnosis:
         data["captured_gradient_norm"] = _jf(self.captured_gradient_norm)
         return data
 
+    @property
+    def verdict(self) -> str:
+        """One line, as :attr:`stabletrain.Diagnosis.verdict`."""
+        return f"the optimizer step: {self.optimizer} wrote NaN/Inf into the weights from finite gradients"
+
     def __str__(self) -> str:
         return self.to_markdown()
 
