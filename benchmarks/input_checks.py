@@ -73,7 +73,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--images", type=int, nargs="+", default=[40, 5000], help="counts of 64x64 images")
     parser.add_argument("--large", type=int, default=200, help="count of 640x480 images")
-    parser.add_argument("--src", type=Path, default=SRC, help="the sources the commands of part 1 run (default: this checkout)")
+    parser.add_argument("--src", type=Path, default=SRC,
+                        help="the sources the commands of part 1 run (default: this checkout)")
     ns = parser.parse_args()
     print(f"python {sys.version.split()[0]} on {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
 

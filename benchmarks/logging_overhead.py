@@ -35,9 +35,9 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from common import bench_model_and_batches, machine  # noqa: E402
 
 import stabletrain  # noqa: E402
-from common import bench_model_and_batches, machine  # noqa: E402
 from stabletrain.debug.grad_norm import compute_grad_norm, layer_grad_norms  # noqa: E402
 from stabletrain.debug.trends import TrendDetector  # noqa: E402
 
@@ -76,8 +76,8 @@ def per_call_table(tmp: Path) -> None:
           f"{len(layered)} keys with per-layer norms")
     print(f"{'':34}{f'{len(base)} keys':>10}{f'{len(layered)} keys':>10}")
     for name, logger in loggers.items():
-        a = per_call_us(lambda: logger.log_metrics(base, next(steps)), 200)
-        b = per_call_us(lambda: logger.log_metrics(layered, next(steps)), 200)
+        a = per_call_us(lambda logger=logger: logger.log_metrics(base, next(steps)), 200)
+        b = per_call_us(lambda logger=logger: logger.log_metrics(layered, next(steps)), 200)
         print(f"{name + '.log_metrics':34}{a:>10.0f}{b:>10.0f}")
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         for logger in loggers.values():
@@ -85,7 +85,8 @@ def per_call_table(tmp: Path) -> None:
 
     detector = TrendDetector(warmup_steps=10)
     values = iter(range(10**9))
-    t = per_call_us(lambda: detector.update(next(values), {"loss": 2.0, "gradient_norm": 1.0 + (next(values) % 7) / 10}), 2000)
+    t = per_call_us(
+        lambda: detector.update(next(values), {"loss": 2.0, "gradient_norm": 1.0 + (next(values) % 7) / 10}), 2000)
     print(f"{'TrendDetector.update':34}{t:>10.0f}")
     t = per_call_us(lambda: layer_grad_norms(gn)[1].tolist(), 200)
     print(f"{f'layer_grad_norms + read-back ({len(names)})':34}{t:>10.0f}")

@@ -137,18 +137,20 @@ def recovery(folder: Path, steps: int, seeds: int) -> dict[str, Any]:
         mean_rel = statistics.fmean(r["final"] / c["final"] for r, c in zip(runs, rows["clean"]))
         summary[name] = {"mean_final_vs_clean": mean_rel, "completed": sum(r["error"] is None for r in runs),
                          "steps": [r["steps"] for r in runs], "recoveries": [len(r["recoveries"]) for r in runs]}
-        print(f"{name:10s} mean final loss / clean: {mean_rel:.4f} ({summary[name]['completed']}/{len(runs)} completed)")
+        done = f"{summary[name]['completed']}/{len(runs)} completed"
+        print(f"{name:10s} mean final loss / clean: {mean_rel:.4f} ({done})")
     summary["_runs"] = rows
     return summary
 
 
 def cost(rounds: int) -> dict[str, Any]:
+    from torch.utils.data import default_collate
+
     from stabletrain.config import load_settings
     from stabletrain.debug.grad_norm import compute_grad_norm
     from stabletrain.debug.instability_guard import InstabilityGuard
     from stabletrain.tasks import build_task
     from stabletrain.utils.sync import CountSyncs
-    from torch.utils.data import default_collate
 
     # The default built-in LM (2 layers, dim 128, context 64, batch 32): the run the goal is about.
     task = build_task(load_settings({"out": "unused"}))
@@ -185,7 +187,7 @@ def cost(rounds: int) -> dict[str, Any]:
             step("off")
     added = (syncs.count - plain.count) / 5
     # The guard's own calls, without the noise of the step.
-    model, opt = models["skip_step"], opts["skip_step"]
+    model = models["skip_step"]
     loss = model.training_step(batches[0])
     loss.backward()
     gn = compute_grad_norm(model.named_parameters()).total

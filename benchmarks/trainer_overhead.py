@@ -22,13 +22,12 @@ import time
 from pathlib import Path
 
 import torch
+from common import machine
 from torch.utils.data import DataLoader
 
 import stabletrain
 from stabletrain.config import load_settings
 from stabletrain.tasks import build_task
-
-from common import machine
 
 
 class MinimalLoop:
@@ -42,7 +41,8 @@ class MinimalLoop:
         fabric = Fabric(accelerator="cpu", devices=1, precision="32-true")
         task = build_task(s)
         args = s.model_args
-        optimizer = torch.optim.AdamW(task.model.parameters(), lr=args.lr, betas=args.betas, weight_decay=args.weight_decay)
+        optimizer = torch.optim.AdamW(task.model.parameters(), lr=args.lr, betas=args.betas,
+                                      weight_decay=args.weight_decay)
 
         def factor(step: int) -> float:
             if step < args.warmup_steps:

@@ -24,8 +24,8 @@ import tempfile
 from typing import Any, Callable
 
 import torch
-
 from common import bench_model_and_batches, interleaved, machine, median
+
 from stabletrain import UnderflowOverflowMonitor
 from stabletrain.utils.sync import CountSyncs
 
@@ -85,7 +85,8 @@ def main() -> None:
     base = times["no monitor"]
     n_params = sum(p.numel() for p in model.parameters())
     print(f"machine: {machine()}")
-    print(f"model: built-in transformer LM, 4 layers, dim 256, batch 16, context 128 ({n_params / 1e6:.1f}M parameters); "
+    print("model: built-in transformer LM, 4 layers, dim 256, batch 16, context 128 "
+          f"({n_params / 1e6:.1f}M parameters); "
           f"AdamW step; {ns.rounds} rounds x {ns.repeats} steps, interleaved")
     print(f"{'':40}{'ms/step':>10}{'ratio (median, min-max)':>28}{'added syncs/step':>18}")
     for name, ts in times.items():

@@ -18,11 +18,11 @@ from typing import Any, Literal, get_args, get_origin
 
 import numpy as np
 import pytest
-from conftest import cli_env, run_cli, tiny_lm
 from PIL import Image
 from pydantic import BaseModel
 
 import stabletrain
+from conftest import cli_env, run_cli, tiny_lm
 from stabletrain.checkpoint import CheckpointError, fallback_advice, load_checkpoint, unreadable_reason
 from stabletrain.config import (
     COMMON_FABRIC_NAMES,

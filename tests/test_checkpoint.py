@@ -13,12 +13,11 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import LinearData, cli_env, tiny_lm
 from stabletrain.checkpoint import CheckpointError, load_checkpoint
 from stabletrain.errors import ConfigError
 from stabletrain.loggers.jsonl import read_metrics
 from stabletrain.trainer import train
-
-from conftest import LinearData, cli_env, tiny_lm
 
 # Dropout on and accumulation 2, so that RNG and data position both matter.
 RESUME = tiny_lm(

@@ -9,15 +9,13 @@ import pytest
 import torch
 
 import stabletrain
+from conftest import LinearData, tiny_lm
 from stabletrain import NaNDetectedError
-from stabletrain.checkpoint import load_checkpoint
-from stabletrain.checkpoint import list_checkpoints, newest_healthy
+from stabletrain.checkpoint import list_checkpoints, load_checkpoint, newest_healthy
 from stabletrain.errors import ConfigError
 from stabletrain.loggers.jsonl import read_metrics
 from stabletrain.safety import NonFiniteCheckpointError
 from stabletrain.trainer import train
-
-from conftest import LinearData, tiny_lm
 
 # SGD at lr 3 after a 10-step warmup: healthy up to step 4, exploding from step 5, NaN at step 17.
 DIVERGING = tiny_lm(steps=40, checkpoint_every_num_steps=2, max_checkpoints_to_keep=1,

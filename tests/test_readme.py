@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from stabletrain.loggers.jsonl import read_metrics
-
 from conftest import cli_env
+from stabletrain.loggers.jsonl import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,15 +14,14 @@ import matplotlib
 import matplotlib.axes
 import pytest
 import torch
+from heal_faults import NAN_STEP, SPIKE_STEP, planted, settings
 
 import stabletrain
+from conftest import cli_env
 from stabletrain import ConfigError, InstabilityGuard, NonFiniteStepError, RecoveryLimitError, load_nan_capture
 from stabletrain.config import load_settings, parse_cli_overrides
 from stabletrain.run_history import read_run
 from stabletrain.utils.sync import CountSyncs
-
-from conftest import cli_env
-from heal_faults import NAN_STEP, SPIKE_STEP, planted, settings
 
 
 def _events(out: Path, kind: str) -> list[dict]:
@@ -308,9 +307,8 @@ def test_plain_loop_rollback_restores_the_snapshot_bitwise_and_skips_the_data_si
 
 
 def test_healing_adds_no_host_sync_on_steps_where_nothing_happens(tmp_path):
-    from stabletrain.utils.sync import SyncsPerStep
-
     from conftest import tiny_lm
+    from stabletrain.utils.sync import SyncsPerStep
 
     counts = {}
     for policy in ("stop", "skip_step", "rollback"):

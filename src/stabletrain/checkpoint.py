@@ -141,7 +141,8 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
 
     path = Path(path)
     if path.is_dir():
-        path = checkpoint_dir(path) / "last.ckpt" if (checkpoint_dir(path) / "last.ckpt").exists() else path / "last.ckpt"
+        in_checkpoints = checkpoint_dir(path) / "last.ckpt"
+        path = in_checkpoints if in_checkpoints.exists() else path / "last.ckpt"
     if not path.exists():
         raise CheckpointError(f"no checkpoint at {path}. {fallback_advice(path)}")
     try:

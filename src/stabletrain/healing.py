@@ -224,8 +224,9 @@ class Healer:
                     f"(on_instability.max_recoveries): stopping{where}. Skipped samples: {samples}.")
             t.console.info(text)
             raise RecoveryLimitError(text, rec.step, len(self.recoveries) - 1, capture)
+        skipped = len(row.get("skipped_steps", []))
         what = ("update skipped" if self.policy == "skip_step"
-                else f"rolled back to step {row['rolled_back_to']}, {len(row['skipped_steps'])} step(s) of data skipped")
+                else f"rolled back to step {row['rolled_back_to']}, {skipped} step(s) of data skipped")
         t.console.info(f"Recovered step {rec.step}: {rec.description}; {what}; samples {samples}{where}")
 
     def _gather(self, samples: list[int]) -> list[int]:

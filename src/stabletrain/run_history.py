@@ -55,7 +55,8 @@ def read_run(path: str | Path) -> RunHistory:
                         del by_step[step]
                     kept: list[dict] = []
                     for ev in history.events[:-1]:
-                        later = isinstance(ev.get("step"), int) and ev["step"] >= start and ev.get("event") not in ("resume", "recovery")
+                        later = (isinstance(ev.get("step"), int) and ev["step"] >= start
+                                 and ev.get("event") not in ("resume", "recovery"))
                         (history.abandoned_events if later else kept).append(ev)
                     history.events = kept + [obj]
                 continue

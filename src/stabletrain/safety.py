@@ -131,7 +131,8 @@ class SafetyNet:
             self._agree[:] = (int(signal_flag), int(bad_step is not None),
                               -(bad_step if bad_step is not None else 2**62))
             dist.all_reduce(self._agree_t, op=dist.ReduceOp.MAX, group=self._group)
-            signal_flag, any_bad, neg = (int(x) for x in self._agree)
+            signal_any, any_bad, neg = (int(x) for x in self._agree)
+            signal_flag = bool(signal_any)
             if any_bad and bad_step is None:
                 host = self.guard.read()  # type: ignore[union-attr]  # the failure path may wait
                 other_step = -neg

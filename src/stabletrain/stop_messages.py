@@ -11,11 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-from stabletrain.checkpoint import checkpoint_dir
-from stabletrain.checkpoint import CheckpointInfo, list_checkpoints, newest_healthy
+from stabletrain.checkpoint import CheckpointInfo, checkpoint_dir, list_checkpoints, newest_healthy
 from stabletrain.commands import train_command
-from stabletrain.debug.guard import ORIGIN_OPTIMIZER, GuardFailure
 from stabletrain.debug import advice
+from stabletrain.debug.guard import ORIGIN_OPTIMIZER, GuardFailure
 from stabletrain.utils.text import shell_path
 
 

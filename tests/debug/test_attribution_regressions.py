@@ -8,16 +8,14 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from diagnosis_checks import assert_consistent
+from fault_models import FaultData, FaultNet
 from torch import nn
 
 import stabletrain
 from stabletrain import NaNCaptureMonitor, NaNDetectedError, UnderflowOverflowError, UnderflowOverflowMonitor
 from stabletrain.debug.diagnose import PRECISION_INDUCED
 from stabletrain.debug.replay import forward_backward
-
-from diagnosis_checks import assert_consistent
-from fault_models import FaultData, FaultNet
-
 
 # --------------------------------------------------------------------------------------
 # 4.3: nested backward attribution names the innermost module

@@ -10,10 +10,12 @@ import sys
 
 import pytest
 import torch
+from fault_models import FAULTS, BCEData, BCENet, FaultData, FaultNet, FlakyNet, NormNet
+from nan_models import PoisonData, PoisonNet, samples_of_step
 
 import stabletrain
+from conftest import cli_env, tiny_lm
 from stabletrain import NaNCaptureMonitor, NaNDetectedError, load_nan_capture
-from stabletrain.debug.guard import NonFiniteStepError
 from stabletrain.debug.diagnose import (
     DETERMINISTIC_NUMERICAL,
     NOT_REPRODUCIBLE,
@@ -21,11 +23,8 @@ from stabletrain.debug.diagnose import (
     Diagnosis,
 )
 from stabletrain.debug.diagnose.search import ddmin as _ddmin
+from stabletrain.debug.guard import NonFiniteStepError
 from stabletrain.trainer import train
-
-from conftest import cli_env, tiny_lm
-from fault_models import FAULTS, BCEData, BCENet, FaultData, FaultNet, FlakyNet, NormNet
-from nan_models import PoisonData, PoisonNet, samples_of_step
 
 NANCAPTURE = {"nancapture": {"enabled": True}}
 RUN = dict(steps=8, batch_size=8, num_workers=0, log_every_num_steps=1, model_args={"lr": 0.01, "warmup_steps": 0})

@@ -12,13 +12,12 @@ from torch import nn
 from torch.utils.data import Dataset
 
 import stabletrain.trainer as trainer_module
+from conftest import tiny_lm
 from stabletrain.config import load_settings
 from stabletrain.debug.grad_norm import GradNorm, clip_grad_norm_with_total, compute_grad_norm
 from stabletrain.loggers.jsonl import read_metrics
-from stabletrain.utils.sync import SyncsPerStep
 from stabletrain.trainer import Trainer, train
-
-from conftest import tiny_lm
+from stabletrain.utils.sync import SyncsPerStep
 
 
 class MLP(nn.Module):

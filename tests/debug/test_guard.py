@@ -12,14 +12,13 @@ import torch
 from torch import nn
 
 import stabletrain
+from conftest import LinearData, cli_env, tiny_lm
 from stabletrain.debug.grad_norm import compute_grad_norm
 from stabletrain.debug.guard import NonFiniteStepError, StepGuard
 from stabletrain.loggers.jsonl import read_metrics
 from stabletrain.safety import NonFiniteCheckpointError
 from stabletrain.trainer import train
 from stabletrain.utils.sync import SyncsPerStep
-
-from conftest import LinearData, cli_env, tiny_lm
 
 BOOM = tiny_lm(steps=60, log_every_num_steps=10, checkpoint_every_num_steps=2, model_args={"lr": 1e3})
 
@@ -187,6 +186,7 @@ def test_16_true_adamw_capture_diagnose_explains_and_reproduces_the_optimizer_st
     d = stabletrain.diagnose(err.capture_path, write=False)
     assert d.reproduced and set(d.nonfinite_params) == set(err.param_names) and d.float32_finite
     assert d.gradients_finite and d.gradient_norm == d.captured_gradient_norm, "forward/backward replayed bitwise"
+    assert d.verdict.startswith("the optimizer step: torch.optim.AdamW wrote NaN/Inf"), "one line, as Diagnosis has"
 
 
 class _BrokenAdamW(torch.optim.AdamW):

@@ -8,14 +8,13 @@ import math
 import torch
 from torch import nn
 
+from conftest import tiny_lm
 from stabletrain.config import load_settings
 from stabletrain.debug.grad_norm import compute_grad_norm, layer_grad_norms
+from stabletrain.debug.guard import VERDICT_LEN
 from stabletrain.loggers.jsonl import read_metrics
 from stabletrain.tasks import build_task
-from stabletrain.debug.guard import VERDICT_LEN
 from stabletrain.trainer import Trainer, train
-
-from conftest import tiny_lm
 
 
 def _reference(model: nn.Module) -> dict[str, float]:

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from diagnosis_checks import assert_consistent
 from real_models import CASES, EXPECTED, render_markdown, run_diagnose, run_underflow_overflow
 

@@ -13,13 +13,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import stabletrain
+from conftest import tiny_lm
 from stabletrain.debug.guard import NonFiniteStepError
 from stabletrain.debug.underflow_overflow import UnderflowOverflowAbort, UnderflowOverflowMonitor
 from stabletrain.errors import ConfigError
 from stabletrain.tasks.language_model import MLP, TransformerLM
 from stabletrain.utils.sync import CountSyncs, SyncsPerStep
-
-from conftest import tiny_lm
 
 UnderflowOverflowError = stabletrain.UnderflowOverflowError
 

@@ -16,13 +16,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from fsdp_common import ACCUM, Step, build_lm, global_batch, microbatches
 from lightning_fabric import Fabric
 
 from stabletrain.debug.grad_norm import clip_grad_norm_with_total, compute_grad_norm, layer_grad_norms
 from stabletrain.distributed import fabric_strategy, fsdp_units, gather_full_state, load_full_state, local_shards
 from stabletrain.utils.sync import CountSyncs
-
-from fsdp_common import ACCUM, Step, build_lm, global_batch, microbatches
 
 CLIP = 0.05
 RESUME_STEPS, RESUME_AT = 5, 2

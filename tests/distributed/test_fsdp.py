@@ -9,13 +9,12 @@ import math
 
 import pytest
 import torch
+from fsdp_common import ACCUM, Step, build_lm, global_batch, microbatches, torchrun
+from fsdp_worker import CLIP, ODD_SHAPES
 
 from stabletrain.debug.grad_norm import clip_grad_norm_with_total, compute_grad_norm, layer_grad_norms
 from stabletrain.distributed import ShardError, fsdp_units, local_shards, reassemble
 from stabletrain.distributed.shards import replicated_mismatches
-
-from fsdp_common import ACCUM, Step, build_lm, global_batch, microbatches, torchrun
-from fsdp_worker import CLIP, ODD_SHAPES
 
 WORLD = 2
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from fsdp_common import build_lm, torchrun
 from fsdp_worker import RESUME_AT, RESUME_STEPS
 

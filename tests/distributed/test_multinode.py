@@ -10,11 +10,10 @@ import sys
 
 import pytest
 import torch
-
-from stabletrain.distributed import reassemble
-
 from fsdp_common import WORKER, build_lm, free_port
 from fsdp_worker import FAULT_STEP
+
+from stabletrain.distributed import reassemble
 
 pytestmark = pytest.mark.slow
 

@@ -20,9 +20,9 @@ from stabletrain.utils.sync import CountSyncs
 L = pytest.importorskip("lightning.pytorch")
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from lightning.pytorch.utilities import grad_norm  # noqa: E402
+from lit_models import LinearLit, PairData, SiameseLit  # noqa: E402
 
 from conftest import cli_env  # noqa: E402
-from lit_models import LinearLit, PairData, SiameseLit  # noqa: E402
 from stabletrain.integrations.lightning import StabletrainCallback  # noqa: E402
 
 HERE = Path(__file__).resolve().parent

@@ -15,10 +15,10 @@ import stabletrain
 from stabletrain import NaNDetectedError, UnderflowOverflowError, load_nan_capture
 
 transformers = pytest.importorskip("transformers")
+from hf_models import BAD_TOKEN, TokenData, causal_lm, classifier, gpt2_config  # noqa: E402
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments  # noqa: E402
 
 from conftest import cli_env  # noqa: E402
-from hf_models import BAD_TOKEN, TokenData, causal_lm, classifier, gpt2_config  # noqa: E402
 from stabletrain.integrations.transformers import StabletrainCallback  # noqa: E402
 
 

@@ -12,12 +12,11 @@ import pytest
 from PIL import Image
 
 import stabletrain
+from conftest import run_cli, tiny_lm
 from stabletrain.loggers.jsonl import JsonlLogger
 from stabletrain.reporting import KIND_COLORS, RunData, report, signal_figure
 from stabletrain.safety import NonFiniteCheckpointError
 from stabletrain.trainer import train
-
-from conftest import run_cli, tiny_lm
 
 
 @pytest.fixture(scope="module")

@@ -109,7 +109,7 @@ def compute_grad_norm(named_parameters: Iterable[tuple[str, Tensor]]) -> GradNor
     for i, g in enumerate(grads):
         groups[(g.device, g.dtype)].append(i)
     per_param: list[Tensor] = [None] * len(grads)  # type: ignore[list-item]
-    for (device, dtype), idx in groups.items():
+    for (_, dtype), idx in groups.items():
         tensors = [grads[i].to_dense() if grads[i].is_sparse else grads[i] for i in idx]
         if dtype == torch.float64:  # 64-true: _foreach_norm refuses to narrow; the result is float32 all the same
             norms = [n.float() for n in torch._foreach_norm(tensors, 2, dtype=torch.float64)]

@@ -106,8 +106,7 @@ class _Collector:
 
 def _source(trainer: Any, k: int) -> tuple[Optional[dict[str, Any]], str]:
     """The newest state at or before step ``k`` to re-run from, and where it came from."""
-    from stabletrain.checkpoint import checkpoint_dir, load_checkpoint
-    from stabletrain.checkpoint import list_checkpoints
+    from stabletrain.checkpoint import checkpoint_dir, list_checkpoints, load_checkpoint
 
     usable = [c for c in list_checkpoints(checkpoint_dir(trainer.out)) if c.step <= k]
     if usable:
@@ -236,6 +235,11 @@ class OptimizerStepDiagnosis:
         data["gradient_norm"] = _jf(self.gradient_norm)
         data["captured_gradient_norm"] = _jf(self.captured_gradient_norm)
         return data
+
+    @property
+    def verdict(self) -> str:
+        """One line, as :attr:`stabletrain.Diagnosis.verdict`."""
+        return f"the optimizer step: {self.optimizer} wrote NaN/Inf into the weights from finite gradients"
 
     def __str__(self) -> str:
         return self.to_markdown()

@@ -105,7 +105,8 @@ class SpikeDetector:
         ratio = loss_v / self.max_loss.clamp_min(_TINY)
         ratio_bad = judged & (self.max_loss > 0) & (ratio > self.max_ratio)
         loss_bad = spike[0] | ratio_bad
-        trigger = torch.where(nf_loss, 1, torch.where(nf_grad, 2, torch.where(loss_bad, 3, torch.where(spike[1], 4, 0))))
+        trigger = torch.where(nf_loss, 1, torch.where(nf_grad, 2, torch.where(loss_bad, 3,
+                                                                              torch.where(spike[1], 4, 0))))
         nan = torch.full((), math.nan, dtype=torch.float64, device=self.device)
         score = torch.where(trigger == 3, z[0], torch.where(trigger == 4, z[1], nan))
         bad = trigger > 0

@@ -49,7 +49,8 @@ def check_task(settings: TrainSettings) -> list[str]:
     }[name]
     for key in foreign:
         if key in explicit:
-            problems.append(f"model_args.{key}: not used by the {name} task (got {getattr(settings.model_args, key)!r})")
+            given = getattr(settings.model_args, key)
+            problems.append(f"model_args.{key}: not used by the {name} task (got {given!r})")
     if name != "image_classification" and "bad_images" in settings.data_args.model_fields_set:
         problems.append(
             f"data_args.bad_images: only image folders are checked for unreadable files, not used by the {name} "
@@ -67,7 +68,8 @@ def check_task(settings: TrainSettings) -> list[str]:
                 f"data: a custom model needs a map-style torch Dataset passed from Python (got {settings.data!r})"
             )
         elif not (hasattr(settings.data, "__getitem__") and hasattr(settings.data, "__len__")):
-            problems.append(f"data: expected a map-style Dataset with __getitem__ and __len__ (got {type(settings.data).__name__})")
+            problems.append("data: expected a map-style Dataset with __getitem__ and __len__ "
+                            f"(got {type(settings.data).__name__})")
         elif len(settings.data) == 0:
             problems.append("data: the dataset is empty (len 0)")
         return problems

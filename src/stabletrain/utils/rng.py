@@ -13,7 +13,6 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-
 RawRngState = tuple[torch.Tensor, Any, Any, Optional[list[torch.Tensor]]]
 
 

@@ -10,15 +10,14 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import LinearData, tiny_lm
 from stabletrain.config import TrendAlertArgs
+from stabletrain.debug.guard import NonFiniteStepError
 from stabletrain.debug.trends import AlertContext, Episode, TrendAlerts, TrendDetector, detect_trends, next_actions
 from stabletrain.loggers.jsonl import read_metrics
-from stabletrain.debug.guard import NonFiniteStepError
 from stabletrain.safety import NonFiniteCheckpointError
 from stabletrain.trainer import train
 from stabletrain.utils.sync import SyncsPerStep
-
-from conftest import LinearData, tiny_lm
 
 
 def noise(seed: int, n: int, decades: float = 0.1) -> np.ndarray:
