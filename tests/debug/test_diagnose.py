@@ -332,7 +332,11 @@ def test_weights_already_nonfinite_when_the_step_began(tmp_path):
     assert (f.module, f.phase) == ("fc1", "forward") and f.inputs_nonfinite and d.origin == "weights"
     assert d.data.status == "not_data_specific" and d.data.nonfinite_inputs == [], "every sample meets the NaN weight"
     assert d.probable_cause == ("the weights were already non-finite when the step began (1 value(s) of fc1.weight): "
-                                "an earlier step did the damage")
+                                "step 2 did the damage")
+    # Which earlier event: metrics.jsonl logs every step, and step 2's loss and gradient norm were finite.
+    assert (w.damage.step, w.damage.last_finite, w.damage.first_nonfinite) == (2, 2, None)
+    assert "so step 2's optimizer step, or code run after it, made them non-finite" in d.to_markdown()
+    assert d.to_dict()["weights"]["damage"]["step"] == 2, "the JSON says what the Markdown says"
     # The checkpoint written before the damage is healthy (and none was written after it).
     healthy = tmp_path / "run" / "checkpoints" / "step_000002.ckpt"
     assert [(c["step"], c["healthy"]) for c in w.checkpoints] == [(2, True)]

@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from nan_models import PoisonData, PoisonNet, samples_of_step
 
 import stabletrain
+from conftest import tiny_lm
 from stabletrain import NaNCaptureError, NaNCaptureMonitor, NaNDetectedError, load_nan_capture
 from stabletrain.config import load_settings
 from stabletrain.debug.nan_capture import FORMAT, VERSION
@@ -18,9 +20,6 @@ from stabletrain.loggers.jsonl import read_metrics
 from stabletrain.trainer import Trainer, train
 from stabletrain.utils.rng import get_rng_state
 from stabletrain.utils.sync import SyncsPerStep
-
-from conftest import tiny_lm
-from nan_models import PoisonData, PoisonNet, samples_of_step
 
 NANCAPTURE = {"nancapture": {"enabled": True}}
 POISON_RUN = dict(

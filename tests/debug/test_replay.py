@@ -16,18 +16,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from nan_models import PoisonData, PoisonNet, samples_of_step
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import stabletrain.debug.replay as replay_module
+import stabletrain.debug.replay.rerun as rerun_module
+from conftest import cli_env, tiny_lm
 from stabletrain import NaNCaptureError, NaNCaptureMonitor, NaNDetectedError, load_nan_capture
 from stabletrain.checkpoint import load_checkpoint
 from stabletrain.debug.nan_capture import default_replay_command, no_replay_command_reason
 from stabletrain.debug.replay import forward_backward, load_object
 from stabletrain.loggers.jsonl import read_metrics
 from stabletrain.trainer import train
-
-from conftest import cli_env, tiny_lm
-from nan_models import PoisonData, PoisonNet, samples_of_step
 
 NANCAPTURE = {"nancapture": {"enabled": True}}
 #: The tiny language model diverges with SGD at lr 1000: non-finite at step 4.
@@ -145,7 +144,7 @@ def test_forward_backward_on_chosen_microbatches_samples_and_precision(tmp_path,
     assert len(made) == 1 and made[0].ops == counter.ops
 
     # Positive control: without restoring the RNG, dropout draws other masks.
-    monkeypatch.setattr(replay_module, "set_rng_state", lambda state: None)
+    monkeypatch.setattr(rerun_module, "set_rng_state", lambda state: None)
     assert not torch.equal(forward_backward(cap, microbatches=[0]).losses[0], captured[0])
 
 

@@ -109,7 +109,7 @@ class StepTools:
             loss by it before backward, as training did).
         step_fn: ``step_fn(model, batch, *step_args) -> loss`` for replay; a function of
             ``stabletrain.integrations`` is found by replay from the capture.
-        model_meta: Stored in the capture (a model builder for replay, see ``replay.py``), with the
+        model_meta: Stored in the capture (a model builder for replay, see ``debug/replay/capture.py``), with the
             framework, ``lr`` and ``clipping`` added (for diagnose's next actions).
         replay_command: The command the NaN error shows; default: derived from the model.
         warmup_steps: Spikes before this step are tolerated by the trend alerts.

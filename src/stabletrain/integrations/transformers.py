@@ -72,7 +72,7 @@ except ImportError:
 
 __all__ = ["StabletrainCallback", "replay_step", "model_from_meta"]
 
-#: Names the capture stores for replay (see stabletrain/debug/replay.py).
+#: Names the capture stores for replay (see stabletrain/debug/replay/capture.py).
 _BUILDER = "stabletrain.integrations.transformers:model_from_meta"
 
 

@@ -179,8 +179,9 @@ def _nonfinite_state_cause(ev: Evidence) -> str:
     if w.nonfinite:
         top = w.nonfinite[0]
         others = "" if len(w.nonfinite) == 1 else f" and {len(w.nonfinite) - 1} other parameter(s)"
+        who = "an earlier step" if w.damage is None or w.damage.step is None else f"step {w.damage.step}"
         text = (f"the weights were already non-finite when the step began ({top.nonfinite} value(s) of {top.name}"
-                f"{others}): an earlier step did the damage")
+                f"{others}): {who} did the damage")
     else:
         f = ev.finding
         where = f" and {f.op_name} in {f.where} is the first op to read them" if f else ""

@@ -176,7 +176,9 @@ def _weights_verdict(ev: Evidence) -> str:
                 "happened in earlier steps.")
     if w.nonfinite:
         names = ", ".join(f"{p.name} ({p.nonfinite})" for p in w.nonfinite[:4])
-        return f"The weights already held NaN/Inf when the step began: {names}. The damage happened in earlier steps."
+        when = f": {w.damage.text}." if w.damage is not None else "."
+        return f"The weights already held NaN/Inf when the step began: {names}. The damage happened in earlier " \
+               f"steps{when}"
     return (f"The weights were finite, but buffers already held NaN/Inf when the step began: "
             f"{fmt_list(w.nonfinite_buffers, 4)}. The damage happened in earlier steps"
             + ("." if damaged_before(ev) else ", though the failure traces back to something else (see Where)."))

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from stabletrain.debug.diagnose.actions import next_actions
 from stabletrain.debug.diagnose.classify import classify
+from stabletrain.debug.diagnose.damage import earlier_damage
 from stabletrain.debug.diagnose.explain import cause_explanation, probable_cause, summary
 from stabletrain.debug.diagnose.locate import locate, nonfinite_inputs, origin, out_of_range_inputs
 from stabletrain.debug.diagnose.result import Diagnosis
@@ -107,6 +108,8 @@ def _gather(cap: NaNCapture, dev: torch.device, clock: PhaseTimer, huge_weight: 
         weights = weights_report(stats, bad_buffers, huge_weight, out / "checkpoints" if out is not None else None,
                                  set(cap.ranks[0].params), set(cap.ranks[0].buffers))
         logged = history(out)
+        if weights.nonfinite:
+            weights.damage = earlier_damage(out, cap.step)
     ev = Evidence(
         path=str(cap.path), step=cap.step, ranks=[r.rank for r in cap.ranks], world_size=cap.world_size,
         precision=precision, loss_scale=cap.loss_scale,

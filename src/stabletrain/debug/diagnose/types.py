@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence, Union
 
+from stabletrain.debug.diagnose.damage import Damage
 from stabletrain.debug.op_trace import OpFinding
 from stabletrain.debug.replay import MicrobatchKey
 from stabletrain.utils.text import json_float
@@ -102,6 +103,8 @@ class WeightsReport:
             largest weight magnitude (``{"path", "step", "abs_max", "healthy"}``).
         healthy_checkpoint: The newest checkpoint whose weights are finite and below the
             threshold and whose buffers are finite.
+        damage: For non-finite weights: which earlier event made them so, from the run's
+            ``metrics.jsonl`` (:mod:`~stabletrain.debug.diagnose.damage`), when it shows one.
     """
 
     status: str
@@ -111,6 +114,7 @@ class WeightsReport:
     nonfinite_buffers: list[str]
     checkpoints: list[dict[str, Any]] = field(default_factory=list)
     healthy_checkpoint: Optional[str] = None
+    damage: Optional[Damage] = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -121,6 +125,7 @@ class WeightsReport:
             "nonfinite_buffers": self.nonfinite_buffers,
             "checkpoints": [{**c, "abs_max": json_float(c["abs_max"])} for c in self.checkpoints],
             "healthy_checkpoint": self.healthy_checkpoint,
+            "damage": None if self.damage is None else self.damage.to_dict(),
         }
 
 
