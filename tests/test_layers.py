@@ -94,6 +94,10 @@ RANKS: dict[str, int] = {
     "reporting": 11,
     "trainer": 11,
     "trainer_checks": 11,
+    "trainer_optim": 11,  # the trainer's optimizer and lr schedule
+    "trainer_setup": 11,  # Fabric, out folder, debug callbacks, settings.json
+    "trainer_state": 11,  # checkpoint state, resume checks, resumed history
+    "step_log": 11,  # one logged step: one host read, the metrics row
     "healing": 11,  # on_instability in the trainer: recoveries, evidence, rollback snapshots
     "safety": 11,  # the trainer's guard, checkpoint verification and signals
     "stop_messages": 11,

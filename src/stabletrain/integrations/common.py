@@ -32,17 +32,14 @@ from __future__ import annotations
 
 import logging
 import math
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
-from pydantic import BaseModel, ValidationError
 from torch import Tensor, nn
 
 from stabletrain import (
-    ConfigError,
     GradNorm,
     NaNCaptureMonitor,
     NaNDetectedError,
@@ -52,186 +49,23 @@ from stabletrain import (
     compute_grad_norm,
     layer_grad_norms,
 )
-from stabletrain.config import DebugArgs, TrendAlertArgs
-from stabletrain.debug.advice import FRAMEWORK_TERMS
+from stabletrain.integrations.device_reads import (
+    all_reduce,
+    decode_status,
+    dist_rank_and_world,
+    encode_status,
+    inner_optimizer,
+    pending_scale,
+    read_pair,
+)
+from stabletrain.integrations.framework_advice import next_actions
+from stabletrain.integrations.tool_settings import Settings, parse_settings, parse_tool_settings
 
 _log = logging.getLogger("stabletrain")
 
 #: Under fp16 loss scaling, the SCALER_PATIENCE-th step in a row whose only non-finite values
 #: are gradients is an error for underflow_overflow (the GradScaler skips single ones).
 SCALER_PATIENCE = 10
-
-#: Status codes (see :func:`encode_status`); a gradient norm is never negative.
-_FAILED, _NAN, _INF = -3.0, -2.0, -1.0
-
-Settings = Union[None, Mapping[str, Any], BaseModel]
-
-
-def parse_settings(model: type[BaseModel], value: Settings, name: str) -> Any:
-    """``value`` (None, a dict or the pydantic model itself) validated as ``model``.
-
-    Raises:
-        ConfigError: Every problem at once, with the dotted key, as ``stabletrain train`` does.
-    """
-    if value is None:
-        return model()
-    if isinstance(value, model):
-        return value
-    if not isinstance(value, Mapping):
-        raise ConfigError([f"{name}: expected a dict or {model.__name__}, got {type(value).__name__} ({value!r})"])
-    try:
-        return model(**value)
-    except ValidationError as exc:
-        problems = []
-        for err in exc.errors():
-            where = ".".join([name, *(str(p) for p in err["loc"])])
-            if err["type"] == "extra_forbidden":
-                parent = model
-                for part in err["loc"][:-1]:
-                    ann = parent.model_fields[str(part)].annotation
-                    parent = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else parent
-                problems.append(f"{where}: unknown setting. Valid keys here: {', '.join(parent.model_fields)}")
-            else:
-                msg = err["msg"].removeprefix("Value error, ")
-                problems.append(f"{where}: {msg} (got {err.get('input')!r})")
-        raise ConfigError(problems) from None
-
-
-def parse_tool_settings(debug_args: Settings, trend_alerts: Settings) -> tuple[DebugArgs, TrendAlertArgs]:
-    """Both settings groups of the integrations, every problem of both in one ConfigError."""
-    problems: list[str] = []
-    parsed = []
-    for model, value, name in ((DebugArgs, debug_args, "debug_args"), (TrendAlertArgs, trend_alerts, "trend_alerts")):
-        try:
-            parsed.append(parse_settings(model, value, name))
-        except ConfigError as exc:
-            problems.extend(exc.problems)
-    if problems:
-        raise ConfigError(problems)
-    return parsed[0], parsed[1]
-
-
-def encode_status(failed: Tensor, total: Tensor) -> Tensor:
-    """One float32 device scalar that carries a step's failure flag and its gradient norm.
-
-    ``>= 0``: the norm; ``-1``: the norm is +inf; ``-2``: it is NaN; ``-3``: the step failed.
-    NaN never enters a collective (a min over NaN depends on the order of the ranks), and
-    the minimum over ranks is ``-3`` when any rank failed, else the norm, which is the same
-    on every rank once DDP has averaged the gradients.
-    """
-    total = total.reshape(()).float()
-    code = torch.where(torch.isnan(total), _NAN, torch.where(torch.isinf(total), _INF, total))
-    return torch.where(failed.reshape(()).to(code.device), torch.full_like(code, _FAILED), code)
-
-
-def decode_status(value: float) -> tuple[bool, float]:
-    """(failed, gradient norm) from :func:`encode_status`'s value."""
-    if value == _FAILED:
-        return True, math.nan
-    if value == _NAN:
-        return False, math.nan
-    if value == _INF:
-        return False, math.inf
-    return False, value
-
-
-def read_pair(a: Tensor, b: Tensor) -> tuple[float, float]:
-    """Two device scalars as float32 host values with one read.
-
-    The two float32 values share one int64 word, and ``.item()`` of it is a single
-    ``aten._local_scalar_dense``: one synchronisation on a GPU, and what
-    ``stabletrain.utils.sync.CountSyncs`` counts (``tolist()`` of a CPU tensor dispatches
-    nothing, so it would hide the read from the count).
-    """
-    pair = torch.stack([a.reshape(()).float(), b.reshape(()).float().to(a.device)])
-    word = int(pair.view(torch.int64).item())
-    first, second = struct.unpack("=2f", struct.pack("=q", word))
-    return first, second
-
-
-def all_reduce(t: Tensor, op: str) -> Tensor:
-    """``t`` reduced over ranks (``"min"``, ``"max"`` or ``"sum"``) when ``torch.distributed``
-    runs several processes; else ``t``. A copy: the caller's tensor is left alone."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return t
-    out = t.detach().float().clone()
-    if dist.get_backend() == "nccl" and out.device.type != "cuda":
-        out = out.cuda()
-    ops = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX, "sum": dist.ReduceOp.SUM}
-    dist.all_reduce(out, op=ops[op])
-    return out
-
-
-def dist_rank_and_world() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def inner_optimizer(optimizer: Any) -> Any:
-    """The torch optimizer inside Lightning's and Accelerate's wrappers."""
-    for _ in range(4):
-        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
-        if inner is None or inner is optimizer:
-            break
-        optimizer = inner
-    return optimizer
-
-
-def pending_scale(scaler: Any, optimizer: Any) -> Optional[Tensor]:
-    """The fp16 loss scale still in the gradients, as a device tensor; None when they are
-    unscaled (no scaler, or ``scaler.unscale_(optimizer)`` already ran this step).
-
-    Reading it here instead of calling ``unscale_`` leaves the framework's own un-scaling
-    (Accelerate's ``clip_grad_norm_``, Lightning's AMP plugin) to run as usual: a second
-    ``unscale_`` of the same step is an error in ``torch.amp.GradScaler``.
-    """
-    if scaler is None or not getattr(scaler, "is_enabled", lambda: False)():
-        return None
-    states = getattr(scaler, "_per_optimizer_states", None)
-    if optimizer is not None and isinstance(states, dict):
-        state = states.get(id(inner_optimizer(optimizer)))
-        if state is not None and getattr(state.get("stage"), "name", None) == "UNSCALED":
-            return None
-    scale = getattr(scaler, "_scale", None)
-    return scale if isinstance(scale, Tensor) else None
-
-
-# --------------------------------------------------------------------------------------
-# Advice in the framework's own terms
-# --------------------------------------------------------------------------------------
-
-
-def next_actions(kind: str, framework: str, *, lr: Optional[float] = None, clipping: bool = False,
-                 precision: Optional[str] = None) -> list[str]:
-    """What to change after a trend alert of ``kind``, in ``framework``'s settings."""
-    t = FRAMEWORK_TERMS[framework]
-    lr_text = f" (now {lr:.3g})" if lr else ""
-    reduced = precision not in (None, "32-true", "64-true")
-    if kind == "exploding":
-        actions = [f"lower {t['lr']}, e.g. by 10x{lr_text}"]
-        if reduced:
-            actions.append(f"rule out reduced precision ({precision}): {t['precision']}")
-        if not clipping:
-            actions.append(f"clip gradients: {t['clip']}")
-        return actions
-    if kind == "vanishing":
-        return [f"raise {t['lr']}{lr_text}, especially for small models (~10M parameters or fewer)",
-                "check that the input normalization matches your data"]
-    if kind == "spike":
-        return ["a single spike is usually harmless; if spikes recur or grow, "
-                + (f"clip gradients ({t['clip']}), " if not clipping else "") + f"lower {t['lr']} or warm up longer"]
-    if kind == "plateau":
-        return [f"if gradient_norm is small too, raise {t['lr']}{lr_text}",
-                "check that inputs and labels match (a shuffled or constant label gives a flat loss)"]
-    return [f"re-run from the last healthy checkpoint with a lower learning rate: {t['resume']}",
-            f"isolate reduced precision: {t['fp32']}" if reduced
-            else f"precision is already {precision or '32-true'}: reduced precision is not the cause",
-            f"localise it: {t['debug']}"]
 
 
 # --------------------------------------------------------------------------------------
@@ -544,3 +378,22 @@ class StepTools:
         votes[self.rank] = (code > 0).float()
         detected = [r for r, v in enumerate(all_reduce(votes, "sum").tolist()) if v > 0]
         uo.fail(detected_by=detected, phase="forward" if worst == 2 else "backward")
+
+
+#: Importable from here as before the split; they live in tool_settings, device_reads and framework_advice.
+__all__ = [
+    "SCALER_PATIENCE",
+    "Settings",
+    "StepTools",
+    "StepValues",
+    "all_reduce",
+    "decode_status",
+    "dist_rank_and_world",
+    "encode_status",
+    "inner_optimizer",
+    "next_actions",
+    "parse_settings",
+    "parse_tool_settings",
+    "pending_scale",
+    "read_pair",
+]

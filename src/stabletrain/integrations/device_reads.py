@@ -1,0 +1,109 @@
+"""Reading a step's values with as few host syncs as possible, and reducing them over ranks.
+
+Used by :class:`~stabletrain.integrations.common.StepTools`; see its module for the reads per step.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+#: Status codes (see :func:`encode_status`); a gradient norm is never negative.
+FAILED, NAN, INF = -3.0, -2.0, -1.0
+
+
+
+def encode_status(failed: Tensor, total: Tensor) -> Tensor:
+    """One float32 device scalar that carries a step's failure flag and its gradient norm.
+
+    ``>= 0``: the norm; ``-1``: the norm is +inf; ``-2``: it is NaN; ``-3``: the step failed.
+    NaN never enters a collective (a min over NaN depends on the order of the ranks), and
+    the minimum over ranks is ``-3`` when any rank failed, else the norm, which is the same
+    on every rank once DDP has averaged the gradients.
+    """
+    total = total.reshape(()).float()
+    code = torch.where(torch.isnan(total), NAN, torch.where(torch.isinf(total), INF, total))
+    return torch.where(failed.reshape(()).to(code.device), torch.full_like(code, FAILED), code)
+
+
+def decode_status(value: float) -> tuple[bool, float]:
+    """(failed, gradient norm) from :func:`encode_status`'s value."""
+    if value == FAILED:
+        return True, math.nan
+    if value == NAN:
+        return False, math.nan
+    if value == INF:
+        return False, math.inf
+    return False, value
+
+
+def read_pair(a: Tensor, b: Tensor) -> tuple[float, float]:
+    """Two device scalars as float32 host values with one read.
+
+    The two float32 values share one int64 word, and ``.item()`` of it is a single
+    ``aten._local_scalar_dense``: one synchronisation on a GPU, and what
+    ``stabletrain.utils.sync.CountSyncs`` counts (``tolist()`` of a CPU tensor dispatches
+    nothing, so it would hide the read from the count).
+    """
+    pair = torch.stack([a.reshape(()).float(), b.reshape(()).float().to(a.device)])
+    word = int(pair.view(torch.int64).item())
+    first, second = struct.unpack("=2f", struct.pack("=q", word))
+    return first, second
+
+
+def all_reduce(t: Tensor, op: str) -> Tensor:
+    """``t`` reduced over ranks (``"min"``, ``"max"`` or ``"sum"``) when ``torch.distributed``
+    runs several processes; else ``t``. A copy: the caller's tensor is left alone."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return t
+    out = t.detach().float().clone()
+    if dist.get_backend() == "nccl" and out.device.type != "cuda":
+        out = out.cuda()
+    ops = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX, "sum": dist.ReduceOp.SUM}
+    dist.all_reduce(out, op=ops[op])
+    return out
+
+
+def dist_rank_and_world() -> tuple[int, int]:
+    """This process's rank and the world size of ``torch.distributed`` ((0, 1) when not running)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def inner_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside Lightning's and Accelerate's wrappers."""
+    for _ in range(4):
+        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+        if inner is None or inner is optimizer:
+            break
+        optimizer = inner
+    return optimizer
+
+
+def pending_scale(scaler: Any, optimizer: Any) -> Optional[Tensor]:
+    """The fp16 loss scale still in the gradients, as a device tensor; None when they are
+    unscaled (no scaler, or ``scaler.unscale_(optimizer)`` already ran this step).
+
+    Reading it here instead of calling ``unscale_`` leaves the framework's own un-scaling
+    (Accelerate's ``clip_grad_norm_``, Lightning's AMP plugin) to run as usual: a second
+    ``unscale_`` of the same step is an error in ``torch.amp.GradScaler``.
+    """
+    if scaler is None or not getattr(scaler, "is_enabled", lambda: False)():
+        return None
+    states = getattr(scaler, "_per_optimizer_states", None)
+    if optimizer is not None and isinstance(states, dict):
+        state = states.get(id(inner_optimizer(optimizer)))
+        if state is not None and getattr(state.get("stage"), "name", None) == "UNSCALED":
+            return None
+    scale = getattr(scaler, "_scale", None)
+    return scale if isinstance(scale, Tensor) else None
+

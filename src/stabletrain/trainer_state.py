@@ -1,0 +1,93 @@
+"""The trainer's state and checkpoints: the state to save, the checks before resuming, and a
+resumed run's history continued (see docs/checkpoints.md)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stabletrain import __version__
+from stabletrain.checkpoint import checkpoint_dir, list_checkpoints, resume_conflicts
+from stabletrain.errors import ConfigError
+from stabletrain.utils.rng import get_rng_state
+from stabletrain.utils.text import shell_path
+
+
+def checkpoint_state(trainer: Any, on_cpu: bool = False) -> dict[str, Any]:
+    """The resumable state of ``trainer`` (a Trainer) between steps; ``step`` is the next step to run.
+
+    Collective when distributed (the RNG states of all ranks are gathered). ``on_cpu``:
+    a copy on the CPU instead of references to the live tensors."""
+    rng = get_rng_state()
+    if trainer.world_size > 1:
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * trainer.world_size
+        dist.all_gather_object(gathered, rng)
+        rng_all = gathered
+    else:
+        rng_all = [rng]
+    state = {
+        "step": trainer.step,
+        "model": trainer.model.state_dict(),
+        "optimizer": trainer.optimizer.state_dict(),
+        "scaler": trainer.scaler.state_dict() if trainer.scaler is not None else {},
+        "rng": rng_all,
+        "data": {"microbatches_consumed": trainer.microbatches_consumed},
+        "settings": json.dumps(trainer.resolved_settings()),
+        "model_meta": json.dumps(trainer.task.model_meta),
+        "callbacks": {},
+        "stabletrain_version": __version__,
+        "torch_version": str(torch.__version__),
+    }
+    if on_cpu:
+        from torch.utils._pytree import tree_map
+
+        state = tree_map(lambda x: x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor) else x, state)
+    return state
+
+
+def check_resume(trainer: Any, state: dict[str, Any], source: Path) -> None:
+    """ConfigError listing why ``state`` (loaded from ``source``) cannot continue this run."""
+    settings = trainer.settings
+    saved = json.loads(state["settings"])
+    problems = resume_conflicts(saved, trainer.resolved_settings())
+    which = "resume_from" if settings.resume_from is not None else "resume_interrupted"
+    if settings.steps <= int(state["step"]):
+        problems.append(
+            f"steps: the checkpoint already holds {int(state['step'])} steps; "
+            f"set steps above that to train on (got {settings.steps})"
+        )
+    from stabletrain.checkpoint_health import nonfinite_entries
+
+    bad = nonfinite_entries(state)
+    if bad:
+        others = [c for c in list_checkpoints(checkpoint_dir(trainer.out))
+                  if c.healthy and c.path.resolve() != source.resolve()]
+        best = others[-1] if others else None
+        fix = (f"resume_from={shell_path(best.path)} (step {best.step}, healthy)" if best
+               else "overwrite=true (no healthy checkpoint)")
+        problems.append(f"{which}: {source} holds NaN/Inf ({', '.join(bad[:4])}); continue from {fix} instead")
+    if problems:
+        raise ConfigError(problems)
+
+
+def continue_history(trainer: Any, state: dict[str, Any], source: Path) -> None:
+    """Continue the run's history (health, trends) and say where it resumed from."""
+    from stabletrain.run_history import read_run
+
+    health = state.get("health") if isinstance(state.get("health"), dict) else None
+    if health and isinstance(health.get("initial_weight_norm"), float):
+        trainer.safety.health.initial_weight_norm = health["initial_weight_norm"]
+    metrics = trainer.out / "metrics.jsonl"
+    if metrics.is_file():
+        for row in read_run(metrics).rows:
+            if row["step"] < trainer.step:
+                trainer.safety.health.observe(row["step"], row)
+    verdict = "healthy" if health and health.get("healthy") else "not healthy"
+    note = "" if health is None else f" ({verdict}: {health.get('why')})"
+    trainer.console.info(f"Resumed from step {trainer.step}: {source}{note}")
+    trainer.log_event({"event": "resume", "step": trainer.step, "checkpoint": str(source)})
