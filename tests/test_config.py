@@ -8,11 +8,10 @@ import pytest
 import torch
 from pydantic import BaseModel
 
+from conftest import tiny_lm
 from stabletrain.config import TrainSettings, load_settings, parse_cli_overrides, settings_help
 from stabletrain.errors import ConfigError
 from stabletrain.trainer import train
-
-from conftest import tiny_lm
 
 
 def _all_dotted(model: type[BaseModel] = TrainSettings, prefix: str = "") -> list[str]:

@@ -8,11 +8,10 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import LinearData, tiny_lm
 from stabletrain.errors import ConfigError, StabletrainError
 from stabletrain.loggers.jsonl import read_metrics
 from stabletrain.trainer import train
-
-from conftest import LinearData, tiny_lm
 
 
 def test_outputs_metrics_log_settings_and_checkpoints(tmp_path, capsys):
