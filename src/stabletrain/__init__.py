@@ -1,16 +1,8 @@
 """stabletrain: PyTorch training that finds and fixes training instabilities.
 
-Public API (imported lazily, so ``import stabletrain`` is cheap and has no side effects)::
-
-    stabletrain.train(out=..., **settings)     # the training loop; gradient_norm always logged
-    stabletrain.compute_grad_norm(named_params) # the same norm in any PyTorch loop
-    stabletrain.load_nan_capture(path).replay() # rerun a captured failing step (debug_args.nancapture)
-    stabletrain.UnderflowOverflowMonitor(model) # the first module whose values go non-finite
-    stabletrain.diagnose(path)                  # which op, module and sample, and why
-    stabletrain.report(out)                     # trends, plots and a summary of a run
-    stabletrain.TrendDetector()                 # live trend alerts in any loop
-    stabletrain.StepGuard(model, optimizer)     # the trainer's always-on guard, in any loop
-    stabletrain.InstabilityGuard(optimizer)     # skip non-finite or spiking steps, in any loop
+Public API, imported lazily (``import stabletrain`` is cheap and has no side effects): ``train``,
+``compute_grad_norm``, ``load_nan_capture``, ``UnderflowOverflowMonitor``, ``diagnose``, ``report``,
+``TrendDetector``, ``StepGuard``, ``InstabilityGuard`` (see ``__all__``). See docs/index.md.
 """
 
 from __future__ import annotations

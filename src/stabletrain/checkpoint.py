@@ -1,19 +1,8 @@
-"""Checkpoints: atomic writes, safe loading, exact resume.
+"""Checkpoints: atomic writes, safe loading (``weights_only=True``), exact resume.
 
-A checkpoint is a dict of tensors, numbers, strings, lists and dicts only, so it loads with
-``torch.load(weights_only=True)`` and never runs code. It holds everything needed to
-continue bitwise-exactly on the CPU: model, optimizer, loss scaler, step, the RNG states of
-every rank and the data position.
-
-Files under ``out/checkpoints/``:
-
-* ``last.ckpt``: the newest state, rewritten at every checkpoint and at the end of training;
-* ``step_000100.ckpt``: the state after 100 optimizer steps (training resumes at step 100);
-  the newest ``max_checkpoints_to_keep`` of these are kept, and also the newest healthy one
-  while newer checkpoints are not healthy (see :mod:`stabletrain.checkpoint_health`).
-
-Every checkpoint is verified finite before it is written and records its ``health``; a state
-that is not finite is never written (the trainer stops instead).
+``out/checkpoints/last.ckpt`` and ``step_NNNNNN.ckpt`` hold model, optimizer, loss scaler, step,
+every rank's RNG states and the data position; a non-finite state is never written, and rotation
+keeps the newest healthy one (:mod:`stabletrain.checkpoint_health`). See docs/checkpoints.md.
 """
 
 from __future__ import annotations

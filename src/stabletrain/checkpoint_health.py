@@ -1,30 +1,10 @@
 """What makes a checkpoint healthy, measured when it is written and recorded in it.
 
-A checkpoint is written only when every tensor in it is finite: the model's parameters and
-buffers, the optimizer state and the fp16 loss scaler, verified on the device in one fused
-pass (:func:`verify_tensors`) and read with the loop's one host read at that point. A state
-that fails is not written; the previous file stays and the run stops with the reason.
-
-A written checkpoint is **healthy** when, in addition, the run's own history at that step
-shows no instability already under way (:class:`HealthTracker`):
-
-1. no exploding or non-finite episode of ``loss`` or ``gradient_norm`` is open, and no spike
-   outside lr warmup, in the trend detector fed with the logged values up to that step (the
-   same detector and thresholds as the live alerts and ``stabletrain report``);
-2. the loss and gradient norm of the step just before the checkpoint (read at the
-   checkpoint, not only at logged steps) are within ``trend_alerts.loss_explode_factor``
-   (4x) and ``trend_alerts.explode_factor`` (10x) of the median of the last
-   ``trend_alerts.window`` logged values;
-3. the L2 norm of the weights is below :data:`WEIGHT_GROWTH` (100x) times the one at the
-   start of the run.
-
-The verdict goes into the checkpoint as ``state["health"]``: ``healthy``, ``why`` (one
-sentence), ``problems``, the measured values and the references they were held against.
-Everything that recommends a checkpoint (the guard's and nancapture's errors, trend alerts,
-``stabletrain diagnose``, ``stabletrain report``) names
-:func:`stabletrain.checkpoint.newest_healthy`, which reads this entry back, so they all agree,
-and rotation (``max_checkpoints_to_keep``) never deletes it while newer checkpoints are
-unhealthy (see :mod:`stabletrain.checkpoint`).
+:func:`verify_tensors` checks in one fused device pass that every tensor of a state is finite
+(else it is not written); :class:`HealthTracker` judges a written one healthy from the run's
+own history (open trend episodes, the last step's loss and gradient norm, weight growth below
+:data:`WEIGHT_GROWTH`) and records the verdict as ``state["health"]``, read back by
+:func:`stabletrain.checkpoint.newest_healthy`. See docs/blowups.md ("Healthy" is measured and recorded).
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """Self-healing in the trainer: ``on_instability.policy`` ``skip_step`` or ``rollback``.
 
-:class:`Healer` is a trainer callback that the :class:`~stabletrain.safety.SafetyNet` also calls
-at three points of every step:
-
-* :meth:`~Healer.check` (before the optimizer step): the loss and gradient norm are judged on the
-  device by :class:`~stabletrain.debug.instability_guard.InstabilityGuard`; its "bad" flag joins
-  the guard's (a skipped non-finite step is not a guard failure) and the parameters and the
-  optimizer state are saved for :meth:`~Healer.after_step`;
-* :meth:`~Healer.after_step` (right after it): the update is undone on the device if bad;
-* :meth:`~Healer.end_of_step`: the verdicts the host already has (on the CPU at once; on a GPU
-  once their asynchronous copy landed, ranks agreeing on how many) become recoveries: a capture
-  of the step, a ``{"event": "recovery"}`` row for every logger, a console line, and under
-  ``rollback`` the restore of the newest in-memory snapshot, with the data since it skipped.
-
-The snapshot is the trainer's checkpoint state copied to the CPU at the start, every
-``rollback_steps`` steps and at every checkpoint, so that a run resumed from any of its
-checkpoints holds the same snapshot as the run that wrote it: the losses after a rollback are
-bitwise the same on the CPU. The detector's window and the recoveries made are checkpointed.
+:class:`Healer` is the trainer callback that the :class:`~stabletrain.safety.SafetyNet` calls each
+step: :meth:`~Healer.check` before the optimizer step, :meth:`~Healer.after_step` to undo a bad
+update, :meth:`~Healer.end_of_step` to turn the verdicts into recoveries (capture, event row,
+console line, and under ``rollback`` the restore of the newest in-memory snapshot).
+See docs/self_healing.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
 """The checks of a run's settings that need neither torch nor Lightning.
 
-``stabletrain train`` runs :func:`check_without_torch` before it imports torch, which takes
-seconds on a cold start, so that a mistyped setting, a value of the wrong type, a missing data
-path or a non-empty ``out`` folder is reported at once. When these checks pass, ``train()``
-runs every check (the task's model and data, the loggers, Fabric's devices), these included,
-before anything is written.
-
-Example::
-
-    check_without_torch({"out": "out/x", "steps": 0, "data": "missing.txt"})
-    # ConfigError: Invalid settings (2 problems):
-    #   - steps: Input should be greater than or equal to 1 (got 0)
-    #   - data: file not found: missing.txt (give a UTF-8 text file, ...)
+``stabletrain train`` runs :func:`check_without_torch` before it imports torch, so that a mistyped
+setting, a wrong type, a missing data path or a non-empty ``out`` folder is reported at once;
+``train()`` then runs every check before anything is written. See docs/training.md.
 """
 
 from __future__ import annotations

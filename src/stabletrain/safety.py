@@ -1,17 +1,8 @@
 """The trainer's safety net: the guard, checkpoint verification and health, stop signals.
 
-:class:`SafetyNet` is what makes "never lose the run" hold in the trainer:
-
-* the guard (:mod:`stabletrain.debug.guard`) checks every step on the device; its verdict is
-  read with the reads the loop does anyway (logged steps, checkpoints, nancapture's per-step
-  ``any_rank``), and for free where the host already has it (the CPU; a GPU once its
-  asynchronous copy has landed), at the end of every step and, in one process, before the
-  optimizer step;
-* every checkpoint is verified finite on the device before it is written (one fused pass and
-  the checkpoint's one host read) and records its health (:mod:`stabletrain.checkpoint_health`);
-* SIGINT/SIGTERM (:mod:`stabletrain.signals`) finish the step, write a checkpoint and exit
-  130/143; under DDP the ranks agree at the end of every step (one 24-byte gloo all-reduce of
-  host tensors, no GPU synchronisation).
+:class:`SafetyNet` joins the guard (:mod:`stabletrain.debug.guard`), the finite check and health of
+every checkpoint (:mod:`stabletrain.checkpoint_health`) and SIGINT/SIGTERM handling
+(:mod:`stabletrain.signals`), so that the trainer never loses the run. See docs/blowups.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """SIGINT and SIGTERM: finish the current step, write a checkpoint, print the resume command,
 exit 130 / 143.
 
-The handler only records the signal; the trainer looks at it at the end of every step. In a
-single process that is all. Under DDP a rank may get the signal a step later than another
-(Ctrl-C reaches the whole process group, a scheduler may signal one process): the ranks agree
-at the end of every step with one all-reduce (MAX) of a three-element CPU tensor over a gloo
-group (the default group on the CPU, a gloo side group next to NCCL), so every rank stops after
-the same step. It moves 24 bytes between host processes and never waits for a GPU: about 0.1 ms
-per step on one machine.
-
-A second SIGINT stops at once (KeyboardInterrupt, no checkpoint); a second SIGTERM too.
-
-Exit codes under Lightning Fabric's own launcher (``strategy=ddp`` started without torchrun):
-rank 0 starts the other ranks and watches them, and SIGKILLs itself when one exits with a
-non-zero code. So after an agreed stop the other ranks wait for rank 0 to exit first
-(:func:`wait_for_launcher`), and every process exits with 130 / 143.
+The handler only records the signal; the trainer looks at it at the end of every step, and under
+DDP the ranks agree there with one small gloo all-reduce, so every rank stops after the same step.
+A second signal stops at once. :func:`wait_for_launcher` keeps the exit codes right under Fabric's
+own launcher. See docs/blowups.md.
 """
 
 from __future__ import annotations

@@ -1,28 +1,10 @@
 """The settings to change when training is unstable: learning rate, clipping, precision.
 
-Trend alerts (:mod:`stabletrain.debug.trends`), ``stabletrain report`` and ``stabletrain
-diagnose`` all advise from here, so that they propose the same values written the same way
-(:func:`setting_value`: 3 significant digits, written as one would type them).
-
-Example::
-
-    lower_lr(3e-3)                 # 'model_args.lr=0.0003'
-    clip(0.0)                      # 'gradient_clip_val=1.0 (clipping is off)'
-    stabler_precisions("16-mixed") # ['bf16-mixed', '32-true']
-    anchored_lr(1000.0, rows, 10)  # (0.001, 'the default: no logged stretch trained stably at a lower lr')
-
-After an instability the lr to try is anchored (:func:`anchored_lr`), never a tenth of an
-absurd value: after ``model_args.lr=1000`` blew up, "model_args.lr=100" is no advice.
-
-1. the highest lr that trained stably in this run: an lr logged at a step followed by
-   :data:`STABLE_AFTER` more logged steps before the instability began (during warmup the lr
-   grows, so this is the last such lr), when it is below ``model_args.lr``. The instability
-   begins at ``unstable_from`` or at the first logged step whose loss is more than
-   :data:`LOSS_RISE` (4x) or whose gradient norm is more than :data:`NORM_RISE` (10x) the lowest
-   before it, whichever comes first;
-2. else the default ``model_args.lr`` (:data:`DEFAULT_LR`), when a tenth of ``model_args.lr``
-   would still be above it;
-3. else :data:`LR_DECREASE` times lower, as :func:`lower_lr`.
+Trend alerts, ``stabletrain report`` and ``stabletrain diagnose`` all advise from here, so they
+propose the same values written the same way: :func:`lower_lr`, :func:`clip`,
+:func:`stabler_precisions`, :func:`anchored_lr` (the lr to try after an instability, anchored on
+the highest lr that trained stably, never a tenth of an absurd value) and :func:`setting_value`.
+See docs/blowups.md.
 """
 
 from __future__ import annotations

@@ -1,40 +1,10 @@
-"""The total gradient norm, kept on the device.
+"""The total gradient norm (``gradient_norm``), kept on the device.
 
-``gradient_norm`` is the L2 norm over all parameter gradients. It is computed once per
-optimizer step, after the whole gradient-accumulation cycle and after fp16 un-scaling, and
-before clipping, so with clipping on it is the pre-clipping norm. Per-parameter norms come
-from one fused ``torch._foreach_norm`` per device and dtype, accumulated in float32 so that
-fp16/bf16 gradients cannot overflow the sum of squares (fp16 overflows near 256**2).
-
-Nothing here reads a value back to the host: the result stays a device tensor until a
-logger asks for it, so steps that are not logged pay no synchronisation.
-
-Under FSDP2 the gradients are DTensor shards: the per-parameter squared norms of the local
-shards are summed over the mesh in one all-reduce (:mod:`stabletrain.distributed.norms`), so
-the total, the per-parameter norms and the clipping are global and equal on every rank.
-
-Use it in any PyTorch loop::
-
-    loss.backward()
-    gn = compute_grad_norm(model.named_parameters())
-    clip_grad_norm_with_total(gn.params, max_norm=1.0, total_norm=gn.total)   # optional
-    optimizer.step()
-    if step % 10 == 0:
-        print(float(gn.total))
-
-Logged keys:
-
-==========================  =================================================================
-``gradient_norm``           L2 norm over all parameter gradients (pre-clipping)
-``gradient_norm/<param>``   with ``gradient_norm_per_layer=true``: one parameter's norm,
-                            e.g. ``gradient_norm/blocks.0.attn.qkv.weight``
-``gradient_norm/<module>``  with ``gradient_norm_per_layer=true``: a module's norm over all
-                            its parameters (sqrt of the sum of their squared norms),
-                            e.g. ``gradient_norm/blocks.0.attn`` and ``gradient_norm/blocks``
-==========================  =================================================================
-
-Per-layer norms reuse the per-parameter norms behind ``gradient_norm`` (no second pass
-over the gradients): :func:`layer_grad_norms` turns them into one device tensor.
+:func:`compute_grad_norm` gives the pre-clipping L2 norm over all gradients, once per optimizer
+step, from one fused ``torch._foreach_norm`` per device and dtype accumulated in float32, with no
+host read; :func:`clip_grad_norm_with_total` clips with it and :func:`layer_grad_norms` gives the
+per-layer norms (``gradient_norm_per_layer``). Global under FSDP2 (:mod:`stabletrain.distributed.norms`).
+See docs/gradient_norm.md.
 """
 
 from __future__ import annotations

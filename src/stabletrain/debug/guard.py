@@ -1,49 +1,10 @@
 """The guard: decide on the device, every step, whether a step went non-finite.
 
-Two checks per optimizer step, both device operations only (no host synchronisation):
-
-* **before the optimizer step** (:meth:`StepGuard.check_gradients`): the step's losses and the
-  total gradient norm the trainer computes anyway are finite (a NaN or Inf in any gradient
-  makes the norm non-finite). Under fp16 loss scaling a step that the GradScaler skips for
-  overflowing gradients is expected, read from the scaler's own found-inf flags; only
-  ``max_skipped_steps`` skipped steps in a row, a non-finite loss, or finite gradients whose
-  float32 norm overflows (the scaler would apply them) are failures;
-* **after it** (:meth:`StepGuard.check_update`): the parameters and the optimizer state are
-  still finite. An optimizer can write Inf/NaN from finite gradients: AdamW in float16, where
-  eps=1e-8 rounds to 0 and the second moment of small gradients underflows to 0, divides by
-  0; an update of lr x step beyond the dtype's range overflows. One fused
-  ``torch._foreach_norm`` per device and dtype over parameters and state, whose total is
-  non-finite exactly when some element is (or when values beyond about 1e19 overflow its
-  float32 square, itself a failure worth stopping for).
-
-The verdict of both is kept on the device: the first bad step, what was bad, and the loss and
-gradient norm of that step. It reaches the host where the loop reads values anyway, without
-an extra synchronisation: :meth:`~StepGuard.pending` is stacked into the logged step's single
-read, into a checkpoint's verification read and into nancapture's per-step read (the trainer's
-``any_rank``), and :meth:`~StepGuard.absorb` takes the host values back. On the CPU, and on a
-GPU once an asynchronous copy of the verdict to pinned memory has landed,
-:meth:`~StepGuard.visible` reads it without waiting for the device, so a single process stops
-right at the failing step: before its optimizer step when the loss or gradients went bad.
-
-Only once a failure is known does the guard pay for names (host reads are fine then): which
-parameters and which optimizer state entries are non-finite, and why.
-
-In a plain PyTorch loop::
-
-    guard = StepGuard(model, optimizer)
-    for step, batch in enumerate(loader):
-        loss = model.training_step(batch)
-        loss.backward()
-        gn = compute_grad_norm(model.named_parameters())
-        guard.check_gradients(step, gn.total, losses=[loss])
-        guard.raise_if_failed(sync=False)      # free: stops here when the verdict is already on the host
-        optimizer.step()
-        guard.check_update(step)
-        optimizer.zero_grad()
-        if step % 10 == 0:
-            print(step, loss.item())
-            guard.raise_if_failed()            # one read, where you read values anyway
-    guard.raise_if_failed()                    # before saving anything
+:class:`StepGuard` checks, with device operations only, the losses and gradient norm before the
+optimizer step (:meth:`~StepGuard.check_gradients`) and the parameters and optimizer state after it
+(:meth:`~StepGuard.check_update`); its verdict reaches the host with reads the loop does anyway
+(:meth:`~StepGuard.pending`, :meth:`~StepGuard.absorb`, :meth:`~StepGuard.raise_if_failed`), and names
+are looked up only once a failure is known. See docs/blowups.md.
 """
 
 from __future__ import annotations

@@ -1,29 +1,9 @@
 """Skip a non-finite or spiking step in any PyTorch loop: detect, decide and skip on the device.
 
 :class:`InstabilityGuard` joins a :class:`~stabletrain.debug.spike_detector.SpikeDetector` and a
-:class:`~stabletrain.debug.skip_step.SkipStep`. Per step, :meth:`~InstabilityGuard.check` takes
-the loss and gradient-norm tensors and decides on the device; :meth:`~InstabilityGuard.step`
-runs the optimizer step and undoes it on the device when the step was bad. Nothing waits for
-the device: the verdict reaches the host by a copy into host memory (on a GPU an asynchronous
-copy into pinned memory, read once its event says it landed, a step or more later), and
-:meth:`~InstabilityGuard.poll` returns the recoveries the host can see, with the sample indices
-kept for those steps. Under DDP pass ``all_reduce`` (a mean over ranks): the loss is averaged
-before it is judged and the gradient norm is the same on every rank after the gradient
-all-reduce, so every rank reaches the same verdict with no further exchange.
-
-Example::
-
-    guard = InstabilityGuard(optimizer)
-    for step, (indices, batch) in enumerate(loader):
-        loss = model.training_step(batch)
-        loss.backward()
-        gn = compute_grad_norm(model.named_parameters()).total
-        guard.check(step, loss, gn, samples=indices)   # device ops only
-        guard.step()                                   # optimizer.step(), undone if the step was bad
-        optimizer.zero_grad()
-        for r in guard.poll():                         # free: what the host already has
-            print(f"skipped step {r.step}: {r.trigger}, samples {r.samples}")
-    guard.poll(wait=True)                              # the last verdicts (one sync)
+:class:`~stabletrain.debug.skip_step.SkipStep`: :meth:`~InstabilityGuard.check` decides on the device,
+:meth:`~InstabilityGuard.step` runs the optimizer step and undoes it when bad, and
+:meth:`~InstabilityGuard.poll` returns the recoveries the host can already see. See docs/self_healing.md.
 """
 
 from __future__ import annotations

@@ -1,27 +1,9 @@
 """When the optimizer step is the origin: capture it, then explain and reproduce it offline.
 
-The guard checks the parameters and the optimizer state after every optimizer step. When an
-update makes them non-finite from finite gradients (AdamW in float16, an update beyond the
-dtype's range, a custom optimizer), the state before that step is already gone: keeping a copy
-of the weights every step is too expensive. So, only on that failure path and with
-``debug_args.nancapture.enabled=true``, the trainer **re-runs** to the failing step from the
-newest checkpoint at or before it (resume is bitwise exact on the CPU) or, before the first
-checkpoint, from the state training started from (kept on the CPU when nancapture is on: one
-copy of the weights, once), and captures, right before the optimizer step:
-
-* what a nancapture capture holds (the step's microbatches, RNG states, losses, the parameters
-  the step started from), with ``reason = "optimizer_step"``;
-* ``optimizer_step``: the optimizer's class, its state dict before the step (moments, step
-  counts, hyperparameters), the gradients it was given (un-scaled, clipped), the gradient norm,
-  and which parameters and state entries were non-finite after the step in the re-run.
-
-Memory cost, on the failure path only: the parameters, their gradients and the optimizer
-state on the CPU (4x the parameters for AdamW); the re-run costs at most
-``checkpoint_every_num_steps`` steps.
-
-:func:`diagnose_optimizer_step` (what ``stabletrain diagnose`` runs on such a capture) replays
-forward and backward (the gradients come back finite), then the optimizer step from the
-captured state (the same values go non-finite), again in float32, and says why.
+When an update makes finite parameters non-finite (and ``debug_args.nancapture.enabled=true``), the
+trainer re-runs to the failing step from the newest checkpoint and captures the optimizer's state
+and gradients right before the step (``reason = "optimizer_step"``);
+:func:`diagnose_optimizer_step` replays it, also in float32, and says why. See docs/blowups.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,9 @@
 """In-memory snapshots for rolling a plain PyTorch loop back past a bad step.
 
-:class:`RollbackSnapshots` keeps one CPU copy of the model's state, the optimizer's state and
-the RNG states, taken at the start of every ``every``-th step; :meth:`~RollbackSnapshots.restore`
-puts it back and returns the step it was taken at. The trainer's ``on_instability.policy=
-rollback`` does the same with its checkpoint state (see :mod:`stabletrain.healing`).
-
-Example::
-
-    guard = InstabilityGuard(optimizer)
-    snapshots = RollbackSnapshots(model, optimizer, every=50)
-    step = 0
-    while step < steps:
-        snapshots.maybe_take(step)                 # before the step's forward pass
-        indices, batch = next(data)                # the data position is not rolled back
-        ...
-        guard.check(step, loss, gn, samples=indices)
-        guard.step()
-        optimizer.zero_grad()
-        step += 1
-        if guard.poll():                           # a bad step: back to the snapshot
-            step = snapshots.restore()
+:class:`RollbackSnapshots` keeps one CPU copy of the model, optimizer and RNG states, taken every
+``every`` steps (:meth:`~RollbackSnapshots.maybe_take`); :meth:`~RollbackSnapshots.restore` puts it back
+and returns its step. The trainer's ``on_instability.policy=rollback`` is in :mod:`stabletrain.healing`.
+See docs/self_healing.md.
 """
 
 from __future__ import annotations

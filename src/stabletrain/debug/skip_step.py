@@ -1,24 +1,9 @@
 """Make an optimizer step a no-op on the device when a flag says so, for any optimizer.
 
-:class:`SkipStep` copies the parameters and the optimizer's per-parameter state tensors into
-buffers kept for the purpose (:meth:`~SkipStep.save`, before ``optimizer.step()``), and after
-the step puts the old values back where the device flag is set (:meth:`~SkipStep.apply`,
-``torch.where`` into the live tensors). No host synchronisation, and:
-
-* a step that is not skipped is the optimizer's own step, so the result is bitwise what
-  ``torch.optim.AdamW``, ``SGD`` or any user optimizer computes;
-* a skipped step leaves parameters and moments bitwise unchanged, even when the gradients
-  were NaN (``torch.where`` selects, it does not multiply);
-* 0-dim state (AdamW's ``step`` count, kept on the CPU) is not restored: the step count
-  advances on a skipped step, as the lr schedule does (restoring a CPU count from a device
-  flag would need a host read). AdamW's bias correction then uses a count one higher, which
-  matters only in the first few dozen steps (``1 - beta2**t``);
-* state a skipped first step created (AdamW's moments, SGD's momentum buffer) is zeroed,
-  which is what AdamW starts from; SGD with ``dampening=0`` then computes the same next step.
-
-The price is memory: one copy of the parameters and of the state (12 bytes per float32
-parameter with AdamW), plus two passes over them per step. The fp16 GradScaler is untouched:
-it skips overflowing steps itself and updates its scale as usual.
+:class:`SkipStep` saves the parameters and per-parameter optimizer state before ``optimizer.step()``
+(:meth:`~SkipStep.save`) and puts them back with ``torch.where`` where the device flag is set
+(:meth:`~SkipStep.apply`): no host read, a kept step is bitwise the optimizer's own. Costs one copy of
+the parameters and state. See docs/self_healing.md.
 """
 
 from __future__ import annotations

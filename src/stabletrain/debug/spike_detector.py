@@ -1,28 +1,9 @@
 """Decide on the device whether a step is non-finite or spikes, with no host synchronisation.
 
 :class:`SpikeDetector` keeps the last ``window`` good steps' log loss and log gradient norm in a
-ring buffer on the device, with the number of good steps seen and the largest loss seen. Each
-:meth:`~SpikeDetector.observe` compares the new step against them with tensor operations only
-and returns the verdict as a device vector ``[bad, trigger, zscore, ratio, loss, gradient_norm]``:
-
-* ``trigger`` 1 ``nonfinite_loss`` or 2 ``nonfinite_grad``: always judged, from the first step;
-* 3 ``loss_spike``: after ``warmup`` good steps, the log loss lies more than ``zscore`` standard
-  deviations above the window's mean (``zscore``), or the loss is above ``max_ratio`` times the
-  largest loss seen (``ratio``, the loss over that largest; Megatron-LM flags 10x);
-* 4 ``grad_spike``: the same z-score test on the log gradient norm.
-
-Only good steps enter the window, so a spike does not raise the bar for the next one. The
-loss's z-score is ``(log loss - reference) / noise``: the reference is the mean of the last 5
-good steps (a trend does not drag it), the noise the step-to-step scatter over the window
-(``sqrt(mean(diff**2) / 2)``, the von Neumann estimate: a loss falling fast in early training
-does not inflate it as it inflates a plain standard deviation, so the jump after a bad
-update stands out). The gradient norm wanders without a steady trend (it rises early in
-training): its z-score is against the window's mean and standard deviation. Both are
-one-sided (a drop is
-progress, not a fault) and works on logs, so a loss falling from 10 to 3 has the same scale
-as one from 1 to 0.3; the noise has a floor (``min_std``) so that a flat window does not
-turn every wiggle into a spike. The loss test
-assumes a positive loss (cross-entropy and most others); non-positive losses are clamped.
+device ring buffer; :meth:`~SpikeDetector.observe` returns the verdict as a device vector
+``[bad, trigger, zscore, ratio, loss, gradient_norm]`` (triggers ``nonfinite_loss``,
+``nonfinite_grad``, ``loss_spike``, ``grad_spike``). See docs/self_healing.md.
 """
 
 from __future__ import annotations

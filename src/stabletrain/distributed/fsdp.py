@@ -1,21 +1,9 @@
 """FSDP2 (``torch.distributed.fsdp.fully_shard``) through Lightning Fabric, on CPU and GPU.
 
-Fabric's ``strategy="fsdp"`` is FSDP1 and refuses the CPU ("FSDP is only available on GPU").
-Its ``ModelParallelStrategy`` drives FSDP2 on both, with a ``parallelize_fn(module, mesh)``
-that shards the model; :func:`parallelize` is that function for any model, the built-in
-ones included, and :func:`fabric_strategy` turns the setting into the strategy object::
-
-    from lightning_fabric import Fabric
-    from stabletrain.distributed import fabric_strategy
-
-    fabric = Fabric(accelerator="cpu", devices=2, strategy=fabric_strategy("fsdp"))
-    fabric.launch()
-    module = fabric.setup_module(model)                       # shards here
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))  # after sharding
-
-The optimizer must be built after ``setup_module``: ``fully_shard`` replaces every parameter
-by a DTensor parameter, and an optimizer built before holds the old ones (they get no
-gradient; Fabric's checkpoint then fails with ``KeyError: 0`` in ``get_optimizer_state_dict``).
+:func:`parallelize` is the ``parallelize_fn(module, mesh)`` that shards any model for Fabric's
+``ModelParallelStrategy``; :func:`fabric_strategy` turns the ``strategy`` setting into the
+strategy object. Build the optimizer after ``fabric.setup_module``. See docs/distributed.md and
+docs/design/fsdp.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
 """Global gradient norms of sharded (DTensor) gradients: local squares, one all-reduce.
 
-Under FSDP2 each rank's ``param.grad`` is a DTensor whose local part is that rank's shard, so a
-norm of the local parts is a fraction of the true one (PyTorch issue 170862, torchtitan issue
-766). The squared norm of a sharded tensor is the sum of its shards' squared norms, so the
-global per-parameter norms are: per-shard norms (one ``_foreach_norm``), squared, summed over
-the mesh dimensions that shard them (one all-reduce of the whole vector), square root. The
-vector keeps one entry per parameter, so per-layer norms and the names of non-finite
-gradients are global too, and every rank holds the same values: a decision taken from them
-(NaN found, clip) is the same on every rank without another collective.
-
-The all-reduce is queued on the device like a kernel (NCCL on GPUs, gloo on CPUs) and nothing
-is read back to the host. ``torch.nn.utils.get_total_norm`` on DTensor gradients also costs one
-all-reduce but yields only the total, not the per-parameter norms.
+Under FSDP2 per-shard norms (one ``_foreach_norm``) are squared, summed over the mesh in one
+all-reduce and square-rooted, so the per-parameter and total norms are global and equal on every
+rank, with nothing read back to the host. See docs/design/fsdp.md.
 """
 
 from __future__ import annotations

@@ -1,26 +1,9 @@
 """Sharded state to files and back: each rank's shard, reassembled in one process.
 
-Under FSDP2 a parameter is a DTensor and each rank holds a slice of it. Two ways to get a whole
-state out of a sharded model:
-
-* :func:`local_shards` (no communication): this rank's slices as plain CPU tensors plus where
-  each one sits in the full tensor, a dict that ``torch.load(weights_only=True)`` reads. Every
-  rank writes its own, beside its microbatches (nancapture); :func:`reassemble` puts the full
-  tensors back together in one process, without ``torch.distributed``. Cost per rank: a CPU copy
-  of its shard, about 1/world_size of the model.
-* :func:`gather_full_state` (collective): the full model and optimizer state on rank 0, as
-  ``torch.distributed.checkpoint.state_dict`` builds them (``full_state_dict=True,
-  cpu_offload=True``), in the same form as an unsharded run's ``state_dict()`` for the model;
-  :func:`load_full_state` puts such a state back into a sharded model and optimizer. Cost:
-  rank 0 holds the whole state in host memory.
-
-Example::
-
-    shard = local_shards(model.named_parameters())           # on every rank
-    torch.save(shard, f"rank{rank}/params.pt")
-    ...
-    full = reassemble([torch.load(f"rank{r}/params.pt", weights_only=True) for r in range(world)])
-    plain_model.load_state_dict(full, strict=False)           # one process, no process group
+:func:`local_shards` (no communication) gives this rank's slices of DTensor parameters as plain CPU
+tensors and :func:`reassemble` puts them together in one process without ``torch.distributed``;
+:func:`gather_full_state` (collective) gathers the full model and optimizer state on rank 0 and
+:func:`load_full_state` loads such a state back into a sharded model. See docs/design/fsdp.md.
 """
 
 from __future__ import annotations

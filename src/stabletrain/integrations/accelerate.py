@@ -1,45 +1,9 @@
 """stabletrain's tools in a Hugging Face Accelerate loop: :class:`StepMonitor`.
 
-Accelerate has no callbacks: the loop is yours, and the plain-loop monitors work in it as
-they are (``NaNCaptureMonitor``, ``UnderflowOverflowMonitor``, ``compute_grad_norm``,
-``TrendDetector``). Given the unwrapped model (``accelerator.unwrap_model(model)``: names
-without DDP's ``module.`` prefix) and ``scaler=accelerator.scaler``, they decide over all
-ranks by themselves (``torch.distributed`` is initialised by Accelerate). What they leave
-to you, and what :class:`StepMonitor` does in a few calls:
-
-* the gradient norm pre-clip **and** unscaled under Accelerate's fp16 ``GradScaler``
-  without un-scaling yourself: a second ``unscale_`` in the same step is an error, and
-  ``accelerator.clip_grad_norm_`` un-scales; the monitor divides the norm by the loss scale
-  while the gradients are still scaled, and leaves them alone;
-* one host read per step for the NaN decision, the gradient norm and the loss together,
-  and underflow_overflow's two decisions as collectives at the right points;
-* the precision, rank, world size and accumulation steps read from the ``Accelerator``;
-* trend alerts, with next actions in Accelerate's terms.
-
-The loop, with every call in place::
-
-    monitor = StepMonitor(accelerator, model, out_dir="out/run", step_fn=step_fn,
-                          debug_args={"nancapture": {"enabled": True}})
-    for step in range(steps):
-        monitor.begin_step(step)
-        for batch in microbatches:                       # accelerator.gradient_accumulation_steps of them
-            with accelerator.accumulate(model):
-                monitor.collect_batch(batch)             # just before the forward pass
-                loss = step_fn(model, batch)
-                monitor.collect_loss(loss)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients:
-                    values = monitor.check(optimizer, read=step % 10 == 0)   # raises on every rank
-                    accelerator.clip_grad_norm_(model.parameters(), 1.0)
-                optimizer.step()
-                optimizer.zero_grad()
-        monitor.end_step()
-
-On CPUs Accelerate does not run fp16 mixed precision (no ``GradScaler``, no autocast: it
-trains in float32); bf16 works, as autocast. The fp16 path is the same code as on a GPU.
-
-Where the instability policies of issue 11 plug in: right after :meth:`StepMonitor.check`,
-before clipping and ``optimizer.step()``.
+:class:`StepMonitor` runs the gradient norm (pre-clip, unscaled without calling ``unscale_``),
+nancapture, underflow_overflow and trend alerts in your own loop, in a few calls:
+``begin_step``, ``collect_batch``, ``collect_loss``, ``check`` (before clipping; raises on every
+rank) and ``end_step``. See docs/integrations/accelerate.md.
 """
 
 from __future__ import annotations

@@ -1,31 +1,10 @@
 """What the Lightning, Hugging Face Trainer and Accelerate integrations share.
 
-Each framework has its own hooks; each integration maps them onto one :class:`StepTools`,
-which drives stabletrain's plain-loop tools the way ``stabletrain.train`` does::
-
-    begin_step(step)                        # before the step's first forward pass
-    for each microbatch:
-        before_forward(batch, step_args)    # just before the forward pass: batch, RNG states
-        after_forward(loss)                 # the loss the step function returned
-        [last microbatch] before_last_backward()     # underflow_overflow: forward decision
-        backward (scaled under fp16)
-    values = grads_final(optimizer)         # gradients final: pre-clip, unscaled norm; decisions
-    clip, optimizer step
-    end_step()
-
-Host reads per optimizer step (each one ``aten._local_scalar_dense``, what ``.item()`` does):
-
-* nancapture on: exactly one. The failure flag, reduced over ranks, and the gradient norm
-  travel in one float32 status (see :func:`encode_status`), read together with the step's
-  mean loss as one 64-bit word (:func:`read_pair`). Every step then knows its gradient norm
-  and loss on the host, so logging and trend alerts cost nothing more.
-* nancapture off: none, except on logging steps (``read=True``): one, for the gradient
-  norm and the loss together.
-* underflow_overflow: two more, its forward and backward decisions, as in the trainer.
-
-Distributed: every decision is a collective all ranks reach at the same point (an
-all-reduce over ``torch.distributed``), so when one rank sees a NaN every rank raises the
-same error there, and none is left waiting for a rank that raised.
+Each integration maps its framework's hooks onto one :class:`StepTools` (``begin_step``,
+``before_forward``, ``after_forward``, ``before_last_backward``, ``grads_final``, ``end_step``), which
+drives the plain-loop tools as ``stabletrain.train`` does, with one host read per step at most
+(with nancapture on; see ``device_reads``) and every decision a collective all ranks reach.
+See docs/integrations/.
 """
 
 from __future__ import annotations

@@ -1,48 +1,8 @@
 """stabletrain's tools in PyTorch Lightning: :class:`StabletrainCallback`.
 
-One line::
-
-    from stabletrain.integrations.lightning import StabletrainCallback
-
-    trainer = lightning.pytorch.Trainer(callbacks=[StabletrainCallback(debug_args={"nancapture": {"enabled": True}})])
-
-Where each tool runs, in Lightning's own order of a training step (automatic optimization)::
-
-    training_step(batch, batch_idx)       # wrapped: the batch and RNG states are taken just
-                                          # before it, the loss it returns just after
-    on_before_backward                    # last microbatch: underflow_overflow's forward decision
-    backward (fp16: scaled)
-    [accumulate_grad_batches - 1 more microbatches]
-    AMP plugin: scaler.unscale_(optimizer)
-    on_before_optimizer_step              # gradient_norm (pre-clip, unscaled), underflow_overflow's
-                                          # backward decision, nancapture: raises on every rank
-    clip gradients (gradient_clip_val)    # ... so no NaN reaches the weights, optimizer or checkpoints
-    optimizer.step()
-    on_train_batch_end                    # the step is over (abort_after_batch_num)
-
-Logged keys, on Lightning's logging steps (``Trainer(log_every_n_steps)``) to every logger of
-the Trainer (``trainer.loggers``, as Lightning's ``LearningRateMonitor`` logs), at the step
-Lightning logs that step's own metrics under (optimizer steps counted from 0, as stabletrain
-does). They are host floats already read with the step's decision, so Lightning does not read
-them back again:
-
-==========================  =================================================================
-``gradient_norm``           L2 norm over all parameter gradients, pre-clip, unscaled
-``gradient_norm/<name>``    with ``gradient_norm_per_layer=True``: each parameter and module
-==========================  =================================================================
-
-Fused optimizers (``torch.optim.AdamW(fused=True)``) un-scale fp16 gradients inside
-``step()``, so at ``on_before_optimizer_step`` they are still scaled: the callback reads the
-scaler's state for the optimizer and divides the norm by the loss scale itself.
-
-A capture replays with the LightningModule's own ``training_step(batch, batch_idx)``::
-
-    stabletrain replay out/debug/nan_capture/rank0 --model train.py:MyLitModule
-    stabletrain.load_nan_capture("out/debug/nan_capture/rank0", model=MyLitModule()).replay()
-
-Where the instability policies of issue 11 (skip a step, roll back) plug in: after
-:meth:`StabletrainCallback.on_before_optimizer_step` has decided, before clipping; a policy
-that skips zeroes the gradients there (or multiplies them by a device-side 0/1 factor).
+``Trainer(callbacks=[StabletrainCallback(debug_args=...)])`` wraps ``training_step`` for the batch,
+RNG states and loss, decides at ``on_before_optimizer_step`` (before clipping; raises on every
+rank) and logs ``gradient_norm`` to the Trainer's loggers. See docs/integrations/lightning.md.
 """
 
 from __future__ import annotations

@@ -1,52 +1,9 @@
 """stabletrain's tools in the Hugging Face ``Trainer``: :class:`StabletrainCallback`.
 
-One line::
-
-    from stabletrain.integrations.transformers import StabletrainCallback
-
-    callback = StabletrainCallback(debug_args={"nancapture": {"enabled": True}})
-    trainer = Trainer(model, args, train_dataset=ds, callbacks=[callback])
-
-The Trainer's callbacks do not receive the batch, ``on_pre_optimizer_step`` runs after
-clipping (so the gradients there are the clipped ones, and a non-finite norm has already
-made every gradient NaN), older versions leave fp16 gradients scaled there when
-``max_grad_norm`` is 0, and a callback cannot veto a step, only raise. So the callback
-works one level down, on the model itself, with no Trainer subclass:
-
-* ``on_train_begin`` puts a wrapper around this model instance's ``forward`` (the Trainer
-  calls ``model(**inputs)``, through DDP when distributed). It sees each microbatch exactly
-  as the model receives it, takes the RNG states just before the forward pass, and the loss
-  the model returns, before the Trainer's ``logging_nan_inf_filter`` can hide it.
-* On the step's last microbatch (Accelerate's ``GradientState().sync_gradients``, which the
-  Trainer sets before each microbatch) it hooks the loss so that its decision runs when the
-  backward pass has finished, after DDP's gradient reduction and before the Trainer clips:
-  the gradient norm there is pre-clip; under fp16 it is divided by the loss scale when the
-  gradients are still scaled. A ``NaNDetectedError`` raised there leaves ``backward()`` and
-  ``Trainer.train()`` on every rank before clipping and before ``optimizer.step()``.
-
-Why not a ``Trainer`` subclass overriding ``training_step``: it would work only for users
-who can change their Trainer class (not for those using ``SFTTrainer`` and friends), and
-the point between backward and clipping is inside the Trainer's loop, not a method.
-
-``logging_nan_inf_filter`` (on by default) replaces a NaN or Inf training loss by the mean
-of the recent ones in the Trainer's logs, while the update with that batch's gradients still
-runs. The callback reads each microbatch's own loss: with nancapture on, a non-finite loss
-stops training before the optimizer step; the trend alerts report the loss as not finite at
-the next logging step, whatever the Trainer's log shows.
-
-The Trainer logs the gradient norm itself as ``grad_norm``, pre-clip and unscaled (transformers
-5 always; older versions only when ``max_grad_norm > 0``); the callback's own norm equals it
-(the tests check) and is what its decisions and alerts use. It adds no key to the Trainer's logs.
-
-A capture replays with the model's class and config, rebuilt by ``from_config`` with random
-weights and then given the captured ones, and the step function ``model(**batch).loss``::
-
-    stabletrain replay out/debug/nan_capture/rank0
-    stabletrain.load_nan_capture("out/debug/nan_capture/rank0").replay()
-
-Where the instability policies of issue 11 plug in: in the end-of-backward decision
-(:meth:`StabletrainCallback._end_of_backward`), before the Trainer clips; a skip zeroes the
-gradients there (the Trainer's own update then changes nothing but the optimizer's state).
+``Trainer(..., callbacks=[StabletrainCallback(debug_args=...)])`` wraps this model instance's
+``forward`` (the batch, RNG states and the loss, before ``logging_nan_inf_filter`` can hide it) and
+decides at the end of the last microbatch's backward, before the Trainer clips; no Trainer
+subclass is needed. See docs/integrations/hf_trainer.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
 """MLflow: one run per training run, metrics under the same keys as metrics.jsonl.
 
-By default the tracking store is a local SQLite database, ``sqlite:///<out>/mlflow.db``,
-with artifacts in ``out/mlruns/``: it works offline, and MLflow 3 no longer accepts a plain
-folder as tracking store. View it with::
-
-    mlflow ui --backend-store-uri sqlite:///out/my_run/mlflow.db
-
-==========================  ============================================================
-What                        Where in MLflow
-==========================  ============================================================
-every metric                metrics, same keys (``gradient_norm``, ``gradient_norm/<layer>``)
-resolved settings           params, flattened (``model_args.lr``)
-events (trend alerts, ...)  artifact ``events.jsonl``
-==========================  ============================================================
-
-Metrics are sent asynchronously (MLflow's own queue), so a slow tracking server does not
-slow training; ``close()`` waits for them.
+:class:`MLflowLogger` logs metrics (asynchronously), the resolved settings as params and events
+as the artifact ``events.jsonl``; by default to ``sqlite:///<out>/mlflow.db`` with artifacts in
+``out/mlruns/``. See docs/loggers.md.
 """
 
 from __future__ import annotations

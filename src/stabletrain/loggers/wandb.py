@@ -1,17 +1,7 @@
 """Weights & Biases: one W&B run per training run, metrics under the same keys as metrics.jsonl.
 
-The default mode is ``offline``: the run is written to ``out/wandb/offline-run-*/`` without
-any network access; ``wandb sync out/my_run/wandb/offline-run-*`` uploads it later, and
-``wandb leet out/my_run/wandb`` shows it in the terminal. ``mode="online"`` logs live.
-
-==========================  ============================================================
-What                        Where in W&B
-==========================  ============================================================
-every metric                history, same keys, at the training step (``gradient_norm``,
-                            ``gradient_norm/<layer>`` in a ``gradient_norm`` section)
-resolved settings           the run's config (nested as in settings.json)
-events (trend alerts, ...)  summary key ``events`` (a list)
-==========================  ============================================================
+Offline by default (``out/wandb/offline-run-*/``, uploaded later with ``wandb sync``); the resolved
+settings go to the run's config and events to the summary key ``events``. See docs/loggers.md.
 """
 
 from __future__ import annotations

@@ -1,28 +1,9 @@
 """The contract between the trainer and a model.
 
-Any ``torch.nn.Module`` that defines ``training_step(batch) -> loss`` can be trained by
-stabletrain, and every debugging tool works on it::
-
-    class MyModel(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.net = torch.nn.Linear(8, 1)
-
-        def forward(self, x):
-            return self.net(x)
-
-        def training_step(self, batch):
-            x, y = batch
-            return torch.nn.functional.mse_loss(self(x), y)
-
-The trainer moves each microbatch to the device, runs ``training_step`` under the chosen
-precision (through DDP when distributed), and back-propagates the returned scalar loss.
-Optionally the model may define ``configure_optimizer(model_args) -> torch.optim.Optimizer``;
-otherwise AdamW (or SGD) is built from ``model_args``. It may also define
-``training_metrics() -> dict[str, Tensor]``: scalar device tensors that the trainer logs
-with the loss at each logged step (the built-in image models give ``accuracy`` over the
-samples since the previous call). The trainer calls it at logged steps only and reads the
-values with the step's one host read, so it must not read device values itself.
+Any ``torch.nn.Module`` that defines ``training_step(batch) -> loss`` can be trained by stabletrain,
+and every debugging tool works on it. Optional: ``configure_optimizer(model_args)`` (else AdamW or
+SGD from ``model_args``) and ``training_metrics() -> dict[str, Tensor]`` (scalar device tensors
+logged with the loss; must not read device values itself). See docs/training.md.
 """
 
 from __future__ import annotations

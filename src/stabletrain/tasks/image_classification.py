@@ -1,23 +1,9 @@
 """Built-in image-classification task: the small ``cnn`` or any torchvision classifier.
 
-Data is a folder with one subfolder per class (``data=path/to/folder``) or, when ``data`` is
-omitted, 2048 generated 32x32 shape images in 4 classes
-(:func:`stabletrain.data.images.generate_images`). Images are resized to
-``transform_args.image_size`` and normalized with ``transform_args.normalize``.
-
-Models:
-
-* ``"cnn"`` (the default): :class:`SmallCNN`, three conv-BatchNorm-ReLU-maxpool blocks
-  (``features.{i}.conv``, ``features.{i}.bn``, ``features.{i}.act``, ``features.{i}.pool``),
-  global average pooling (``pool``), dropout (``drop``) and a linear ``head``.
-* ``"torchvision/<name>"``: ``torchvision.models.get_model(name, weights=None,
-  num_classes=K)`` for any name in ``torchvision.models.list_models(module=torchvision.models)``,
-  wrapped as :class:`TorchvisionClassifier`; its modules keep their torchvision names under
-  ``net.`` (e.g. ``net.layer1.0.conv1``).
-
-Initial weights depend only on ``settings.seed`` and the architecture: models are built inside
-``torch.random.fork_rng`` after ``torch.manual_seed(settings.seed)``, so building neither
-depends on nor changes the global RNG state.
+Data is a folder with one subfolder per class, or generated shape images when ``data`` is omitted.
+Models: ``"cnn"`` (:class:`SmallCNN`, the default) or ``"torchvision/<name>"``
+(:class:`TorchvisionClassifier`, modules named under ``net.``). Initial weights depend only on
+``settings.seed`` and the architecture. See docs/training.md.
 """
 
 from __future__ import annotations

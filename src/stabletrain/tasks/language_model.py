@@ -1,19 +1,9 @@
 """Built-in language-model task: a small decoder-only transformer trained on next-token prediction.
 
-Data is a UTF-8 text file (``data=path/to/file.txt``) or, when ``data`` is omitted, text from
-:func:`stabletrain.data.text.generate_text`. The model's modules have readable names so that
-debugging tools point at something meaningful::
-
-    tok_emb, pos_emb, drop
-    blocks.{i}.ln1
-    blocks.{i}.attn.qkv, blocks.{i}.attn.attn_drop, blocks.{i}.attn.proj, blocks.{i}.attn.resid_drop
-    blocks.{i}.ln2
-    blocks.{i}.mlp.fc1, blocks.{i}.mlp.act, blocks.{i}.mlp.fc2, blocks.{i}.mlp.drop
-    ln_f, head
-
-Initial weights depend only on ``settings.seed`` and the architecture: the model is built
-inside ``torch.random.fork_rng`` after ``torch.manual_seed(settings.seed)``, so building it
-neither depends on nor changes the global RNG state.
+Data is a UTF-8 text file, or generated text when ``data`` is omitted. The modules have readable
+names (``blocks.{i}.attn.qkv``, ``blocks.{i}.mlp.fc1``, ``head``, ...) so that debugging tools point at
+something meaningful. Initial weights depend only on ``settings.seed`` and the architecture.
+See docs/training.md.
 """
 
 from __future__ import annotations

@@ -1,31 +1,9 @@
 """Count host-device synchronisations.
 
-On a GPU, the host waits for every queued kernel whenever it needs a value the device has not
-produced yet. Counting those points is how tests and benchmarks show that a tool keeps its
-statistics on the device::
-
-    with CountSyncs() as syncs:
-        train_step()
-    print(syncs.count, syncs.by_op)
-
-What is counted, on the CPU as on a GPU (so the property can be tested without a GPU):
-
-* ``aten._local_scalar_dense``: what ``.item()``, ``bool(t)``, ``float(t)`` and ``if t:`` dispatch to;
-* ops whose output size depends on the values, so the host must read them before allocating:
-  ``nonzero`` (``torch.where(cond)``, ``argwhere``), ``masked_select``, ``unique``,
-  ``repeat_interleave`` without ``output_size``, indexing with a boolean mask (``t[mask]``,
-  ``t[mask] = x``);
-* ops that return a Python value computed on the device: ``torch.equal``, ``torch.allclose``;
-* copies to the host: ``Tensor.tolist()``, ``.numpy()``, ``.cpu()``, ``.to("cpu")``. On the CPU these
-  never reach the dispatcher (the tensor is already on the host), so they are counted at the
-  Python level while the counter is active, whatever the tensor's device: per-step code that
-  calls them on a CPU tensor is counted as if that tensor lived on the GPU, which is what it
-  would do in a GPU run. A non-blocking copy (``.to("cpu", non_blocking=True)``) is not counted.
-
-Not seen on the CPU: ``.to(device)`` where ``device`` is a ``torch.device`` that happens to be the
-CPU (the same call moves data *to* the GPU in a GPU run, so it cannot be counted as a host copy),
-and ``copy_`` into a host tensor. Per-step code does neither to read a value; the per-step paths
-were read for them (trainer step, monitors' per-step hooks).
+``with CountSyncs() as syncs: ...`` counts, on the CPU as on a GPU, the points where the host would
+wait for the device (``.item()`` and friends, ops whose output size depends on the values such as
+``nonzero``, ``torch.equal``, copies to the host; ``syncs.count``, ``syncs.by_op``), so tests and
+benchmarks can show that a tool keeps its statistics on the device. See docs/benchmarks.md.
 """
 
 from __future__ import annotations

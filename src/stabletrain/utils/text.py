@@ -1,17 +1,8 @@
 """How numbers, lists and paths are written in messages, reports and JSON: one format per kind.
 
-=====================  ==========================================================================
-``fmt_number(x)``      3 significant digits (``0.001``, ``2.5e+19``, ``nan``, ``inf``); ``-`` for
-                       None. ``digits=MEASURED_DIGITS`` (6) for measured values a reader compares
-                       with each other: a replayed loss with the captured one, a loss scale.
-``fmt_column(x)``      the same numbers in a fixed-width column (``  2.000e+18``) for aligned tables.
-``fmt_factor(f)``      a ratio: ``22.7x``, ``1.2e+04x``; ``far`` when it is not finite.
-``fmt_list(items)``    the first few items, then how many are left out: ``a, b, c, d (+3 more)``.
-``fmt_path(p)``        relative to the working directory when below it, else absolute.
-``abs_path(p)``        absolute (``..`` resolved, symlinks kept): for paths in commands.
-``shell_path(p)``      ``abs_path`` quoted for a POSIX shell: for commands.
-``json_float(x)``      a float for JSON: non-finite values as the strings ``"nan"``, ``"inf"``.
-=====================  ==========================================================================
+:func:`fmt_number` (3 significant digits), :func:`fmt_column`, :func:`fmt_factor`, :func:`fmt_list`,
+:func:`fmt_path`, :func:`abs_path`, :func:`shell_path` and :func:`json_float`; each function's
+docstring gives its format. Internal: no docs page.
 """
 
 from __future__ import annotations

@@ -1,43 +1,11 @@
 """Op-level tracing with provenance: where a harmful NaN or Inf is born, in forward or backward.
 
-This is the offline, exact counterpart of the underflow/overflow monitor. A
-``TorchDispatchMode`` sees every aten op of forward and backward; forward hooks on every
-module give the module whose ``forward`` ran the op (so a functional op between two child
-modules is blamed on the parent that ran it). For backward, each autograd node is tagged
-(in its ``metadata``) with the module whose forward created it; during backward the node
-being run is asked directly (``torch._C._current_autograd_node``), so a backward op is
-named after the forward op and module it is the gradient of, and nodes created outside
-every module's forward (the loss in ``training_step``, the loop's ``loss / accum``) are
-reported as such instead of inheriting a neighbour's name. Every op's output is checked on
-the host, so it is slow: use it on one captured step, not in training.
-
-**Provenance, not op names.** Every op output that holds a NaN or an Inf gets an origin,
-kept per tensor storage, for each kind of value (NaN, +Inf, -Inf):
-
-* an op that makes the value where its inputs are finite is where it is *born* (log(0), an
-  overflow, sqrt(-1), and also a deliberate ``masked_fill(-inf)`` or ``scalar_tensor(-inf)``);
-* an op that makes a NaN from Inf values (``inf - inf``, a softmax over a row that is -inf
-  everywhere) is where the NaN is born, *from* the Inf's origin;
-* an op that passes values on (a view, a copy, an add, a matmul) keeps their origin; for
-  elementwise ops this is decided per element;
-* a NaN or Inf that no traced op made (in the data, a weight, a buffer registered in
-  ``__init__``, a tensor made before tracing) is traced to that tensor, and to the first op
-  that used it.
-
-An op whose output is finite has neutralised the Infs it received (softmax, ``where``,
-masking): nothing is kept and nothing is reported, however the Inf was built. What is
-reported is a value that does harm, with its chain of origins: a non-finite loss (given to
-:meth:`OpTracer.check_loss`; :func:`trace_first_nonfinite` does it) or a non-finite value in
-the backward pass (a gradient). With no loss given, the first NaN born is reported.
-
-Per sample: when a tensor's first dimension is the batch (or the batch times heads or tokens,
-flattened batch-major), the rows that hold the bad values are reported (``rows``).
-
-Example::
-
-    finding, loss = trace_first_nonfinite(model, lambda: model.training_step(batch))
-    if finding:
-        print(finding.describe())   # e.g. NaN born in _softmax in attn ... from -Inf written by masked_fill ...
+:class:`OpTracer` (a ``TorchDispatchMode`` plus module hooks) checks every aten op's output and
+keeps, per tensor storage, where each NaN/Inf was born and what it came from;
+:func:`trace_first_nonfinite` runs one step under it and reports the value that does harm (a
+non-finite loss or gradient) with its chain of origins and the batch rows. Slow: for one captured
+step, not for training. See docs/diagnose.md and
+docs/accuracy.md.
 """
 
 from __future__ import annotations

@@ -1,49 +1,8 @@
-"""The trend detector: :class:`TrendDetector` streams logged values, :func:`detect_trends` runs it over a
-finished series. See ``docs/trend_alerts.md``.
+"""The trend detector: exploding, vanishing, spike, plateau and non-finite episodes.
 
-========================  ====================================================================
-Episode kind              When (defaults of ``trend_alerts``; W = ``window``, P = ``persist``)
-========================  ====================================================================
-``exploding``             The last P points are all >= ``spike_factor`` x and their median
-                          >= ``explode_factor`` x (10x) the lowest band level of the recent
-                          past (band level: median of W points; recent past: 10 W points);
-                          or, faster, two rising points, the last ``explode_factor`` squared
-                          (100x) above it. The loss uses ``loss_explode_factor`` (4x).
-                          Before P points exist (no band yet): from the second logged point
-                          on, one point two orders of magnitude (100x) above the lowest
-                          point before it.
-``vanishing``             The last P points are all <= the highest band level / ``vanish_factor``
-                          (100x), gradient_norm only. Not raised when the loss fell 10x or more
-                          from its start (a model that fits its data has small gradients).
-``spike``                 One point >= ``spike_factor`` x (5x; loss: ``loss_spike_factor``, 2x)
-                          the median of the W points before it, and beyond ``z`` robust standard
-                          deviations. Tolerated (recorded, not alerted) during lr warmup.
-``plateau``               The loss over the last W points is flat and has improved by less
-                          than ``plateau_min_improvement`` (5%) since the start.
-``nonfinite``             The loss is NaN/Inf; or gradient_norm is, for P points in a row under
-                          fp16 loss scaling (where single skipped steps are expected), else at once.
-                          Each signal has its own episode and step range. Both at the same step:
-                          one alert says both. gradient_norm first, the loss later: a follow-up
-                          alert (one line) says when the loss went. The loss first: the NaN
-                          gradients that follow are recorded, not alerted (a NaN loss makes them).
-========================  ====================================================================
-
-Every jump must also exceed ``z`` robust standard deviations (1.4826 x MAD) of its reference
-band, so a noisy signal needs a larger jump. An episode is alerted when it opens, and stays
-open (no new alert) until the signal comes back, halfway in log terms. The alert (and its
-``metrics.jsonl`` row) gives the step range as of detection; the episode's final range is in
-:attr:`TrendDetector.episodes` after :meth:`TrendDetector.finish`, and in ``stabletrain report``.
-
-In any loop, on plain numbers::
-
-    detector = TrendDetector(warmup_steps=100)
-    for step in range(steps):
-        ...
-        if step % 10 == 0:
-            for episode in detector.update(step, {"loss": loss.item(), "gradient_norm": gn}):
-                print(episode.message())
-
-    episodes = detect_trends(gradient_norm=[...], loss=[...], steps=[...])   # offline
+:class:`TrendDetector` streams logged values (:meth:`~TrendDetector.update` returns the episodes
+alerted at that step, :meth:`~TrendDetector.finish` closes them) and :func:`detect_trends` runs it
+over a finished series. Thresholds are the ``trend_alerts`` settings. See docs/trend_alerts.md.
 """
 
 from __future__ import annotations
