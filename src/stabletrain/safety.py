@@ -238,7 +238,7 @@ class SafetyNet:
         """Rows for the last finite step and the failing step, when not logged already, so that
         metrics.jsonl, the report and its plots show how the run ended."""
         t = self.trainer
-        last_logged = getattr(t, "_steps_at_last_log", t.step) - 1
+        last_logged = t.clock.steps_at_last - 1
         base = t.optimizer.param_groups[0].get("base_lr", t.settings.model_args.lr)
         for step, loss, gn in ((failure.previous_step, failure.previous_loss, failure.previous_gradient_norm),
                                (failure.step, failure.loss, failure.gradient_norm)):

@@ -137,7 +137,8 @@ def _capture_command(trainer: Any, best: Optional[CheckpointInfo], step: int) ->
 def _instability_start(trainer: Any, step: int) -> int:
     """The first step of the instability that ended at ``step``: the start of an exploding or
     non-finite episode still open in the run's history, else ``step``."""
-    health = getattr(trainer, "health", None)
+    safety = getattr(trainer, "safety", None)  # absent in the plain-loop and integration callers
+    health = getattr(safety, "health", None)
     if health is None:
         return step
     starts = [e.start_step for e in health.detector.open_episodes() if e.kind in ("exploding", "nonfinite")]

@@ -303,3 +303,25 @@ def test_errors_that_end_a_run_go_to_train_log_with_next_steps(tmp_path):
     log = (out / "train.log").read_text()
     assert "ERROR UnderflowOverflowError: step 1, rank 0, forward" in log
     assert "Next: read the report" in log and "stabletrain diagnose" in log
+
+
+def test_weights_huge_but_finite_are_not_called_non_finite():
+    """lr 1e24 with SGD: the weights become ~1e24, finite in float32, but the check's float32 norm
+    overflows. The run stops (nothing can train from there), and the message says what is true."""
+    torch.manual_seed(0)
+    model = nn.Linear(64, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e24)
+    guard = StepGuard(model, optimizer)
+    loss = model(torch.randn(8, 64)).pow(2).mean() + 1.0
+    loss.backward()
+    guard.check_gradients(0, compute_grad_norm(model.named_parameters()).total, losses=[loss])
+    optimizer.step()
+    guard.check_update(0)
+    with pytest.raises(NonFiniteStepError) as info:
+        guard.raise_if_failed()
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters()), "the premise: every weight is finite"
+    text = str(info.value)
+    assert "wrote non-finite" not in text and "Parameters with NaN/Inf" not in text
+    largest = max(float(p.detach().abs().max()) for p in model.parameters())
+    assert "that their float32 norm overflows: every value is still finite" in text
+    assert f"|w| reaches {largest:.4g} in " in text and "The learning rate is 1e+24" in text

@@ -108,6 +108,8 @@ class GuardFailure:
     optimizer: str = ""
     explanation: str = ""
     gradients_elementwise_finite: Optional[bool] = None
+    largest_name: str = ""
+    largest_abs: float = math.nan
     other_rank_step: Optional[int] = None
     previous_step: int = -1
     previous_loss: float = math.nan
@@ -120,8 +122,14 @@ class GuardFailure:
             return (f"Another rank found a non-finite value at step {self.other_rank_step}; rank {self.rank} "
                     "stopped with it.")
         if self.origin == ORIGIN_OPTIMIZER:
-            head = (f"The optimizer step of {where} wrote non-finite values from finite gradients "
-                    f"(loss {_fmt(self.loss)}, gradient norm {_fmt(self.gradient_norm)})")
+            given = f"(loss {_fmt(self.loss)}, gradient norm {_fmt(self.gradient_norm)})"
+            if not self.param_names and not self.state_entries and self.largest_name:
+                # Every value finite: the check's float32 norm overflowed (values beyond about 1e19).
+                head = (f"The optimizer step of {where} made the weights so large, from finite gradients {given}, "
+                        f"that their float32 norm overflows: every value is still finite, but |w| reaches "
+                        f"{_fmt(self.largest_abs)} in {self.largest_name}")
+            else:
+                head = f"The optimizer step of {where} wrote non-finite values from finite gradients {given}"
             parts = [head + "."]
             if self.optimizer:
                 parts.append(f"Optimizer: {self.optimizer}.")

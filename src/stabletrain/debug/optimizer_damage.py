@@ -31,6 +31,12 @@ def describe_optimizer_damage(failure: Any, model: nn.Module, optimizer: Any) ->
             counts[n] = bad
     failure.param_names = list(counts)
     failure.param_counts = counts
+    if not counts:
+        # Nothing non-finite: the guard's norm overflowed. Name the largest weight instead.
+        sizes = {n: float(p.detach().abs().max()) for n, p in model.named_parameters() if p.numel()}
+        if sizes:
+            failure.largest_name = max(sizes, key=lambda n: sizes[n])
+            failure.largest_abs = sizes[failure.largest_name]
     if optimizer is None:
         return
     failure.optimizer = optimizer_name(optimizer)
@@ -41,6 +47,10 @@ def describe_optimizer_damage(failure: Any, model: nn.Module, optimizer: Any) ->
                 entries.append(f"{names.get(id(p), '?')}: {key}")
     failure.state_entries = entries
     failure.explanation = explain_optimizer_damage(model, optimizer, set(counts))
+    lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
+    if not counts and not entries and isinstance(lr, (int, float)):
+        failure.explanation = (f"The learning rate is {lr:g}: one step moves a weight by up to about lr (Adam) "
+                               "or lr x its gradient (SGD).")
 
 
 def optimizer_name(optimizer: Any) -> str:
