@@ -99,9 +99,8 @@ def _resume_commands(ws: "Workspace") -> tuple[str, ...]:
                        "the tour resumes from one, so change BOOM until it has one")
     checkpoint = ws.relative(checkpoint)
     return (
-        f"cp {checkpoint} out/boom/checkpoints/last.ckpt",
         "stabletrain train out=out/boom model_args.optimizer=sgd model_args.lr=0.1 steps=100 "
-        "checkpoint_every_num_steps=10 resume_interrupted=true",
+        f"checkpoint_every_num_steps=10 resume_from={checkpoint}",
     )
 
 
@@ -324,7 +323,7 @@ BLOCKS: dict[str, Block] = {
     "tour-boom": console("boom", trim=pick(r"NaNDetectedError", r"^Replay it", r"^    stabletrain", r"^No non-finite",
                                            last=(r"^step ",))),
     "tour-replay": console("replay", trim=pick(r"reproduced:", r"losses:")),
-    "tour-diagnose": console("diagnose", trim=pick(r"^\*\*Verdict", r"^First non-finite op", r"^Checkpoints:",
+    "tour-diagnose": console("diagnose", trim=pick(r"^\*\*Verdict", r"^First harmful non-finite op", r"^Checkpoints:",
                                                    r"^## Next actions", r"^1\. ")),
     "tour-resume": console("resume", trim=head_tail(3, 1)),
     # docs/training.md
