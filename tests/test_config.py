@@ -303,3 +303,33 @@ def test_resolved_settings_rebuild_the_same_settings(tmp_path):
     assert rebuilt.model_args.lr == 0.02 and rebuilt.model_args.dim == 32
     assert rebuilt.task == "language_model" and rebuilt.precision == "32-true"
     assert settings_from_resolved(resolved, precision="bf16-mixed").precision == "bf16-mixed"
+
+
+@pytest.mark.parametrize("name", ["fsdp", "FSDP2"])
+def test_fsdp_names_mean_fsdp2(name):
+    assert load_settings({"out": "o", "strategy": name}).strategy == name.lower()
+
+
+def test_fsdp1_variants_are_refused_with_the_way_to_fsdp2():
+    with pytest.raises(ConfigError) as info:
+        load_settings({"out": "o", "strategy": "fsdp_cpu_offload"})
+    (problem,) = info.value.problems
+    assert problem.startswith("strategy: 'fsdp_cpu_offload' is one of Lightning Fabric's FSDP1 variants")
+    assert "Use strategy=fsdp (FSDP2" in problem
+
+
+def test_what_fsdp_does_not_run_yet_is_refused_before_anything_starts(tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError) as info:
+        train(out=out, strategy="fsdp", accelerator="cpu", devices=1, torch_compile_args={"disable": False},
+              on_instability={"policy": "rollback"})
+    problems = info.value.problems
+    assert any(p.startswith("torch_compile_args.disable: torch.compile together with strategy=fsdp") for p in problems)
+    assert any(p.startswith("on_instability.policy: rollback is not supported with strategy=fsdp") for p in problems)
+    with pytest.raises(ConfigError, match=r"precision: 16-mixed \(fp16 with loss scaling\) together with strategy=fsdp"):
+        train(out=out, strategy="fsdp", accelerator="cpu", devices=1, precision="16-mixed")
+    assert not out.exists(), "nothing was written"
+    # The same settings without fsdp are accepted by these checks.
+    from stabletrain.trainer_checks import sharding_problems
+
+    assert sharding_problems(load_settings({"out": "o", "on_instability": {"policy": "rollback"}})) == []

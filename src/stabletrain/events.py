@@ -85,6 +85,7 @@ class TrainerLike(Protocol):
         fabric: The ``lightning_fabric.Fabric`` running the loop (device, collectives).
         settings: The validated settings.
         model: The user's module, unwrapped (no DDP or compile wrapper; your parameter names).
+            Under ``strategy=fsdp`` its parameters and gradients are DTensor shards (``sharded``).
         optimizer: The optimizer.
         scaler: The fp16 ``torch.amp.GradScaler``, or None.
         precision: The resolved precision ("32-true", "bf16-mixed", ...).
@@ -94,6 +95,7 @@ class TrainerLike(Protocol):
         task: The task (its ``name``, ``model_meta`` and dataset).
         console: Prints on rank 0 and writes ``train.log``.
         loggers: The metric loggers (rank 0 only; empty elsewhere).
+        sharded: True under FSDP2 (``strategy=fsdp``): see docs/distributed.md.
     """
 
     fabric: Any
@@ -109,6 +111,7 @@ class TrainerLike(Protocol):
     task: Task
     console: Console
     loggers: list[Logger]
+    sharded: bool
 
     def any_rank(self, flag: bool | torch.Tensor) -> bool:
         """True on every rank when ``flag`` is true on any (every rank calls it at the same point)."""

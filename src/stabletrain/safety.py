@@ -77,14 +77,29 @@ class SafetyNet:
             import torch.distributed as dist
 
             self._group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-        if t.settings.debug_args.nancapture.enabled and t.step == 0:
+        # Under FSDP2 the optimizer-step re-run is not available (it reloads unsharded state).
+        if t.settings.debug_args.nancapture.enabled and t.step == 0 and not t.sharded:
             self.start_state = t.checkpoint_state(on_cpu=True)
         if self.health.initial_weight_norm is None:  # one read, before the first step
-            self.health.initial_weight_norm = float(verify_tensors({"model": t.model.state_dict()}, t.fabric.device)[3])
+            self.health.initial_weight_norm = self._weight_norm()
         self.signals.install()
 
     def close(self) -> None:
         self.signals.restore()
+
+    def _weight_norm(self) -> float:
+        """The L2 norm of the model's weights now: the full model's under FSDP2 too, where a
+        checkpoint-like gather to rank 0 gives it (once, at the start)."""
+        t = self.trainer
+        model = t.model.state_dict()
+        if t.sharded:
+            from stabletrain.distributed.shards import gather_full_state
+
+            model = gather_full_state(t.model)[0]
+        norm = verify_tensors({"model": model}, t.fabric.device)[3]
+        if t.sharded and t.world_size > 1:
+            norm = t.fabric.all_reduce(norm.clone(), reduce_op="max")  # rank 0's is the full one
+        return float(norm)
 
     # ------------------------------------------------------------------ every step
 
@@ -261,7 +276,8 @@ class SafetyNet:
             host = self.guard.read()
         failure = self.guard.failure(host, stopped_at=stopped_at, other_rank_step=other_step if host[0] < 0 else None)
         capture: Optional[Path] = None
-        if failure.origin == ORIGIN_OPTIMIZER and failure.step >= 0 and t.settings.debug_args.nancapture.enabled:
+        if (failure.origin == ORIGIN_OPTIMIZER and failure.step >= 0 and t.settings.debug_args.nancapture.enabled
+                and not t.sharded):
             from stabletrain.debug.optimizer_step import capture_optimizer_step
 
             capture = capture_optimizer_step(t, failure)

@@ -122,6 +122,8 @@ class Trainer:
         self.microbatches_consumed = 0
         self.stop_reason: Optional[str] = None
         self.console = Console(None, enabled=False)
+        #: FSDP2 (``strategy=fsdp``): parameters are DTensor shards; see docs/distributed.md.
+        self.sharded = False
         self.loggers: list[Logger] = []
         self.last_metrics: dict[str, float] = {}
 
@@ -213,17 +215,24 @@ class Trainer:
         if source is not None:
             state = load_checkpoint(source)
             trainer_state.check_resume(self, state, source)
-            self.model.load_state_dict(state["model"])
-        self.optimizer = trainer_optim.build_optimizer(self.model, s.model_args)
+            self.model.load_state_dict(state["model"])  # under FSDP2 too: every rank, before sharding
+        from stabletrain.distributed.fsdp import is_sharded
+
+        self.sharded = is_sharded(fabric)
+        if self.sharded:
+            self._set_up_sharded(state)
+        else:
+            self.optimizer = trainer_optim.build_optimizer(self.model, s.model_args)
+            if state is not None:
+                self._load_optimizer_state(state["optimizer"])
+            module = compile_module(_TrainingStep(self.model), s.torch_compile_args)
+            self.fabric_module, self.fabric_optimizer = fabric.setup(module, self.optimizer)
         if state is not None:
-            self._load_optimizer_state(state["optimizer"])
             if self.scaler is not None and state.get("scaler"):
                 self.scaler.load_state_dict(state["scaler"])
             self.step = int(state["step"])
             self.microbatches_consumed = int(state["data"]["microbatches_consumed"])
 
-        module = compile_module(_TrainingStep(self.model), s.torch_compile_args)
-        self.fabric_module, self.fabric_optimizer = fabric.setup(module, self.optimizer)
         self.microbatch_size = s.batch_size // (self.world_size * s.gradient_accumulation_steps)
         self.build_loader()
         self.loggers = build_loggers(s, self.out) if self.is_rank_zero else []
@@ -232,6 +241,17 @@ class Trainer:
         if self.is_rank_zero:
             write_settings(self)
         return state, source
+
+    def _set_up_sharded(self, state: Optional[dict[str, Any]]) -> None:
+        """FSDP2: shard first (``fully_shard`` replaces every parameter by a sharded one), then
+        build the optimizer from the sharded parameters and load its state (docs/distributed.md)."""
+        from stabletrain.distributed.checkpoint_state import load_optimizer_checkpoint
+
+        self.fabric_module = self.fabric.setup_module(_TrainingStep(self.model))
+        self.optimizer = trainer_optim.build_optimizer(self.model, self.settings.model_args)
+        self.fabric_optimizer = self.fabric.setup_optimizers(self.optimizer)
+        if state is not None:
+            load_optimizer_checkpoint(self.model, self.optimizer, state["optimizer"])
 
     def build_loader(self) -> None:
         """(Re)build the data loader at ``microbatches_consumed`` (resume, re-runs)."""

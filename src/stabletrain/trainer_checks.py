@@ -83,6 +83,7 @@ def setup_problems(
             problems.extend(dataset_size_problems(s, world_size))
     problems.extend(check_loggers(s, try_import=is_rank_zero))
     problems.extend(debug_problems(s))
+    problems.extend(sharding_problems(s))
     problems.extend(fabric_problems)
     if is_rank_zero:
         problems.extend(out_dir_problems(s))
@@ -182,6 +183,31 @@ def debug_problems(settings: TrainSettings) -> list[str]:
     from stabletrain.debug import underflow_overflow
 
     return [*underflow_overflow.check_settings(settings)]
+
+
+def is_fsdp(settings: TrainSettings) -> bool:
+    """``strategy`` is fsdp or fsdp2: FSDP2 (see docs/distributed.md)."""
+    return settings.strategy in ("fsdp", "fsdp2")
+
+
+def sharding_problems(settings: TrainSettings) -> list[str]:
+    """What ``strategy=fsdp`` does not run yet, said before anything starts."""
+    s = settings
+    if not is_fsdp(s):
+        return []
+    problems = []
+    if not s.torch_compile_args.disable:
+        problems.append(
+            "torch_compile_args.disable: torch.compile together with strategy=fsdp is not supported yet (compile "
+            "would have to wrap each sharded block, which is untested); set torch_compile_args.disable=true"
+        )
+    if s.on_instability.policy != "stop":
+        problems.append(
+            f"on_instability.policy: {s.on_instability.policy} is not supported with strategy=fsdp yet (its "
+            "snapshots and restores are written for unsharded tensors); use policy=stop, which keeps every "
+            "checkpoint finite and says where to resume"
+        )
+    return problems
 
 
 def resolve_precision(precision: str, accelerator: str) -> str:

@@ -45,12 +45,23 @@ def make_fabric(settings: TrainSettings) -> Any:
             f"accelerator: {s.accelerator!r} is not available on this machine; "
             f"available here: {', '.join(available)}"
         )
+    strategy: Any = s.strategy
+    if trainer_checks.is_fsdp(s):
+        if resolve_precision(s.precision, s.accelerator) == "16-mixed":
+            raise ConfigError(
+                "precision: 16-mixed (fp16 with loss scaling) together with strategy=fsdp is not supported yet "
+                "(Lightning Fabric's ModelParallelStrategy refuses it, and the GradScaler path under FSDP2 has not "
+                "been run on a GPU); use bf16-mixed, or 32-true"
+            )
+        from stabletrain.distributed.fsdp import fabric_strategy
+
+        strategy = fabric_strategy(s.strategy)
     try:
         return Fabric(
             accelerator=s.accelerator,
             devices=s.devices,
             num_nodes=s.num_nodes,
-            strategy=s.strategy,
+            strategy=strategy,
             precision=resolve_precision(s.precision, s.accelerator),  # type: ignore[arg-type]
         )
     except (ValueError, RuntimeError, TypeError, ImportError) as exc:

@@ -30,10 +30,16 @@ def checkpoint_state(trainer: Any, on_cpu: bool = False) -> dict[str, Any]:
         rng_all = gathered
     else:
         rng_all = [rng]
+    if trainer.sharded:  # FSDP2: the full state on rank 0's CPU, {} elsewhere (docs/distributed.md)
+        from stabletrain.distributed.checkpoint_state import gather_checkpoint_parts
+
+        model, optimizer = gather_checkpoint_parts(trainer.model, trainer.optimizer)
+    else:
+        model, optimizer = trainer.model.state_dict(), trainer.optimizer.state_dict()
     state = {
         "step": trainer.step,
-        "model": trainer.model.state_dict(),
-        "optimizer": trainer.optimizer.state_dict(),
+        "model": model,
+        "optimizer": optimizer,
         "scaler": trainer.scaler.state_dict() if trainer.scaler is not None else {},
         "rng": rng_all,
         "data": {"microbatches_consumed": trainer.microbatches_consumed},

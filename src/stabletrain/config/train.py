@@ -11,7 +11,16 @@ from pydantic import Field, field_validator
 from stabletrain.config.debugging import DebugArgs, GuardArgs, OnInstabilityArgs, TrendAlertArgs
 from stabletrain.config.logger_args import LoggersArgs
 from stabletrain.config.model_data import DataArgs, ModelArgs, TorchCompileArgs, TransformArgs
-from stabletrain.config.types import COMMON_FABRIC_NAMES, Float, Int, Precision, SettingsGroup, fabric_choices, one_of
+from stabletrain.config.types import (
+    COMMON_FABRIC_NAMES,
+    Float,
+    Int,
+    Precision,
+    SettingsGroup,
+    fabric_choices,
+    is_fsdp1_variant,
+    one_of,
+)
 
 
 class TrainSettings(SettingsGroup):
@@ -72,7 +81,9 @@ class TrainSettings(SettingsGroup):
     accelerator: str = Field("auto", description="cpu, cuda, gpu, mps or auto.")
     devices: Union[Int, str, list[Int]] = Field("auto", description="Devices per node: a count, a list or auto.")
     num_nodes: Int = Field(1, ge=1, description="Number of nodes.")
-    strategy: str = Field("auto", description="Lightning Fabric strategy: auto, ddp, ddp_spawn, ...")
+    strategy: str = Field(
+        "auto", description="Lightning Fabric strategy: auto, ddp, ddp_spawn, ...; fsdp (or fsdp2) shards the model "
+        "with FSDP2 (docs/distributed.md)")
     num_workers: Union[Int, Literal["auto"]] = Field(
         "auto", description="DataLoader workers; auto = 0 for in-memory data, else up to 8."
     )
@@ -121,6 +132,12 @@ class TrainSettings(SettingsGroup):
     @classmethod
     def _known_strategy(cls, v: str) -> str:
         # Fabric lower-cases strategy names; so do we, so that the names compare equal.
+        if is_fsdp1_variant(v.lower()):
+            raise ValueError(
+                f"{v!r} is one of Lightning Fabric's FSDP1 variants, which stabletrain does not run: FSDP1's flat "
+                "parameters hide the per-parameter gradients every debugging tool reads, and it refuses the CPU. "
+                "Use strategy=fsdp (FSDP2, fully_shard, on CPU and GPU); see docs/distributed.md"
+            )
         if v.lower() in COMMON_FABRIC_NAMES["strategy"]:
             return v.lower()
         return one_of(v.lower(), fabric_choices("strategy"), "a Lightning Fabric strategy")

@@ -49,9 +49,14 @@ COMMON_FABRIC_NAMES: dict[str, frozenset[str]] = {
     "accelerator": frozenset(("auto", "cpu", "cuda", "gpu", "mps", "tpu")),
     "strategy": frozenset(
         ("auto", "ddp", "ddp_spawn", "ddp_fork", "ddp_notebook", "ddp_find_unused_parameters_true", "dp", "fsdp",
-         "deepspeed")
+         "fsdp2", "deepspeed")
     ),
 }
+
+
+def is_fsdp1_variant(name: str) -> bool:
+    """Fabric's FSDP1 strategies other than ``fsdp`` (which means FSDP2 in stabletrain)."""
+    return name.startswith("fsdp") and name not in ("fsdp", "fsdp2")
 
 
 def fabric_choices(setting: Literal["accelerator", "strategy"]) -> list[str]:
@@ -69,7 +74,9 @@ def fabric_choices(setting: Literal["accelerator", "strategy"]) -> list[str]:
     else:
         from lightning_fabric.strategies import STRATEGY_REGISTRY
 
-        names = list(STRATEGY_REGISTRY.available_strategies())
+        # fsdp2 is stabletrain's name (FSDP2 through Fabric's ModelParallelStrategy); Fabric's FSDP1
+        # variants are refused by the strategy check.
+        names = [n for n in STRATEGY_REGISTRY.available_strategies() if not is_fsdp1_variant(n)] + ["fsdp2"]
     return ["auto", *sorted(set(names) - {"auto"})]
 
 

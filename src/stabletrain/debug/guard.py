@@ -17,6 +17,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
+from stabletrain.distributed.norms import local_tensor
 from stabletrain.errors import StabletrainError
 
 __all__ = ["StepGuard", "GuardFailure", "NonFiniteStepError", "scaler_found_inf", "finite_norms"]
@@ -185,7 +186,8 @@ def finite_norms(tensors: Iterable[Tensor], device: torch.device) -> Tensor:
     an element is, or when elements beyond ~1e19 overflow float32's square. One fused
     ``torch._foreach_norm`` per (device, dtype), half types accumulated in float32."""
     groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = defaultdict(list)
-    for t in tensors:
+    for tensor in tensors:
+        t = local_tensor(tensor)  # under FSDP2 this rank's shard; the verdict is agreed over ranks
         if t.is_floating_point() and t.numel():
             groups[(t.device, t.dtype)].append(t.detach())
     if not groups:
@@ -430,8 +432,9 @@ class StepGuard:
 
             describe_optimizer_damage(failure, self.model, self.optimizer)
         elif "gradient_norm" in nonfinite:
+            # Under FSDP2: this rank's gradient shards only.
             bad = [n for n, p in self.model.named_parameters()
-                   if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+                   if p.grad is not None and not bool(torch.isfinite(local_tensor(p.grad)).all())]
             have_grads = any(p.grad is not None for p in self.model.parameters())
             if have_grads and failure.stopped_at == step:
                 failure.param_names = bad

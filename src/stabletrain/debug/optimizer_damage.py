@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from stabletrain.distributed.norms import local_tensor
+
 __all__ = ["describe_optimizer_damage", "explain_optimizer_damage", "optimizer_name", "smallest_positive"]
 
 _DTYPE_NAMES = {
@@ -26,14 +28,15 @@ def describe_optimizer_damage(failure: Any, model: nn.Module, optimizer: Any) ->
     names = {id(p): n for n, p in model.named_parameters()}
     counts = {}
     for n, p in model.named_parameters():
-        bad = int((~torch.isfinite(p.detach())).sum())
+        bad = int((~torch.isfinite(local_tensor(p.detach()))).sum())  # FSDP2: this rank's shard
         if bad:
             counts[n] = bad
     failure.param_names = list(counts)
     failure.param_counts = counts
     if not counts:
         # Nothing non-finite: the guard's norm overflowed. Name the largest weight instead.
-        sizes = {n: float(p.detach().abs().max()) for n, p in model.named_parameters() if p.numel()}
+        sizes = {n: float(local_tensor(p.detach()).abs().max()) for n, p in model.named_parameters()
+                 if local_tensor(p).numel()}
         if sizes:
             failure.largest_name = max(sizes, key=lambda n: sizes[n])
             failure.largest_abs = sizes[failure.largest_name]
@@ -43,7 +46,8 @@ def describe_optimizer_damage(failure: Any, model: nn.Module, optimizer: Any) ->
     entries = []
     for p, st in optimizer.state.items():
         for key, v in st.items():
-            if isinstance(v, Tensor) and v.is_floating_point() and v.numel() and not bool(torch.isfinite(v).all()):
+            if (isinstance(v, Tensor) and v.is_floating_point() and v.numel()
+                    and not bool(torch.isfinite(local_tensor(v)).all())):
                 entries.append(f"{names.get(id(p), '?')}: {key}")
     failure.state_entries = entries
     failure.explanation = explain_optimizer_damage(model, optimizer, set(counts))
@@ -89,7 +93,7 @@ def explain_optimizer_damage(model: nn.Module, optimizer: Any, bad_params: set[s
             v = st.get("exp_avg_sq")
             if isinstance(v, Tensor) and isinstance(eps, (int, float)):
                 eps_in_dtype = float(torch.tensor(eps, dtype=dtype))
-                zeros = int((v.detach() == 0).sum())
+                zeros = int((local_tensor(v.detach()) == 0).sum())
                 if eps_in_dtype == 0 or zeros:
                     why = f"{type(optimizer).__name__} divides exp_avg by sqrt(exp_avg_sq) + eps"
                     if eps_in_dtype == 0:
@@ -101,7 +105,7 @@ def explain_optimizer_damage(model: nn.Module, optimizer: Any, bad_params: set[s
                     why += ", so the update is x / 0 = Inf, or 0 / 0 = NaN where exp_avg is 0 too"
                     reasons.append(why)
                     break
-            state_finite = all(bool(torch.isfinite(t).all()) for t in st.values()
+            state_finite = all(bool(torch.isfinite(local_tensor(t)).all()) for t in st.values()
                                if isinstance(t, Tensor) and t.is_floating_point())
             if state_finite and dtype.is_floating_point:
                 big = float(torch.finfo(dtype).max)

@@ -22,6 +22,7 @@ _EXPORTS = {
     "FSDP2Strategy": "stabletrain.distributed.fsdp",
     "fabric_strategy": "stabletrain.distributed.fsdp",
     "fsdp_units": "stabletrain.distributed.fsdp",
+    "is_sharded": "stabletrain.distributed.fsdp",
     "parallelize": "stabletrain.distributed.fsdp",
     "SHARDS_FORMAT": "stabletrain.distributed.shards",
     "ShardError": "stabletrain.distributed.shards",

@@ -157,6 +157,12 @@ class FSDP2Strategy(ModelParallelStrategy):
         super().setup_environment()
 
 
+def is_sharded(fabric: Any) -> bool:
+    """Does ``fabric`` shard the model with FSDP2 (Fabric's ``ModelParallelStrategy``, of which
+    :class:`FSDP2Strategy` is one)?"""
+    return isinstance(getattr(fabric, "strategy", None), ModelParallelStrategy)
+
+
 def fabric_strategy(strategy: str) -> Union[str, FSDP2Strategy]:
     """What to give ``Fabric(strategy=...)`` for the ``strategy`` setting.
 
