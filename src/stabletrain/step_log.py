@@ -15,6 +15,7 @@ from torch import nn
 
 from stabletrain.debug.grad_norm import GradNorm, layer_grad_norms
 from stabletrain.loggers.console import progress_line
+from stabletrain.utils.amp import scale_tensor
 
 
 @dataclass
@@ -99,14 +100,6 @@ def _row(trainer: Any, step: int, host: list[float], lr: float) -> dict[str, flo
             metrics["skipped_steps"] = host[3]
     clock.last, clock.steps_at_last = now, step + 1
     return metrics
-
-
-def scale_tensor(scaler: Any, device: torch.device) -> torch.Tensor:
-    """The GradScaler's current scale as a device tensor (``get_scale()`` would sync)."""
-    scale = getattr(scaler, "_scale", None)
-    if isinstance(scale, torch.Tensor):
-        return scale.to(device)
-    return torch.tensor(float(scaler.get_scale()), device=device)
 
 
 def training_metrics(model: nn.Module, device: torch.device) -> tuple[list[str], torch.Tensor]:

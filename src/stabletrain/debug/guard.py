@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from stabletrain.distributed.norms import local_tensor
 from stabletrain.errors import StabletrainError
+from stabletrain.utils.amp import scaler_found_inf
 
 __all__ = ["StepGuard", "GuardFailure", "NonFiniteStepError", "scaler_found_inf", "finite_norms"]
 
@@ -159,26 +160,6 @@ class GuardFailure:
         if self.param_names:
             text += f" Gradients with NaN/Inf: {_counted(self.param_names, {})}."
         return text
-
-
-def scaler_found_inf(scaler: Any, device: torch.device) -> Optional[Tensor]:
-    """A device bool: did the fp16 GradScaler find an Inf/NaN gradient (and so skip this step)?
-
-    Read from the flags ``scaler.unscale_(optimizer)`` leaves per device; None before the
-    gradients are un-scaled. No host synchronisation.
-    """
-    states = getattr(scaler, "_per_optimizer_states", None)
-    if not isinstance(states, dict):
-        return None
-    flags = [
-        f.reshape(()).to(device)
-        for state in states.values()
-        if getattr(state.get("stage"), "name", None) == "UNSCALED"
-        for f in state.get("found_inf_per_device", {}).values()
-    ]
-    if not flags:
-        return None
-    return torch.stack(flags).sum() > 0
 
 
 def finite_norms(tensors: Iterable[Tensor], device: torch.device) -> Tensor:

@@ -12,6 +12,8 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from stabletrain.utils.amp import already_unscaled, live_scale
+
 #: Status codes (see :func:`encode_status`); a gradient norm is never negative.
 FAILED, NAN, INF = -3.0, -2.0, -1.0
 
@@ -99,11 +101,7 @@ def pending_scale(scaler: Any, optimizer: Any) -> Optional[Tensor]:
     """
     if scaler is None or not getattr(scaler, "is_enabled", lambda: False)():
         return None
-    states = getattr(scaler, "_per_optimizer_states", None)
-    if optimizer is not None and isinstance(states, dict):
-        state = states.get(id(inner_optimizer(optimizer)))
-        if state is not None and getattr(state.get("stage"), "name", None) == "UNSCALED":
-            return None
-    scale = getattr(scaler, "_scale", None)
-    return scale if isinstance(scale, Tensor) else None
+    if optimizer is not None and already_unscaled(scaler, inner_optimizer(optimizer)):
+        return None
+    return live_scale(scaler)
 

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from stabletrain.debug.grad_norm import GradNorm, compute_grad_norm
+from stabletrain.utils.amp import scale_value, scaler_found_inf
 from stabletrain.utils.dist import any_rank as dist_any_rank
 from stabletrain.utils.dist import rank_and_world_size
 from stabletrain.utils.rng import raw_rng_state
@@ -272,7 +273,7 @@ class NaNCaptureMonitor:
             # Skipped steps are expected under loss scaling; count them in a row on the device.
             # The scaler's own found-inf flags say which steps it skips (elementwise); a
             # non-finite norm without them is an overflow of finite gradients that it applies.
-            found_inf = self._scaler_found_inf(device)
+            found_inf = scaler_found_inf(self.scaler, device)
             skipped_now = grad_bad if found_inf is None else found_inf
             if self._skipped is None or self._skipped.device != device:
                 self._skipped = torch.zeros((), dtype=torch.int64, device=device)
@@ -284,25 +285,6 @@ class NaNCaptureMonitor:
             losses = torch.stack([loss.reshape(()).float().to(device) for loss in self._losses])
             flag = flag | ~torch.isfinite(losses).all()
         return flag
-
-    def _scaler_found_inf(self, device: torch.device) -> Optional[Tensor]:
-        """A device bool: did the GradScaler find an Inf/NaN gradient (and so skip this step)?
-
-        Read from the flags ``scaler.unscale_(optimizer)`` leaves per device; None when the
-        gradients were not un-scaled yet (then the gradient norm stands in for them).
-        """
-        states = getattr(self.scaler, "_per_optimizer_states", None)
-        if not isinstance(states, dict):
-            return None
-        flags = [
-            f.reshape(()).to(device)
-            for state in states.values()
-            if getattr(state.get("stage"), "name", None) == "UNSCALED"
-            for f in state.get("found_inf_per_device", {}).values()
-        ]
-        if not flags:
-            return None
-        return torch.stack(flags).sum() > 0
 
     def _raise(self, gn: GradNorm) -> None:
         # The rare path: host reads are fine from here on.
@@ -340,8 +322,8 @@ class NaNCaptureMonitor:
                params: Optional[dict[str, Tensor]] = None, extra: Optional[dict[str, Any]] = None) -> Path:
         scale = None
         if self.scaler is not None:
-            s = getattr(self.scaler, "_scale", None)
-            scale = float(s) if isinstance(s, Tensor) else float(self.scaler.get_scale())
+            scale = scale_value(self.scaler)
+            scale = float(self.scaler.get_scale()) if scale is None else scale
         return write_capture_file(
             self.capture_path,
             step=int(self.step),  # type: ignore[arg-type]
@@ -429,6 +411,6 @@ class NaNCaptureMonitor:
         return "\n".join(lines)
 
     def _scale_text(self) -> str:
-        s = getattr(self.scaler, "_scale", None)
-        return fmt_number(float(s), MEASURED_DIGITS) if isinstance(s, Tensor) else "?"
+        scale = scale_value(self.scaler)
+        return "?" if scale is None else fmt_number(scale, MEASURED_DIGITS)
 
