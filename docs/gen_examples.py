@@ -131,6 +131,7 @@ RUNS: dict[str, Run] = {
     "diagnose-plain": Run((PLAIN,), needs=("plain",)),
     "ddp-train": Run(("python train.py",), code=1, files={"train.py": Example("ddp")}),
     "ddp-replay": Run(("stabletrain replay out/ddp/debug/nan_capture --model train.py:Net",), needs=("ddp-train",)),
+    "fsdp": Run(("stabletrain train out=out/fsdp strategy=fsdp devices=2 accelerator=cpu steps=40 model_args.warmup_steps=4",)),
 }
 
 
@@ -363,6 +364,8 @@ BLOCKS: dict[str, Block] = {
     "diagnose-plain": console("diagnose-plain"),
     # docs/checkpoints.md
     "resume": console("resume", trim=head_tail(4, 1)),
+    # docs/distributed.md
+    "fsdp-run": output_only("fsdp", trim=pick(r"^All distributed", r"^task ", r"^step ", r"^Done")),
 }
 
 
