@@ -15,7 +15,7 @@ import stabletrain
 from conftest import tiny_lm
 from stabletrain import NaNCaptureError, NaNCaptureMonitor, NaNDetectedError, load_nan_capture
 from stabletrain.config import load_settings
-from stabletrain.debug.nan_capture import FORMAT, VERSION
+from stabletrain.debug.nan_capture import FORMAT, UNSHARDED_VERSION, VERSION
 from stabletrain.loggers.jsonl import read_metrics
 from stabletrain.trainer import Trainer, train
 from stabletrain.utils.rng import get_rng_state
@@ -135,7 +135,7 @@ def test_capture_holds_the_state_before_the_step_batchnorm_buffers_indices_and_r
     err = info.value
     assert (err.step, err.nan_param_names) == (2, ["head.bias"])
     state = torch.load(err.capture_path, weights_only=True)
-    assert (state["format"], state["version"]) == (FORMAT, VERSION)
+    assert (state["format"], state["version"]) == (FORMAT, UNSHARDED_VERSION)
     assert (state["step"], state["rank"], state["world_size"]) == (2, 0, 1)
     assert (state["precision"], state["loss_scale"], state["gradient_accumulation_steps"]) == ("32-true", None, 2)
     assert state["nan_param_names"] == ["head.bias"] and state["reason"] == "nonfinite_gradients"

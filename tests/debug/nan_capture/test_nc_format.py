@@ -12,6 +12,7 @@ import torch
 from stabletrain.debug.nan_capture import (
     FILE_NAME,
     FORMAT,
+    UNSHARDED_VERSION,
     VERSION,
     NaNCaptureError,
     capture_files,
@@ -63,7 +64,9 @@ def test_a_written_capture_reads_back_entry_by_entry(tmp_path):
     assert float(cap.losses[0]) == 0.25 and torch.isnan(cap.losses[1])
     assert cap.nan_param_names == ["weight"] and cap.largest_gradients == [("weight", 3.5e19)]
     assert cap.model_class == "m.Net" and cap.raw["step_fn"] == "m.step" and cap.raw["note"] == "kept"
-    assert (cap.raw["format"], cap.raw["version"], cap.raw["consecutive_skipped_steps"]) == (FORMAT, VERSION, 3)
+    # Unsharded captures keep version 1 (readable by every stabletrain); only sharded ones are version 2.
+    assert (cap.raw["format"], cap.raw["version"], cap.raw["consecutive_skipped_steps"]) == (FORMAT, UNSHARDED_VERSION, 3)
+    assert cap.sharded is False and cap.params_layout is None and "sharded" not in cap.raw
     assert cap.microbatch_size(0) == 4, "from the stored dataset indices"
     # The file is safe to load with weights_only=True: nothing in it needs pickle.
     assert torch.load(path, weights_only=True)["step"] == 7

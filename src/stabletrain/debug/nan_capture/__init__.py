@@ -28,6 +28,7 @@ from .errors import (
 from .format import (
     FILE_NAME,
     FORMAT,
+    UNSHARDED_VERSION,
     VERSION,
     RankCapture,
     capture_files,
@@ -46,6 +47,7 @@ __all__ = [
     "NaNCaptureCallback",
     "FORMAT",
     "VERSION",
+    "UNSHARDED_VERSION",
     "FILE_NAME",
     "REASON_GRADIENTS",
     "REASON_LOSS",

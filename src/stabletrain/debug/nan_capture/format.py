@@ -18,13 +18,18 @@ from torch import Tensor
 
 from stabletrain.utils.io import atomic_torch_save
 from stabletrain.utils.rng import storable_rng_state
+from stabletrain.utils.text import fmt_list
 from stabletrain.utils.tree import cpu_copy, leading_size, to_storable
 
 from .errors import NaNCaptureError
 
 #: The ``format`` entry of every capture file, and the newest ``version`` this code writes and reads.
 FORMAT = "stabletrain.nan_capture"
-VERSION = 1
+VERSION = 2
+#: The version of an unsharded capture (every parameter whole); version 2 marks a sharded one (FSDP2:
+#: this rank's parameter shards, their ``params_layout`` and ``"sharded": True``), so that older readers
+#: refuse a file they would read as a model. Unsharded captures keep version 1 and read anywhere.
+UNSHARDED_VERSION = 1
 FILE_NAME = "nan_capture.pt"
 
 
@@ -60,6 +65,7 @@ def write_capture_file(
     step_fn: Optional[str],
     replay_command: str,
     extra: Optional[dict[str, Any]] = None,
+    params_layout: Optional[dict[str, dict[str, Any]]] = None,
 ) -> Path:
     """Write one rank's capture to ``path`` atomically, converted to storable types (CPU tensors,
     RNG states as tensors); :func:`read_capture_file` reads it back. Returns ``path``.
@@ -68,13 +74,18 @@ def write_capture_file(
     containers) is written as None, with the reason in the ``unstorable`` entry. ``extra`` adds entries
     (tensors, numbers, strings, lists, dicts only).
 
+    With ``params_layout`` (the ``layout`` of :func:`stabletrain.distributed.local_shards`), ``params``
+    are this rank's shards of a sharded model: the file is version 2, marked ``"sharded": True``, and
+    replay needs every rank's file to put the parameters back together.
+
     Raises:
         NaNCaptureError: The file cannot be written.
     """
     batches, unstorable = storable_microbatches(microbatches)
+    sharded = {} if params_layout is None else {"sharded": True, "params_layout": params_layout}
     state = {
         "format": FORMAT,
-        "version": VERSION,
+        "version": UNSHARDED_VERSION if params_layout is None else VERSION,
         "step": int(step),
         "rank": rank,
         "world_size": world_size,
@@ -85,6 +96,7 @@ def write_capture_file(
         "consecutive_skipped_steps": consecutive_skipped_steps,
         "gradient_accumulation_steps": int(gradient_accumulation_steps),
         "params": {n: cpu_copy(p) for n, p in params},
+        **sharded,
         "buffers": {n: cpu_copy(b) for n, b in buffers},
         "microbatches": batches,
         "unstorable": unstorable,
@@ -175,6 +187,11 @@ class RankCapture:
         model_meta: The built-in task's ``model_meta``, or None.
         model_class: ``module.QualName`` of the model that was trained.
         raw: The whole dict as loaded.
+        sharded: The run was sharded (FSDP2, format version 2): as read from one file, ``params``
+            holds this rank's shards and ``params_layout`` their places;
+            :func:`stabletrain.load_nan_capture` replaces them by the full parameters of all ranks.
+        params_layout: For a sharded capture, ``{name: {"shape", "offset", "sharded"}}`` of each
+            parameter's shard; else None.
     """
 
     path: Path
@@ -200,6 +217,8 @@ class RankCapture:
     largest_gradients: list[tuple[str, float]] = field(default_factory=list)
     #: Each microbatch's further arguments of the step function (a LightningModule's batch_idx).
     step_args: list[list[Any]] = field(default_factory=list)
+    sharded: bool = False
+    params_layout: Optional[dict[str, dict[str, Any]]] = None
 
     @property
     def num_microbatches(self) -> int:
@@ -326,7 +345,29 @@ def schema_problems(state: dict[str, Any]) -> list[str]:
     step_args = state.get("step_args", [[] for _ in range(n)])
     if not (isinstance(step_args, list) and len(step_args) == n and all(isinstance(a, list) for a in step_args)):
         problems.append(f"step_args (expected one list per microbatch, {n} in all)")
+    if state.get("sharded", False) or state.get("version") == VERSION:
+        problems.extend(_layout_problems(state))
     return problems
+
+
+def _layout_problems(state: dict[str, Any]) -> list[str]:
+    """What is wrong with a sharded (version 2) capture's ``sharded`` flag and ``params_layout``."""
+    if state.get("sharded") is not True:
+        return [f"sharded (expected True in a version {VERSION} capture, got {state.get('sharded')!r})"]
+    layout = state.get("params_layout")
+    if not isinstance(layout, dict):
+        return [f"params_layout (expected dict, got {type(layout).__name__})"]
+    if set(layout) != set(state["params"]):
+        differ = sorted(set(layout) ^ set(state["params"]))
+        return [f"params_layout (its names differ from params': {fmt_list(differ)})"]
+    bad = [
+        name for name, lay in layout.items()
+        if not (isinstance(lay, dict) and isinstance(lay.get("shape"), list) and isinstance(lay.get("offset"), list)
+                and isinstance(state["params"][name], Tensor)
+                and len(lay["shape"]) == len(lay["offset"]) == state["params"][name].ndim
+                and isinstance(lay.get("sharded"), bool))
+    ]
+    return [f"params_layout entries (need shape, offset and sharded per parameter): {fmt_list(bad)}"] if bad else []
 
 
 def _rank_capture(path: Path, state: dict[str, Any]) -> RankCapture:
@@ -355,6 +396,8 @@ def _rank_capture(path: Path, state: dict[str, Any]) -> RankCapture:
         raw=state,
         largest_gradients=_largest_entries(state.get("largest_gradients")),
         step_args=state.get("step_args", [[] for _ in range(len(state["microbatches"]))]),
+        sharded=bool(state.get("sharded", False)),
+        params_layout=state.get("params_layout"),
     )
 
 

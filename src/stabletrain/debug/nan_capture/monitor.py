@@ -14,6 +14,8 @@ import torch
 from torch import Tensor, nn
 
 from stabletrain.debug.grad_norm import GradNorm, compute_grad_norm
+from stabletrain.distributed.norms import dtensor_type
+from stabletrain.distributed.shards import local_shards
 from stabletrain.utils.amp import scale_value, scaler_found_inf
 from stabletrain.utils.dist import any_rank as dist_any_rank
 from stabletrain.utils.dist import rank_and_world_size
@@ -292,20 +294,24 @@ class NaNCaptureMonitor:
         loss_bad = [i for i, loss in enumerate(losses) if not bool(torch.isfinite(loss))]
         total = float(gn.total)
         skipped = int(self._skipped) if self._skipped is not None else 0
-        # Elementwise: a non-finite float32 norm alone does not mean a non-finite element.
+        # Elementwise: a non-finite float32 norm alone does not mean a non-finite element. Under FSDP2
+        # both reads below are collectives over the shards, global on every rank, so they depend only
+        # on global facts (the norm), never on this rank's own losses.
         names = nonfinite_grad_names(self.model.named_parameters())
-        largest: list[tuple[str, float]] = []
+        overflow = not names and not math.isfinite(total)
+        largest = largest_abs_grads(self.model.named_parameters()) if overflow else []
         if loss_bad:
             reason = REASON_LOSS
         elif self.scaler is not None and skipped >= self.max_skipped_steps:
             reason = REASON_SKIPPED
         elif names:
             reason = REASON_GRADIENTS
-        elif not math.isfinite(total):
+        elif overflow:
             reason = REASON_NORM_OVERFLOW
-            largest = largest_abs_grads(self.model.named_parameters())
         else:
             reason = REASON_OTHER_RANK
+        if reason != REASON_NORM_OVERFLOW:
+            largest = []
         path = self._write(names, reason, skipped, largest)
         message = self._message(names, reason, skipped, losses, path, largest)
         raise NaNDetectedError(
@@ -324,6 +330,12 @@ class NaNCaptureMonitor:
         if self.scaler is not None:
             scale = scale_value(self.scaler)
             scale = float(self.scaler.get_scale()) if scale is None else scale
+        named = params.items() if params is not None else self.model.named_parameters()
+        layout = None
+        if any(is_dtensor(p) for p in self.model.parameters()):
+            # FSDP2: this rank's shards (1/world_size of the model), no collective; replay reassembles them.
+            shards = local_shards(named, self.rank, self.world_size)
+            named, layout = shards["tensors"].items(), shards["layout"]
         return write_capture_file(
             self.capture_path,
             step=int(self.step),  # type: ignore[arg-type]
@@ -335,7 +347,8 @@ class NaNCaptureMonitor:
             loss_scale=scale,
             consecutive_skipped_steps=skipped,
             gradient_accumulation_steps=int(self.gradient_accumulation_steps or len(self._batches)),
-            params=params.items() if params is not None else self.model.named_parameters(),
+            params=named,
+            params_layout=layout,
             buffers=self._buffers,
             microbatches=self._batches,
             indices=self._indices,
@@ -414,3 +427,8 @@ class NaNCaptureMonitor:
         scale = scale_value(self.scaler)
         return "?" if scale is None else fmt_number(scale, MEASURED_DIGITS)
 
+
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a DTensor (a parameter sharded by FSDP2); never imports torch.distributed.tensor."""
+    dt = dtensor_type()
+    return dt is not None and isinstance(t, dt)

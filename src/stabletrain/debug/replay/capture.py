@@ -4,6 +4,7 @@ failing step. See ``docs/nancapture.md``."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Union
@@ -13,6 +14,7 @@ from torch import Tensor, nn
 
 import stabletrain
 from stabletrain.debug.nan_capture import (
+    FILE_NAME,
     INTEGRATIONS_PACKAGE,
     REASON_OTHER_RANK,
     NaNCaptureError,
@@ -20,6 +22,7 @@ from stabletrain.debug.nan_capture import (
     capture_files,
     read_capture_file,
 )
+from stabletrain.distributed.shards import SHARDS_FORMAT, SHARDS_VERSION, ShardError, reassemble, replicated_mismatches
 from stabletrain.utils import imports
 from stabletrain.utils.text import shell_path
 from stabletrain.utils.tree import bitwise_equal
@@ -38,6 +41,9 @@ def load_nan_capture(
     Args:
         path: A rank folder (``out/run/debug/nan_capture/rank0``), its ``nan_capture.pt``,
             the folder of all ranks (``out/run/debug/nan_capture``), or the run folder.
+            A sharded (FSDP) run's capture always loads every rank's folder (from a rank
+            folder, its siblings): each rank holds only its shard of the parameters, and they
+            are put back together into the full model here.
         model: Your own model (an instance of the class that was trained; its parameters
             and buffers are overwritten with the captured ones). Built-in models are rebuilt
             from the stored settings when this is None.
@@ -49,7 +55,8 @@ def load_nan_capture(
         A :class:`NaNCapture`; call ``.replay()``.
 
     Raises:
-        NaNCaptureError: Nothing found, or a file that cannot be used (see :func:`read_capture_file`).
+        NaNCaptureError: Nothing found, or a file that cannot be used (see :func:`read_capture_file`);
+            of a sharded run, a rank's file missing (named) or shards that do not fit together.
 
     Example::
 
@@ -65,6 +72,8 @@ def load_nan_capture(
         )
     root = Path(path)
     parts = [read_capture_file(p) for p in capture_files(root)]
+    if any(p.sharded for p in parts):
+        parts = _all_rank_parts(root, parts)
     first = parts[0]
     problems = []
     for p in parts[1:]:
@@ -82,7 +91,67 @@ def load_nan_capture(
             + "; ".join(problems),
             root,
         )
-    return NaNCapture(root, parts, model=model, step_fn=step_fn)
+    mismatched: list[str] = []
+    if first.sharded:
+        parts, mismatched = _reassembled(root, parts)
+    cap = NaNCapture(root, parts, model=model, step_fn=step_fn)
+    cap.buffer_mismatches = mismatched
+    return cap
+
+
+def _all_rank_parts(root: Path, parts: list[RankCapture]) -> list[RankCapture]:
+    """Every rank's capture of a sharded run: given one rank's folder or file, its siblings too.
+
+    Raises:
+        NaNCaptureError: A rank's file is missing (named), or the files mix sharded and unsharded runs.
+    """
+    first = parts[0]
+    if len(parts) == 1 and first.world_size > 1:
+        # One rank's folder (or its file) was given: the other ranks' folders are its siblings.
+        try:
+            parts = [read_capture_file(p) for p in capture_files(first.path.parent.parent)]
+        except NaNCaptureError:
+            pass  # not in a folder of ranks: the error below names the missing files
+    unsharded = [str(p.path) for p in parts if not p.sharded]
+    if unsharded:
+        raise NaNCaptureError(
+            f"the captures in {root} mix a sharded (FSDP) run with unsharded files ({', '.join(unsharded)}): "
+            "a stale capture of an older run? Keep only the folders of one failing step",
+            root,
+        )
+    have = {p.rank for p in parts}
+    missing = [r for r in range(first.world_size) if r not in have]
+    if missing:
+        folder = first.path.parent.parent
+        raise NaNCaptureError(
+            f"this capture is of a sharded (FSDP) run of {first.world_size} processes: each rank wrote only its "
+            f"shard of the parameters, and replay needs all of them. Missing: "
+            + ", ".join(str(folder / f"rank{r}" / FILE_NAME) for r in missing)
+            + f" (ranks {missing}); copy every rank's folder rank0..rank{first.world_size - 1} into {folder}",
+            root,
+        )
+    return parts
+
+
+def _reassembled(root: Path, parts: list[RankCapture]) -> tuple[list[RankCapture], list[str]]:
+    """The sharded ranks' captures, each holding the full parameters put together from all ranks'
+    shards (one dict, shared); and the buffers whose copies differ between ranks (FSDP does not
+    synchronise buffers: each rank replays with its own)."""
+    try:
+        full = reassemble([_shard_dict(p, p.params, p.params_layout) for p in parts])
+        mismatched = replicated_mismatches([_shard_dict(p, p.buffers, None) for p in parts])
+    except ShardError as exc:
+        raise NaNCaptureError(f"cannot put the sharded capture in {root} back together: {exc}", root) from None
+    return [dataclasses.replace(p, params=full) for p in parts], mismatched
+
+
+def _shard_dict(part: RankCapture, tensors: dict[str, Tensor], layout: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """One rank's tensors in the form :func:`~stabletrain.distributed.local_shards` returns; without a
+    layout, whole (replicated) tensors."""
+    if layout is None:
+        layout = {n: {"shape": list(t.shape), "offset": [0] * t.ndim, "sharded": False} for n, t in tensors.items()}
+    return {"format": SHARDS_FORMAT, "version": SHARDS_VERSION, "rank": part.rank, "world_size": part.world_size,
+            "tensors": tensors, "layout": layout}
 
 
 class NaNCapture:
@@ -93,6 +162,10 @@ class NaNCapture:
         ranks: One :class:`RankCapture` per rank found, by rank.
         model: Your model, when given; else a built-in one is rebuilt on first use.
         step_fn: ``step_fn(model, batch) -> loss``, when given.
+        sharded: The run was sharded (FSDP2): every rank's file was read and each rank's
+            ``params`` is the full model, put together from their shards.
+        buffer_mismatches: Of a sharded run, the buffers whose copies differ between ranks
+            (FSDP does not synchronise buffers; each rank's microbatches replay with its own).
     """
 
     def __init__(
@@ -106,8 +179,14 @@ class NaNCapture:
         self.ranks = sorted(ranks, key=lambda r: r.rank)
         self.model = model
         self.step_fn = step_fn or _integration_object(self.ranks[0], self.ranks[0].raw.get("step_fn"))
+        #: Sharded (FSDP) captures: buffers whose copies differ between ranks; each rank replays with its own.
+        self.buffer_mismatches: list[str] = []
 
     # ------------------------------------------------------------------ facts
+
+    @property
+    def sharded(self) -> bool:
+        return self.ranks[0].sharded
 
     @property
     def step(self) -> int:
