@@ -66,7 +66,9 @@ class UnderflowOverflowMonitor:
         auto_check: Decide at the end of each outermost forward call and each backward pass
             (one host sync each) and raise there. False: only record; the caller decides with
             :meth:`nonfinite_flag` and :meth:`fail` (what the trainer does, so that all ranks
-            decide together).
+            decide together), or with :meth:`check_all_ranks` in a plain multi-process loop.
+
+    Under FSDP2 create it after ``fully_shard`` (see ``docs/underflow_overflow.md``, Under FSDP2).
 
     Raises:
         UnderflowOverflowError: From the forward call or the ``backward()`` in which a value
