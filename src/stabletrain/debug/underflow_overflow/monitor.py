@@ -10,11 +10,13 @@ import sys
 import weakref
 from collections import deque
 from pathlib import Path
-from typing import Any, Iterable, NoReturn, Optional, Sequence
+from typing import Any, Iterable, Iterator, NoReturn, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
+from stabletrain.distributed.norms import dtensor_type
+from stabletrain.utils.dist import max_over_ranks, ranks_with
 from stabletrain.utils.tree import named_tensors
 
 from .attribution import Blame, blame, explain, find_culprit, first_nonfinite_shown, sample_rows
@@ -24,6 +26,28 @@ from .render import LogFile, failure_section, log_header, log_path, other_rank_s
 from .stats import Meter, any_nonfinite, unmasked_nonfinite, value_kind
 
 __all__ = ["UnderflowOverflowMonitor"]
+
+#: After a label whose statistics are of this rank's shard only (FSDP2 weight gradients).
+SHARD = "[shard]"
+
+
+def is_dtensor(t: Any) -> bool:
+    dt = dtensor_type()
+    return dt is not None and isinstance(t, dt)
+
+
+def local_part(t: Any) -> Tensor:
+    """This rank's part of a DTensor; a plain tensor is its own."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+def class_name(module: nn.Module) -> str:
+    """The module's own class name: ``Block`` for the ``FSDPBlock`` that ``fully_shard`` makes of it."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    cls = type(module)
+    if fsdp is not None and isinstance(module, fsdp.FSDPModule):
+        cls = next((b for b in cls.__bases__ if b is not fsdp.FSDPModule), cls)
+    return cls.__name__
 
 
 class UnderflowOverflowMonitor:
@@ -42,7 +66,9 @@ class UnderflowOverflowMonitor:
         auto_check: Decide at the end of each outermost forward call and each backward pass
             (one host sync each) and raise there. False: only record; the caller decides with
             :meth:`nonfinite_flag` and :meth:`fail` (what the trainer does, so that all ranks
-            decide together).
+            decide together), or with :meth:`check_all_ranks` in a plain multi-process loop.
+
+    Under FSDP2 create it after ``fully_shard`` (see ``docs/underflow_overflow.md``, Under FSDP2).
 
     Raises:
         UnderflowOverflowError: From the forward call or the ``backward()`` in which a value
@@ -93,7 +119,7 @@ class UnderflowOverflowMonitor:
         self.tracing = 0 in self.trace_batch_nums
         self._stepped = False
         self._closed = False
-        self._root_cls = type(model).__name__
+        self._root_cls = class_name(model)
         self._handles: list[Any] = []
         self._stack: list[Call] = []
         self._events: list[Event] = []
@@ -103,16 +129,21 @@ class UnderflowOverflowMonitor:
         self._grad_sites: dict[int, GradSite] = {}
         self._bw_queued = False
         self._meter = Meter()
-        self._modules: dict[int, tuple[str, str, list[tuple[str, nn.Parameter]]]] = {}
+        self._modules: dict[int, tuple[str, str, list[str]]] = {}
+        self._params_checked = False
+        #: FSDP2 (parameters are DTensors): weights are read unsharded at hook time and measured at
+        #: every call, weight gradients are this rank's shard. See ``docs/underflow_overflow.md``.
+        self.sharded = any(is_dtensor(p) for p in model.parameters())
         self._attach()
-        self._log = LogFile(self.log_path, log_header(rank, self._root_cls, len(self._modules), include_backward))
+        header = log_header(rank, self._root_cls, len(self._modules), include_backward, sharded=self.sharded)
+        self._log = LogFile(self.log_path, header)
 
     # ------------------------------------------------------------------ hooks in and out
 
     def _attach(self) -> None:
         for path, module in self.model.named_modules():
-            own = [(n, p) for n, p in module.named_parameters(recurse=False)]
-            self._modules[id(module)] = (path, type(module).__name__, own)
+            own = [n for n, _ in module.named_parameters(recurse=False)]
+            self._modules[id(module)] = (path, class_name(module), own)
             self._handles.append(module.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
             self._handles.append(
                 module.register_forward_hook(self._post_hook, with_kwargs=True, always_call=True)
@@ -121,13 +152,31 @@ class UnderflowOverflowMonitor:
             return
         seen: set[int] = set()
         for path, module in self.model.named_modules():
-            owner = Call(path, type(module).__name__, None, id(module))
+            owner = Call(path, class_name(module), None, id(module))
             for name, p in module.named_parameters(recurse=False):
                 if id(p) in seen or not p.requires_grad:
                     continue
                 seen.add(id(p))
-                hook = functools.partial(self._on_param_grad, owner, name, tuple(p.shape), p.dtype)
-                self._handles.append(p.register_hook(hook))
+                if self.sharded and is_dtensor(p):
+                    # FSDP2: autograd runs through unsharded copies, so a hook on the parameter
+                    # never fires; this one does, once the reduce-scatter has filled p.grad.
+                    hook = functools.partial(self._on_sharded_grad, owner, name)
+                    self._handles.append(p.register_post_accumulate_grad_hook(hook))
+                else:
+                    hook = functools.partial(self._on_param_grad, owner, name, tuple(p.shape), p.dtype)
+                    self._handles.append(p.register_hook(hook))
+
+    def _check_parameters(self) -> None:
+        """Once, outside a forward: the model was not sharded after the monitor was created
+        (``fully_shard`` replaces every parameter, so the gradient hooks would never fire and
+        the weights' cache would go stale)."""
+        self._params_checked = True
+        if not self.sharded and any(is_dtensor(p) for p in self.model.parameters()):
+            raise ValueError(
+                "UnderflowOverflowMonitor: the model's parameters became DTensors after the monitor was created "
+                "(fully_shard, or fabric.setup_module with FSDP), so their gradients would go unwatched. "
+                "Create the monitor after sharding the model: after fully_shard / fabric.setup_module."
+            )
 
     def close(self) -> None:
         """Write a pending trace, then remove every hook this monitor added (idempotent)."""
@@ -181,6 +230,8 @@ class UnderflowOverflowMonitor:
         """
         if self._stepped and step == self.step:
             return
+        if not self._params_checked:
+            self._check_parameters()
         if self.tracing and self._events:
             self.write_trace()
         if self.abort_after_batch_num is not None and step > self.abort_after_batch_num:
@@ -197,7 +248,9 @@ class UnderflowOverflowMonitor:
         if not t.is_floating_point() or t.numel() == 0 or t.is_sparse:
             return None
         if role == "weight":
-            amin, amax = self._meter.weight(t)
+            # FSDP2 keeps the version counter of its unsharded weights across steps, so the
+            # per-change cache could return a stale value: measure them at every call.
+            amin, amax = self._meter.stats(t) if self.sharded else self._meter.weight(t)
             ref = None
         else:
             amin, amax, ref = self._meter.measure(t)
@@ -257,11 +310,24 @@ class UnderflowOverflowMonitor:
         self._stack.append(call)
         watch = self.include_backward and torch.is_grad_enabled()
         with torch.no_grad():
-            lines = [line for name, p in params if (line := self._stats_row(name, "weight", p)) is not None]
+            weights = self._weights(module, params)
+            lines = [line for name, p in weights if (line := self._stats_row(name, "weight", p)) is not None]
             lines.extend(self._input_rows(call, args, kwargs, watch))
         if lines:
             self._events.append(Event("forward", self.step, self.micro_step, "enter", call, lines))
         return None
+
+    def _weights(self, module: nn.Module, names: list[str]) -> Iterator[tuple[str, Tensor]]:
+        """``(label, tensor)`` of ``module``'s own weights as they are now: inside an FSDP2 forward
+        the unsharded parameters, not the sharded ones hooked in ``__init__``."""
+        for name in names:
+            p = module._parameters.get(name)
+            if p is None:
+                continue
+            if is_dtensor(p):  # not unsharded (a module run outside its FSDP root): this rank's part
+                yield f"{name} {SHARD}", local_part(p)
+            else:
+                yield name, p
 
     def _post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if self._closed or not self._stack or self._stack[-1].mid != id(module):
@@ -327,6 +393,19 @@ class UnderflowOverflowMonitor:
         self._backward_event(Event("backward", self.step, self.micro_step, "param", owner, [line]), amax)
         return None
 
+    def _on_sharded_grad(self, owner: Call, name: str, param: Tensor) -> None:
+        grad = param.grad
+        if self._closed or grad is None:
+            return None
+        local = local_part(grad)
+        if local.numel() == 0 or local.is_sparse:  # a rank whose shard of a small tensor is empty
+            return None
+        with torch.no_grad():
+            amin, amax = self._meter.stats(local)
+        line = StatsRow(f"grad of {name} {SHARD}", "grad", amin, amax, tuple(local.shape), local.dtype, None, None)
+        self._backward_event(Event("backward", self.step, self.micro_step, "param", owner, [line]), amax)
+        return None
+
     def _end_of_backward(self) -> None:
         self._bw_queued = False
         if not self._closed and not self.tracing:
@@ -352,6 +431,20 @@ class UnderflowOverflowMonitor:
         if bool(self.nonfinite_flag()):
             self.fail()
         self.accept()
+
+    def check_all_ranks(self, fabric: Any = None) -> None:
+        """Decide together with the other ranks (every rank must call it at the same point, with
+        ``auto_check=False``): one all-reduce and one host sync; when any rank found a non-finite
+        value, every rank writes its report and raises :class:`UnderflowOverflowError`, and the
+        error says which ranks found it. Works with a Lightning ``fabric``, an initialised
+        ``torch.distributed`` process group, or a single process.
+        """
+        code = self.nonfinite_code()
+        worst = max_over_ranks(code, fabric)
+        if worst == 0:
+            self.accept()
+            return
+        self.fail(detected_by=ranks_with(code > 0, fabric), phase="forward" if worst == 2 else "backward")
 
     def accept(self) -> None:
         """Forget the statistics since the last decision (they were finite)."""

@@ -36,14 +36,22 @@ def log_path(out_dir: str | Path, rank: int) -> Path:
     return Path(out_dir) / f"underflow_overflow_rank{rank}.log"
 
 
-def log_header(rank: int, model_cls: str, n_modules: int, include_backward: bool) -> str:
+def log_header(rank: int, model_cls: str, n_modules: int, include_backward: bool, sharded: bool = False) -> str:
     """The lines that open the log: what was watched and how to read the columns."""
+    fsdp = (
+        "FSDP2: weights are measured whole (unsharded, in forward); a 'grad of <weight> [shard]' row is this "
+        "rank's shard of the reduced gradient, once per step (the whole gradient's abs min/max is the min/max "
+        "over the ranks' reports)\n"
+        if sharded
+        else ""
+    )
     return (
         f"stabletrain underflow/overflow report, rank {rank}\n"
         f"model: {model_cls}, {n_modules} modules watched, "
         f"backward {'included' if include_backward else 'not included'}\n"
         "columns: abs min and abs max of each tensor (nan/inf: non-finite), the tensor, "
         "its dtype and shape\n"
+        f"{fsdp}"
         "frames are in execution order; [forward]/[backward], step and microbatch in each header\n\n"
     )
 
