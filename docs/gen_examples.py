@@ -131,7 +131,8 @@ RUNS: dict[str, Run] = {
     "diagnose-plain": Run((PLAIN,), needs=("plain",)),
     "ddp-train": Run(("python train.py",), code=1, files={"train.py": Example("ddp")}),
     "ddp-replay": Run(("stabletrain replay out/ddp/debug/nan_capture --model train.py:Net",), needs=("ddp-train",)),
-    "fsdp": Run(("stabletrain train out=out/fsdp strategy=fsdp devices=2 accelerator=cpu steps=40 model_args.warmup_steps=4",)),
+    "fsdp": Run(("stabletrain train out=out/fsdp strategy=fsdp devices=2 accelerator=cpu steps=40 "
+                 "model_args.warmup_steps=4",)),
 }
 
 
