@@ -5,6 +5,7 @@ start (Fabric's launcher re-runs it for rank 1; torchrun starts it once per "nod
     python fsdp_train.py OUT resume FROM        # the same run continued from checkpoint FROM
     python fsdp_train.py OUT fault [NODES]      # nancapture on; a NaN planted by rank 1 at FAULT_STEP
     python fsdp_train.py OUT guard [NODES]      # the same NaN, nancapture off: the guard stops the run
+    python fsdp_train.py OUT noguard            # the same NaN, the guard off too: the checkpoint is refused
 
 Each rank writes ``OUT/result_rank{r}.json``: how its run ended.
 """
@@ -54,12 +55,15 @@ def settings(out: str, mode: str, extra: list[str]) -> dict:
         log_every_num_steps=1, checkpoint_every_num_steps=3, gradient_norm_per_layer=True,
         model_args=MODEL_ARGS, trend_alerts={"enabled": False},
     )
-    nodes = int(extra[0]) if mode in ("fault", "guard") and extra else 1
+    planted = mode in ("fault", "guard", "noguard")
+    nodes = int(extra[0]) if planted and extra else 1
     common.update(devices=2 // nodes, num_nodes=nodes)
     if mode == "resume":
         common["resume_from"] = extra[0]
     if mode == "fault":
         common["debug_args"] = {"nancapture": {"enabled": True}}
+    if mode == "noguard":
+        common["guard"] = {"enabled": False}
     return common
 
 
@@ -68,7 +72,8 @@ def main() -> None:
     plant = PlantNaN()
     result: dict = {}
     try:
-        stabletrain.train(**settings(out, mode, extra), callbacks=[plant] if mode in ("fault", "guard") else [])
+        planted = mode in ("fault", "guard", "noguard")
+        stabletrain.train(**settings(out, mode, extra), callbacks=[plant] if planted else [])
         result["ended"] = "done"
     except Exception as exc:  # noqa: BLE001 (the test reads how each rank ended)
         result.update(ended=type(exc).__name__, message=str(exc), step=getattr(exc, "step", None),

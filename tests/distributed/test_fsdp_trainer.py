@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fsdp_train import MODEL_ARGS
+from fsdp_train import FAULT_STEP, MODEL_ARGS
 
 from stabletrain.config import load_settings
 from stabletrain.data.loader import build_loader
@@ -131,3 +131,30 @@ def test_resume_is_bitwise_exact(runs):
         assert rows_b[step]["loss"] == rows_a[step]["loss"]
         assert rows_b[step]["gradient_norm"] == rows_a[step]["gradient_norm"]
     assert "Resumed from step 3" in (resumed / "train.log").read_text()
+
+
+@pytest.fixture(scope="module")
+def faults(tmp_path_factory):
+    """The NaN planted by rank 1 at FAULT_STEP, once with the guard on, once with it off."""
+    guarded = tmp_path_factory.mktemp("fsdp_guard")
+    unguarded = tmp_path_factory.mktemp("fsdp_noguard")
+    return guarded, launch(guarded, "guard"), unguarded, launch(unguarded, "noguard")
+
+
+def test_the_guard_stops_every_rank_at_the_step_one_rank_broke(faults):
+    guarded, results, _, _ = faults
+    assert results[1]["planted"] and not results[0]["planted"]
+    for rank in (0, 1):
+        assert results[rank]["ended"] == "NonFiniteStepError" and results[rank]["step"] == FAULT_STEP
+        assert results[rank]["message"].startswith(f"Non-finite loss and gradient norm at step {FAULT_STEP}")
+    assert not (guarded / "checkpoints").exists(), "nothing was saved: the first checkpoint was due later"
+
+
+def test_a_nonfinite_sharded_state_is_never_written(faults):
+    # Without the guard the NaN reaches the weights; the check of the gathered state refuses it.
+    _, _, unguarded, results = faults
+    for rank in (0, 1):
+        assert results[rank]["ended"] == "NonFiniteCheckpointError"
+        assert results[rank]["message"].startswith(f"Refused to write the checkpoint after step {FAULT_STEP}")
+    assert "tok_emb.weight" in results[0]["message"], "rank 0 names the tensors of the full state it gathered"
+    assert not (unguarded / "checkpoints").exists() or not any((unguarded / "checkpoints").iterdir())
