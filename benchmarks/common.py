@@ -22,20 +22,42 @@ BENCH_MODEL_ARGS: dict[str, Any] = {"n_layers": 4, "n_heads": 8, "dim": 256, "co
 BENCH_SETTINGS: dict[str, Any] = {"model_args": BENCH_MODEL_ARGS, "batch_size": 16}
 
 
-def bench_model_and_batches(num_batches: int = 8, seed: int = 0) -> tuple[torch.nn.Module, list[Any]]:
-    """A fresh benchmark model and ``num_batches`` microbatches of its data."""
+def bench_model_and_batches(num_batches: int = 8, seed: int = 0,
+                            device: str = "cpu") -> tuple[torch.nn.Module, list[Any]]:
+    """A fresh benchmark model and ``num_batches`` microbatches of its data, on ``device``."""
     settings = load_settings({"out": "unused", "seed": seed, **BENCH_SETTINGS})
     task = build_task(settings)
     bs = settings.batch_size
     batches = [default_collate([task.dataset[i * bs + j] for j in range(bs)]) for i in range(num_batches)]
-    return task.model, batches
+    return task.model.to(device), [to_device(b, device) for b in batches]
 
 
-def interleaved(variants: dict[str, Callable[[], None]], repeats: int, rounds: int) -> dict[str, list[float]]:
+def to_device(batch: Any, device: str) -> Any:
+    """``batch`` (a tensor, or a dict / list / tuple of them) moved to ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+def device_sync(device: str) -> Callable[[], None]:
+    """What a timer calls before reading the clock: waits for queued GPU work (nothing on the CPU).
+    Timing code calls it outside the steps whose host syncs are counted."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.synchronize
+    return lambda: None
+
+
+def interleaved(variants: dict[str, Callable[[], None]], repeats: int, rounds: int,
+                sync: Callable[[], None] = lambda: None) -> dict[str, list[float]]:
     """Seconds per call of each variant, measured round-robin so machine noise hits all alike.
 
     Each round runs every variant ``repeats`` times in turn (order rotated per round); the
     first round is a warm-up and is discarded. Returns per-round mean seconds per call.
+    ``sync`` runs before each clock reading (``device_sync``: a GPU's queued work counts).
     """
     names = list(variants)
     times: dict[str, list[float]] = {n: [] for n in names}
@@ -43,9 +65,11 @@ def interleaved(variants: dict[str, Callable[[], None]], repeats: int, rounds: i
         order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
             fn = variants[name]
+            sync()
             start = time.perf_counter()
             for _ in range(repeats):
                 fn()
+            sync()
             if r:
                 times[name].append((time.perf_counter() - start) / repeats)
     return times

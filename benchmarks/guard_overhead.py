@@ -16,7 +16,7 @@ itself with the guard on and off, with and without ``debug_args.nancapture`` (wh
 per step carries the guard's verdict). Goals: 0 added on steps that are not logged, and with
 nancapture on still +1.
 
-    python benchmarks/guard_overhead.py [--rounds 60]
+    python benchmarks/guard_overhead.py [--rounds 60] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from torch.utils.data import default_collate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import machine, median  # noqa: E402
+from common import device_sync, machine, median, to_device  # noqa: E402
 
 import stabletrain  # noqa: E402
 from stabletrain import compute_grad_norm  # noqa: E402
@@ -45,11 +45,12 @@ from stabletrain.tasks import build_task  # noqa: E402
 from stabletrain.utils.sync import CountSyncs, SyncsPerStep  # noqa: E402
 
 
-def builtin_model_and_batches(n: int = 8):
+def builtin_model_and_batches(n: int = 8, device: str = "cpu"):
     settings = load_settings({"out": "unused"})
     task = build_task(settings)
     bs = settings.batch_size
-    return task.model, [default_collate([task.dataset[i * bs + j] for j in range(bs)]) for i in range(n)]
+    batches = [default_collate([task.dataset[i * bs + j] for j in range(bs)]) for i in range(n)]
+    return task.model.to(device), [to_device(b, device) for b in batches]
 
 
 def make_step(model, batches, guarded: bool):
@@ -76,15 +77,17 @@ def make_step(model, batches, guarded: bool):
     return step, guard
 
 
-def interleaved_times(variants: dict, rounds: int) -> dict[str, dict[str, list[float]]]:
+def interleaved_times(variants: dict, rounds: int, sync=lambda: None) -> dict[str, dict[str, list[float]]]:
     """Per round, one step of each variant in turn (order alternating), wall and CPU seconds;
     the first round is a warm-up."""
     names = list(variants)
     out = {n: {"wall": [], "cpu": []} for n in names}
     for r in range(rounds + 1):
         for name in (names if r % 2 else names[::-1]):
+            sync()
             w0, c0 = time.perf_counter(), time.process_time()
             variants[name]()
+            sync()
             w1, c1 = time.perf_counter(), time.process_time()
             if r:
                 out[name]["wall"].append(w1 - w0)
@@ -92,7 +95,7 @@ def interleaved_times(variants: dict, rounds: int) -> dict[str, dict[str, list[f
     return out
 
 
-def guard_calls_alone(model, batch, n: int = 200) -> float:
+def guard_calls_alone(model, batch, n: int = 200, sync=lambda: None) -> float:
     """CPU seconds per step of the guard's calls alone (gradients and AdamW state present)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loss = model.training_step(batch)
@@ -100,19 +103,22 @@ def guard_calls_alone(model, batch, n: int = 200) -> float:
     optimizer.step()  # AdamW's state exists from now on
     gn = compute_grad_norm(model.named_parameters())
     guard = StepGuard(model, optimizer)
+    sync()
     start = time.process_time()
     for i in range(n):
         guard.check_gradients(i, gn.total, [loss.detach()])
         guard.visible()
         guard.check_update(i)
         guard.visible()
+    sync()
     return (time.process_time() - start) / n
 
 
-def trainer_syncs(guard: bool, nancapture: bool) -> dict[int, int]:
+def trainer_syncs(guard: bool, nancapture: bool, device: str = "cpu") -> dict[int, int]:
     counter = SyncsPerStep()
     with tempfile.TemporaryDirectory() as tmp:
-        stabletrain.train(out=Path(tmp) / "run", steps=12, log_every_num_steps=10, checkpoint_every_num_steps=6,
+        stabletrain.train(out=Path(tmp) / "run", accelerator=device, steps=12, log_every_num_steps=10,
+                          checkpoint_every_num_steps=6,
                           callbacks=[counter], guard={"enabled": guard},
                           debug_args={"nancapture": {"enabled": nancapture}},
                           loggers={"tensorboard": {"enabled": False}})
@@ -122,9 +128,11 @@ def trainer_syncs(guard: bool, nancapture: bool) -> dict[int, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=60)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     ns = parser.parse_args()
 
-    base, batches = builtin_model_and_batches()
+    sync = device_sync(ns.device)
+    base, batches = builtin_model_and_batches(device=ns.device)
     plain_step, _ = make_step(base, batches, guarded=False)
     guarded_step, _ = make_step(copy.deepcopy(base), batches, guarded=True)
     syncs = {}
@@ -132,9 +140,9 @@ def main() -> None:
         with CountSyncs() as c:
             fn()
         syncs[name] = c.count
-    times = interleaved_times({"no guard": plain_step, "guard": guarded_step}, rounds=ns.rounds)
-    alone = guard_calls_alone(copy.deepcopy(base), batches[0])
-    print(f"machine: {machine()}")
+    times = interleaved_times({"no guard": plain_step, "guard": guarded_step}, rounds=ns.rounds, sync=sync)
+    alone = guard_calls_alone(copy.deepcopy(base), batches[0], sync=sync)
+    print(f"machine: {machine()}, device {ns.device}")
     print(f"model: built-in language model (defaults, batch 32), AdamW; {ns.rounds} rounds of one step per variant, "
           "interleaved")
     print(f"{'':12}{'wall ms/step':>14}{'CPU ms/step':>13}{'host syncs/step':>17}   (medians)")
@@ -152,7 +160,7 @@ def main() -> None:
           f"-> {1 + alone / plain:.4f}x (goal <= 1.01x)")
 
     print("host syncs per step of stabletrain.train (12 steps, logged at 0, 10, 11; checkpoint after 6):")
-    counts = {(g, n): trainer_syncs(g, n) for g in (False, True) for n in (False, True)}
+    counts = {(g, n): trainer_syncs(g, n, ns.device) for g in (False, True) for n in (False, True)}
     quiet = [s for s in range(12) if s not in (0, 5, 10, 11)]
     for (g, n), c in counts.items():
         print(f"  guard {'on ' if g else 'off'} nancapture {'on ' if n else 'off'}: "

@@ -11,7 +11,7 @@ the ratio is the median over rounds of monitored / plain, goal <= 1.05x. The tim
 monitor's calls alone is printed too: the added cost without the noise of the step.
 It also counts host synchronisations per step (``aten._local_scalar_dense``), goal: +1.
 
-    python benchmarks/nancapture_overhead.py [--rounds 30] [--repeats 1] [--accum 1]
+    python benchmarks/nancapture_overhead.py [--rounds 30] [--repeats 1] [--accum 1] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import bench_model_and_batches, interleaved, machine, median  # noqa: E402
+from common import bench_model_and_batches, device_sync, interleaved, machine, median  # noqa: E402
 
 from stabletrain import NaNCaptureMonitor, compute_grad_norm  # noqa: E402
 from stabletrain.utils.sync import CountSyncs  # noqa: E402
@@ -59,7 +59,7 @@ def make_step(model, batches, accum: int, monitor: NaNCaptureMonitor | None):
     return step
 
 
-def monitor_calls_alone(model, batch, accum: int, n: int = 200) -> float:
+def monitor_calls_alone(model, batch, accum: int, n: int = 200, sync=lambda: None) -> float:
     """Seconds per step of just the monitor's calls (gradients present, norm precomputed):
     the added cost without the noise of the step around it."""
     import time
@@ -69,6 +69,7 @@ def monitor_calls_alone(model, batch, accum: int, n: int = 200) -> float:
         loss = model.training_step(batch)
         loss.backward()
         gn = compute_grad_norm(model.named_parameters())
+        sync()
         start = time.perf_counter()
         for i in range(n):
             monitor.begin_step(i)
@@ -76,6 +77,7 @@ def monitor_calls_alone(model, batch, accum: int, n: int = 200) -> float:
                 monitor.collect_batch(batch)
                 monitor.collect_loss(loss)
             monitor.check_and_capture(gn)
+        sync()
         elapsed = (time.perf_counter() - start) / n
         model.zero_grad(set_to_none=True)
     return elapsed
@@ -97,9 +99,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=1, help="steps per variant per round")
     parser.add_argument("--accum", type=int, default=1, help="microbatches (of 16) per optimizer step")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     ns = parser.parse_args()
 
-    base, batches = bench_model_and_batches(num_batches=8)
+    sync = device_sync(ns.device)
+    base, batches = bench_model_and_batches(num_batches=8, device=ns.device)
     plain_model, monitored_model = base, copy.deepcopy(base)
     with tempfile.TemporaryDirectory() as tmp:
         monitor = NaNCaptureMonitor(monitored_model, out_dir=tmp)
@@ -108,11 +112,11 @@ def main() -> None:
             "NaNCaptureMonitor": make_step(monitored_model, batches, ns.accum, monitor),
         }
         syncs = {name: syncs_per_step(fn) for name, fn in variants.items()}
-        times = interleaved(variants, repeats=ns.repeats, rounds=ns.rounds)
-    alone = monitor_calls_alone(copy.deepcopy(base), batches[0], ns.accum)
+        times = interleaved(variants, repeats=ns.repeats, rounds=ns.rounds, sync=sync)
+    alone = monitor_calls_alone(copy.deepcopy(base), batches[0], ns.accum, sync=sync)
     plain, monitored = times["no monitor"], times["NaNCaptureMonitor"]
     ratios = [m / p for m, p in zip(monitored, plain)]
-    print(f"machine: {machine()}")
+    print(f"machine: {machine()}, device {ns.device}")
     print(f"model: benchmark LM (4 layers, dim 256, batch 16), {ns.accum} microbatch(es) per step, "
           f"{ns.repeats} steps x {ns.rounds} rounds per variant, interleaved")
     print(f"{'':22}{'ms/step (median)':>18}{'host syncs/step':>17}")

@@ -13,7 +13,7 @@ It prints the step time of each over the plain loop's, and the host synchronisat
 (``aten._local_scalar_dense``) each adds per training step. Goal for stabletrain: at most
 1.15x step time and 2 added synchronisations.
 
-    python benchmarks/underflow_overflow_overhead.py [--rounds 12] [--repeats 1] [--threads N]
+    python benchmarks/underflow_overflow_overhead.py [--rounds 12] [--repeats 1] [--threads N] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import tempfile
 from typing import Any, Callable
 
 import torch
-from common import bench_model_and_batches, interleaved, machine, median
+from common import bench_model_and_batches, device_sync, interleaved, machine, median
 
 from stabletrain import UnderflowOverflowMonitor
 from stabletrain.utils.sync import CountSyncs
@@ -58,11 +58,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     ns = parser.parse_args()
     if ns.threads:
         torch.set_num_threads(ns.threads)
 
-    model, batches = bench_model_and_batches(num_batches=4)
+    model, batches = bench_model_and_batches(num_batches=4, device=ns.device)
     loops: dict[str, Loop] = {"no monitor": Loop(model, batches)}
 
     ours_model = copy.deepcopy(model)
@@ -79,12 +80,13 @@ def main() -> None:
             loops["transformers DebugUnderflowOverflow"] = Loop(hf_model, batches)
 
         syncs = {name: syncs_per_step(loop) for name, loop in loops.items()}
-        times = interleaved({name: loop.step for name, loop in loops.items()}, repeats=ns.repeats, rounds=ns.rounds)
+        times = interleaved({name: loop.step for name, loop in loops.items()}, repeats=ns.repeats, rounds=ns.rounds,
+                            sync=device_sync(ns.device))
         monitor.close()
 
     base = times["no monitor"]
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"machine: {machine()}")
+    print(f"machine: {machine()}, device {ns.device}")
     print("model: built-in transformer LM, 4 layers, dim 256, batch 16, context 128 "
           f"({n_params / 1e6:.1f}M parameters); "
           f"AdamW step; {ns.rounds} rounds x {ns.repeats} steps, interleaved")
