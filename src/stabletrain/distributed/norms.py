@@ -24,11 +24,16 @@ def dtensor_type() -> Any:
     return None if module is None else module.DTensor
 
 
+def is_dtensor(t: Any) -> bool:
+    """Is ``t`` a DTensor (an FSDP2 parameter or gradient shard)?"""
+    dt = dtensor_type()
+    return dt is not None and isinstance(t, dt)
+
+
 def local_tensor(t: Any) -> Tensor:
     """This rank's part of ``t``: a DTensor's local shard, any other tensor itself. For checks
     whose verdict is agreed over ranks afterwards (finite or not), where no sum is needed."""
-    dt = dtensor_type()
-    return t.to_local() if dt is not None and isinstance(t, dt) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def local_grad(grad: Any) -> tuple[Tensor, ReduceKey]:

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from stabletrain.debug.grad_norm import GradNorm, compute_grad_norm
-from stabletrain.distributed.norms import dtensor_type
+from stabletrain.distributed.norms import is_dtensor
 from stabletrain.distributed.shards import local_shards
 from stabletrain.utils.amp import scale_value, scaler_found_inf
 from stabletrain.utils.dist import any_rank as dist_any_rank
@@ -426,9 +426,3 @@ class NaNCaptureMonitor:
     def _scale_text(self) -> str:
         scale = scale_value(self.scaler)
         return "?" if scale is None else fmt_number(scale, MEASURED_DIGITS)
-
-
-def is_dtensor(t: Any) -> bool:
-    """Whether ``t`` is a DTensor (a parameter sharded by FSDP2); never imports torch.distributed.tensor."""
-    dt = dtensor_type()
-    return dt is not None and isinstance(t, dt)

@@ -15,7 +15,7 @@ from typing import Any, Iterable, Iterator, NoReturn, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from stabletrain.distributed.norms import dtensor_type
+from stabletrain.distributed.norms import is_dtensor, local_tensor
 from stabletrain.utils.dist import max_over_ranks, ranks_with
 from stabletrain.utils.tree import named_tensors
 
@@ -29,16 +29,6 @@ __all__ = ["UnderflowOverflowMonitor"]
 
 #: After a label whose statistics are of this rank's shard only (FSDP2 weight gradients).
 SHARD = "[shard]"
-
-
-def is_dtensor(t: Any) -> bool:
-    dt = dtensor_type()
-    return dt is not None and isinstance(t, dt)
-
-
-def local_part(t: Any) -> Tensor:
-    """This rank's part of a DTensor; a plain tensor is its own."""
-    return t.to_local() if is_dtensor(t) else t
 
 
 def class_name(module: nn.Module) -> str:
@@ -325,7 +315,7 @@ class UnderflowOverflowMonitor:
             if p is None:
                 continue
             if is_dtensor(p):  # not unsharded (a module run outside its FSDP root): this rank's part
-                yield f"{name} {SHARD}", local_part(p)
+                yield f"{name} {SHARD}", local_tensor(p)
             else:
                 yield name, p
 
@@ -397,7 +387,7 @@ class UnderflowOverflowMonitor:
         grad = param.grad
         if self._closed or grad is None:
             return None
-        local = local_part(grad)
+        local = local_tensor(grad)
         if local.numel() == 0 or local.is_sparse:  # a rank whose shard of a small tensor is empty
             return None
         with torch.no_grad():
