@@ -1,7 +1,6 @@
 """Run by tests/distributed under torchrun: FSDP2 through Lightning Fabric on CPU processes (gloo).
 
     torchrun --nproc_per_node 2 fsdp_worker.py norms OUT      # one step: norms, clipping, shards
-    torchrun --nproc_per_node 2 fsdp_worker.py resume OUT first|second
     torchrun --nnodes 2 --nproc_per_node 1 ... fsdp_worker.py nodes OUT
 
 Each mode writes what the tests assert on under OUT: rank 0 a ``*.pt`` of full tensors (loadable
@@ -20,11 +19,10 @@ from fsdp_common import ACCUM, Step, build_lm, global_batch, microbatches
 from lightning_fabric import Fabric
 
 from stabletrain.debug.grad_norm import clip_grad_norm_with_total, compute_grad_norm, layer_grad_norms
-from stabletrain.distributed import fabric_strategy, fsdp_units, gather_full_state, load_full_state, local_shards
+from stabletrain.distributed import fabric_strategy, fsdp_units, gather_full_state, local_shards
 from stabletrain.utils.sync import CountSyncs
 
 CLIP = 0.05
-RESUME_STEPS, RESUME_AT = 5, 2
 FAULT_STEP = 2
 #: (name, shape, sharded dim) of DTensors whose shards the tests reassemble.
 ODD_SHAPES = [("one_row", (1, 3), 0), ("five", (5,), 0), ("cols", (2, 7), 1), ("empty", (0, 4), 0)]
@@ -134,73 +132,6 @@ def norms(out: Path) -> None:
         torch.save({"init": init_state, "clipped": clipped, "stepped": stepped_state}, out / "full.pt")
 
 
-def resume(out: Path, phase: str) -> None:
-    """Bitwise resume from a full state dict on rank 0 and from DCP shards, in fresh processes."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    fabric = fabric_for()
-    rank = fabric.global_rank
-
-    def setup(seed: int):
-        lm = build_lm(seed, dropout=0.1)  # dropout: resuming must restore the RNG too
-        module = fabric.setup_module(Step(lm))
-        optimizer = fabric.setup_optimizers(torch.optim.AdamW(lm.parameters(), lr=3e-3))
-        return lm, module, optimizer
-
-    def run(lm, module, optimizer, steps) -> list[float]:
-        return [float(train_step(fabric, module, lm, optimizer, step)[0]) for step in steps]
-
-    def save_result(name: str, lm, optimizer, losses) -> None:
-        model_state, optim_state = gather_full_state(lm, optimizer)
-        if rank == 0:
-            torch.save({"losses": losses, "model": model_state, "optimizer": optim_state}, out / f"{name}.pt")
-
-    if phase == "first":
-        lm, module, optimizer = setup(0)
-        torch.manual_seed(7)
-        save_result("straight", lm, optimizer, run(lm, module, optimizer, range(RESUME_STEPS)))
-
-        lm, module, optimizer = setup(0)
-        torch.manual_seed(7)
-        losses = run(lm, module, optimizer, range(RESUME_AT))
-        rngs: list = [None] * fabric.world_size
-        dist.all_gather_object(rngs, torch.get_rng_state())
-        model_state, optim_state = gather_full_state(lm, optimizer)
-        if rank == 0:
-            torch.save({"model": model_state, "optimizer": optim_state, "rng": rngs, "step": RESUME_AT,
-                        "losses": losses}, out / "ckpt_full.pt")
-        dcp.save({"model": get_model_state_dict(lm), "optimizer": get_optimizer_state_dict(lm, optimizer)},
-                 checkpoint_id=out / "ckpt_sharded")
-        torch.save(torch.get_rng_state(), out / "ckpt_sharded" / f"rng_rank{rank}.pt")
-        return
-
-    # Full state dict: the model loaded before sharding (as the trainer loads last.ckpt), the
-    # optimizer after, from rank 0's copy only.
-    state = torch.load(out / "ckpt_full.pt", weights_only=True)
-    lm = build_lm(123, dropout=0.1)  # other weights: the checkpoint must overwrite all of them
-    lm.load_state_dict(state["model"])
-    module = fabric.setup_module(Step(lm))
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(lm.parameters(), lr=3e-3))
-    load_full_state(lm, optimizer, optim_state=state["optimizer"] if rank == 0 else {})
-    torch.set_rng_state(state["rng"][rank])
-    save_result("resumed_full", lm, optimizer, run(lm, module, optimizer, range(state["step"], RESUME_STEPS)))
-
-    # DCP: every rank reads its own shards into the sharded model and optimizer.
-    lm, module, optimizer = setup(123)
-    sd = {"model": get_model_state_dict(lm), "optimizer": get_optimizer_state_dict(lm, optimizer)}
-    dcp.load(sd, checkpoint_id=out / "ckpt_sharded")
-    set_model_state_dict(lm, sd["model"])
-    set_optimizer_state_dict(lm, optimizer, sd["optimizer"])
-    torch.set_rng_state(torch.load(out / "ckpt_sharded" / f"rng_rank{rank}.pt", weights_only=True))
-    save_result("resumed_sharded", lm, optimizer, run(lm, module, optimizer, range(RESUME_AT, RESUME_STEPS)))
-
-
 def nodes(out: Path) -> None:
     """2 nodes x 1 process: ranks from the launcher, a fault on node 1 stops both at the same step."""
     fabric = fabric_for(num_nodes=2)
@@ -239,9 +170,7 @@ if __name__ == "__main__":
     out.mkdir(parents=True, exist_ok=True)
     if mode == "norms":
         norms(out)
-    elif mode == "resume":
-        resume(out, sys.argv[3])
     elif mode == "nodes":
         nodes(out)
     else:
-        raise SystemExit(f"unknown mode {mode!r}: norms, resume or nodes")
+        raise SystemExit(f"unknown mode {mode!r}: norms or nodes")
