@@ -91,11 +91,12 @@ class SafetyNet:
         """The L2 norm of the model's weights now: the full model's under FSDP2 too, where a
         checkpoint-like gather to rank 0 gives it (once, at the start)."""
         t = self.trainer
-        model = t.model.state_dict()
         if t.sharded:
             from stabletrain.distributed.shards import gather_full_state
 
             model = gather_full_state(t.model)[0]
+        else:
+            model = t.model.state_dict()
         norm = verify_tensors({"model": model}, t.fabric.device)[3]
         if t.sharded and t.world_size > 1:
             norm = t.fabric.all_reduce(norm.clone(), reduce_op="max")  # rank 0's is the full one

@@ -63,6 +63,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def node_command(node: int, port: int, script: Path, args: Sequence[str], rdzv: str = "static") -> list[str]:
+    """``torchrun`` for node ``node`` of 2 "nodes" of one process each on this machine, with a
+    static (``--node-rank`` honoured) or a c10d rendezvous on localhost:``port``."""
+    where = (["--master-addr=127.0.0.1", f"--master-port={port}"] if rdzv == "static"
+             else ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=test"])
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", f"--node-rank={node}",
+            *where, str(script), *args]
+
+
 def torchrun(
     args: Sequence[str], nproc: int = 2, timeout: float = 240, extra: Sequence[str] = ()
 ) -> subprocess.CompletedProcess:

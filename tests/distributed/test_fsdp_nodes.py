@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from fsdp_common import free_port
+from fsdp_common import free_port, node_command
 from fsdp_train import FAULT_STEP
 
 from stabletrain.debug.replay import load_nan_capture
@@ -30,10 +29,8 @@ def run(tmp_path_factory):
     env["OMP_NUM_THREADS"] = "1"
     port = free_port()
     nodes = [
-        subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", f"--node-rank={node}",
-             "--master-addr=127.0.0.1", f"--master-port={port}", str(SCRIPT), str(out), "fault", "2"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(node_command(node, port, SCRIPT, [str(out), "fault", "2"]), env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for node in (0, 1)
     ]
     logs = [p.communicate(timeout=300) for p in nodes]

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from fsdp_common import WORKER, build_lm, free_port
+from fsdp_common import WORKER, build_lm, free_port, node_command
 from fsdp_worker import FAULT_STEP
 
 from stabletrain.distributed import reassemble
@@ -30,10 +30,7 @@ def _launch(how: str, node: int, port: int, out) -> subprocess.Popen:
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         cmd = [sys.executable, str(WORKER), "nodes", str(out)]
     else:
-        rdzv = (["--master-addr=127.0.0.1", f"--master-port={port}"] if how == "static"
-                else ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=test"])
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
-               f"--node-rank={node}", *rdzv, str(WORKER), "nodes", str(out)]
+        cmd = node_command(node, port, WORKER, ["nodes", str(out)], rdzv=how)
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

@@ -76,7 +76,3 @@ def load_optimizer_checkpoint(
     for group, kept in zip(optimizer.param_groups, keep):
         group.update(kept)
 
-
-def load_model_checkpoint(model: nn.Module, model_state: dict[str, Any]) -> None:
-    """Put a full model state into a sharded model; each rank keeps its shard. Collective."""
-    load_full_state(model, model_state=model_state)
