@@ -109,7 +109,7 @@ def train_fp16(device: str, settings: dict[str, Any]) -> None:
     from lightning_fabric.plugins import MixedPrecision
 
     from stabletrain.config import load_settings
-    from stabletrain.trainer import Trainer
+    from stabletrain.training.loop import Trainer
 
     fabric = Fabric(accelerator="cpu", devices=1,
                     plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**16))])

@@ -40,7 +40,7 @@ from common import device_sync, machine, median, to_device  # noqa: E402
 import stabletrain  # noqa: E402
 from stabletrain import compute_grad_norm  # noqa: E402
 from stabletrain.config import load_settings  # noqa: E402
-from stabletrain.debug.guard import StepGuard  # noqa: E402
+from stabletrain.safety.guard import StepGuard  # noqa: E402
 from stabletrain.tasks import build_task  # noqa: E402
 from stabletrain.utils.sync import CountSyncs, SyncsPerStep  # noqa: E402
 

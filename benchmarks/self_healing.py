@@ -103,7 +103,7 @@ def _run(folder: Path, name: str, seed: int, steps: int, policy: str, faults: Fa
                                       callbacks=[faults] if faults else []))
     except stabletrain.StabletrainError as exc:
         error = type(exc).__name__
-    from stabletrain.run_history import read_run
+    from stabletrain.runfiles.history import read_run
 
     history = read_run(out / "metrics.jsonl")
     losses = [r["loss"] for r in history.rows if math.isfinite(r["loss"])]  # skipped NaN steps are logged too
@@ -148,7 +148,7 @@ def cost(rounds: int) -> dict[str, Any]:
 
     from stabletrain.config import load_settings
     from stabletrain.debug.grad_norm import compute_grad_norm
-    from stabletrain.debug.instability_guard import InstabilityGuard
+    from stabletrain.safety.instability_guard import InstabilityGuard
     from stabletrain.tasks import build_task
     from stabletrain.utils.sync import CountSyncs
 
@@ -227,7 +227,7 @@ def _trainer_syncs() -> dict[str, Any]:
 
 
 def _snapshot_cost() -> dict[str, float]:
-    from stabletrain.healing import snapshot_bytes
+    from stabletrain.safety.healing import snapshot_bytes
 
     sizes: dict[str, float] = {}
 

@@ -13,6 +13,10 @@ import torch
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
+# The planted-fault models (nan_models, fault_models, real_models) are shared by the debug and
+# safety tests: importable from every test folder.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "debug"))
+
 #: A language model small enough that a step takes a few milliseconds on one CPU core.
 TINY_LM: dict[str, Any] = {
     "model_args": {"n_layers": 1, "n_heads": 2, "dim": 32, "context_length": 16, "dropout": 0.0, "warmup_steps": 2},

@@ -23,7 +23,6 @@ from pydantic import BaseModel
 
 import stabletrain
 from conftest import cli_env, run_cli, tiny_lm
-from stabletrain.checkpoint import CheckpointError, fallback_advice, load_checkpoint, unreadable_reason
 from stabletrain.config import (
     COMMON_FABRIC_NAMES,
     TrainSettings,
@@ -33,6 +32,7 @@ from stabletrain.config import (
 )
 from stabletrain.data.images import find_bad_images, image_problem
 from stabletrain.errors import ConfigError
+from stabletrain.runfiles.checkpoint import CheckpointError, fallback_advice, load_checkpoint, unreadable_reason
 
 
 def snapshot(folder: Path) -> dict[str, tuple[int, str]]:
@@ -224,6 +224,7 @@ def test_unreadable_last_ckpt_names_the_newest_readable_one(tmp_path, trained_ru
     assert snapshot(out) == before
 
 
+@pytest.mark.slow
 def test_printed_command_for_an_unreadable_last_ckpt_resumes_from_the_named_one(tmp_path, trained_run):
     out = _copy_run(trained_run, tmp_path / "my run")  # a space: the command must quote it
     (out / "checkpoints" / "last.ckpt").write_bytes(b"")
@@ -540,7 +541,7 @@ def test_settings_errors_and_help_come_before_torch_is_imported(tmp_path, args, 
 
 
 def test_importing_stabletrain_and_its_settings_does_not_import_torch(tmp_path):
-    code = ("import sys, stabletrain, stabletrain.config, stabletrain.preflight, stabletrain.cli; "
+    code = ("import sys, stabletrain, stabletrain.config, stabletrain.training.preflight, stabletrain.cli; "
             "print(sorted(m for m in ('torch', 'lightning_fabric', 'PIL') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=cli_env(), capture_output=True, text=True)
     assert result.stdout.strip() == "[]", result.stderr

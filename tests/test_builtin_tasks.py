@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 
 from stabletrain.loggers.jsonl import read_metrics
-from stabletrain.trainer import train
+from stabletrain.training.loop import train
 
 
 def test_cnn_on_generated_images_learns(tmp_path):

@@ -149,6 +149,7 @@ def _example(page: str, name: str) -> str:
     return found[name]
 
 
+@pytest.mark.slow
 def test_docs_plain_loop_example_runs_and_replays(tmp_path):
     """The nancapture page's complete example, run as a user would, prints the capture error
     and a reproduced replay, and the command in its message works when pasted."""

@@ -4,38 +4,40 @@ Every module under ``src/stabletrain`` is parsed with ``ast`` (nothing is import
 import counts: at module level, inside functions, and under ``if TYPE_CHECKING:``. A module
 may import modules of its own rank or a lower one, never a higher one:
 
-====  ===========================================================  ====================================================
-rank  modules                                                      why there
-====  ===========================================================  ====================================================
-0     ``stabletrain`` (the package root)                           ``__version__`` and the lazy public names; it imports
-                                                                   nothing, so anyone may import it (``replay`` reaches
-                                                                   ``stabletrain.diagnose`` through it)
-1     ``errors``                                                   the exceptions every layer raises
-2     ``utils.*``, ``distributed.*``                               text, tree, dist, imports, io, rng, sync; FSDP2
-                                                                   norms and shards: no knowledge of training or of
-                                                                   the tools
-3     ``config``                                                   the settings
-4     ``checkpoint``, ``preflight``, ``data.*``                    files and datasets; the checks of settings that
-                                                                   need no torch
-5     ``tasks.*``, ``loggers.*``                                   models and metric sinks, built from settings
-6     ``events``                                                   the callback protocol (``TrainerLike`` types name
-                                                                   settings, loggers and tasks)
-7     ``debug`` (package), ``debug.grad_norm``, ``debug.op_trace``,  the debugging tools' building blocks
-      ``debug.advice``
-8     ``debug.nan_capture``, ``debug.underflow_overflow``,          the tools: format, monitor, callback
+====  ============================================================  ==================================================
+rank  modules                                                       why there
+====  ============================================================  ==================================================
+0     ``stabletrain`` (the package root)                            ``__version__`` and the lazy public names; it
+                                                                    imports nothing, so anyone may import it
+1     ``errors``                                                    the exceptions every layer raises
+2     ``utils.*``, ``distributed.*``                                text, tree, dist, imports, io, rng, sync; FSDP2
+                                                                    norms and shards: no knowledge of training
+3     ``config``                                                    the settings
+4     ``runfiles.*``, ``data.*``                                    a run's folder (checkpoints, metrics history,
+                                                                    commands) and datasets: read by every job
+5     ``tasks.*``, ``loggers.*``                                    models and metric sinks, built from settings
+6     ``events``                                                    the callback protocol
+7     ``debug`` (package), ``debug.grad_norm``, ``debug.op_trace``,  explain: the tools' building blocks
+      ``debug.advice``, ``debug.optimizer_damage``
+8     ``debug.nan_capture``, ``debug.underflow_overflow``,           explain: the tools (format, monitor, callback)
       ``debug.trends``
-9     ``debug.replay``                                             reads captures, reruns steps
-10    ``debug.diagnose``                                           replays, searches, explains
-11    ``reporting``, ``trainer``, ``integrations.*``               wire the tools into a loop or a run's files; tools
-                                                                   never import them
-12    ``cli.*``                                                    argparse only here; nothing in the library imports it
-13    ``__main__``                                                 ``python -m stabletrain``
-====  ===========================================================  ====================================================
+9     ``debug.replay``, ``debug.optimizer_step``                    explain: reads captures, reruns steps
+10    ``debug.diagnose``                                            explain: replays, searches, explains
+11    ``safety.*``                                                  protect: the guard, checkpoint health,
+                                                                    interrupts, self-healing, stop messages; they
+                                                                    call the explaining tools, never the loop
+12    ``training.*``                                                train: the loop, its setup, state and checks
+13    ``reporting``, ``integrations.*``                             wire the three into a run's report or another
+                                                                    framework's loop
+14    ``cli.*``                                                     argparse only here; nothing imports it
+15    ``__main__``                                                  ``python -m stabletrain``
+====  ============================================================  ==================================================
 
-So the direction is ``utils -> debug.<tool> -> debug.replay -> debug.diagnose -> cli``, with
-``errors`` below everything and ``trainer``/``reporting`` above the tools. Modules of one rank
-may import each other, as long as no circle forms. A package split into submodules keeps its
-rank (the table matches the longest dotted prefix).
+So the jobs run ``debug`` (explain) -> ``safety`` (protect) -> ``training`` (train), with a run's files
+(``runfiles``) and ``errors`` below all three and ``reporting``/``integrations``/``cli`` above them.
+Modules of one rank may import each other, as long as no circle forms. A package split into
+submodules keeps its rank (the table matches the longest dotted prefix). Only the modules named
+in :data:`ROOT_MODULES` may sit at the package root.
 
 The rules:
 
@@ -65,45 +67,44 @@ RANKS: dict[str, int] = {
     "utils": 2,
     "distributed": 2,  # sharding helpers (FSDP2 norms, shards): torch and errors only, like utils
     "config": 3,
-    "checkpoint": 4,
-    "preflight": 4,
+    "runfiles": 4,  # a run's folder: checkpoints, metrics history, pasteable commands
     "data": 4,
-    "commands": 4,  # pasteable `stabletrain train` commands, from settings
-    "signals": 4,  # SIGINT/SIGTERM recorded for the trainer
     "tasks": 5,
     "loggers": 5,
-    "run_history": 5,  # metrics.jsonl read as one timeline across resumes
     "events": 6,
+    # explain
     "debug": 7,
     "debug.grad_norm": 7,
     "debug.op_trace": 7,
     "debug.advice": 7,
-    "debug.guard": 7,  # the always-on guard: device-side checks, usable in any loop
-    "debug.optimizer_damage": 7,
-    "debug.spike_detector": 7,  # on_instability: rolling z-score detection on the device
-    "debug.skip_step": 7,  # undo an optimizer step on the device
-    "debug.instability_guard": 7,  # detector + skip, for any loop
-    "debug.rollback_snapshot": 7,  # in-memory snapshots to roll a plain loop back
+    "debug.optimizer_damage": 7,  # why an optimizer step made values non-finite
     "debug.nan_capture": 8,
     "debug.underflow_overflow": 8,
     "debug.trends": 8,
     "debug.replay": 9,
-    "debug.optimizer_step": 9,  # captures an optimizer step by a re-run, replays it (diagnose calls it)
-    "checkpoint_health": 9,  # health judged with the trend detector
+    "debug.optimizer_step": 9,  # replays a captured optimizer step (diagnose calls it)
     "debug.diagnose": 10,
-    "reporting": 11,
-    "trainer": 11,
-    "trainer_checks": 11,
-    "trainer_optim": 11,  # the trainer's optimizer and lr schedule
-    "trainer_setup": 11,  # Fabric, out folder, debug callbacks, settings.json
-    "trainer_state": 11,  # checkpoint state, resume checks, resumed history
-    "step_log": 11,  # one logged step: one host read, the metrics row
-    "healing": 11,  # on_instability in the trainer: recoveries, evidence, rollback snapshots
-    "safety": 11,  # the trainer's guard, checkpoint verification and signals
-    "stop_messages": 11,
-    "integrations": 11,
-    "cli": 12,
-    "__main__": 13,
+    # protect
+    "safety": 11,
+    # train
+    "training": 12,
+    # wire the three into a run's report or another framework
+    "reporting": 13,
+    "integrations": 13,
+    "cli": 14,
+    "__main__": 15,
+}
+
+#: The three jobs and what sits beside them, in the order imports may run (each may import the
+#: ones before it, never one after it): explain < protect < train < report / integrate.
+PACKAGE_ORDER: list[tuple[str, ...]] = [("debug",), ("safety",), ("training",), ("reporting", "integrations")]
+
+#: The only modules allowed at the package root: each is genuinely used by every job.
+ROOT_MODULES = {
+    "__init__": "the public API, imported lazily",
+    "__main__": "python -m stabletrain",
+    "errors": "the exceptions every layer raises",
+    "events": "the callback protocol the loop fires and every tool attaches to",
 }
 
 
@@ -228,7 +229,7 @@ def check_module(
             found.append(Violation(
                 file, imp.line, "direction",
                 f"`{imp.text}`: {module} (rank {mine}) imports {imp.target} (rank {theirs}), a higher layer; "
-                "imports run utils -> debug tools -> replay -> diagnose -> cli (see RANKS)",
+                "imports run utils -> runfiles -> debug (explain) -> safety (protect) -> training -> cli (see RANKS)",
             ))
         dotted = imp.text.split()[1]
         for name in (n for n in (*dotted.split("."), *imp.names) if _is_private(n)):
@@ -356,12 +357,60 @@ def test_every_module_is_in_the_table_and_the_table_is_used():
     assert not unused, f"RANKS names modules that do not exist: {unused}"
 
 
+def test_the_package_root_holds_only_the_cross_cutting_modules():
+    at_root = {p.stem for p in (SRC / ROOT).glob("*.py")}
+    assert at_root <= set(ROOT_MODULES), (
+        f"modules at src/stabletrain/ that belong in a package (training, safety, debug, runfiles, ...): "
+        f"{sorted(at_root - set(ROOT_MODULES))}"
+    )
+
+
+def package_order_violations(graph: dict[str, dict[str, int]]) -> list[str]:
+    """Imports from a job's package to one later in :data:`PACKAGE_ORDER` (explain -> protect -> train -> report)."""
+    place = {pkg: i for i, group in enumerate(PACKAGE_ORDER) for pkg in group}
+
+    def position(module: str) -> Optional[int]:
+        parts = module.split(".")
+        return place.get(parts[1]) if len(parts) > 1 else None
+
+    found = []
+    for module, edges in graph.items():
+        mine = position(module)
+        if mine is None:
+            continue
+        for target, line in edges.items():
+            theirs = position(target)
+            if theirs is not None and theirs > mine:
+                found.append(f"{module}:{line} imports {target}")
+    return sorted(found)
+
+
+def test_the_three_jobs_import_one_way():
+    graph = import_graph({m: _read(m) for m in MODULES}, set(MODULES))
+    assert package_order_violations(graph) == []
+    jobs = {m.split(".")[1] for m in MODULES if m.count(".") >= 1}
+    assert {"training", "safety", "debug", "runfiles"} <= jobs
+
+
+def test_an_upward_import_between_jobs_is_found():
+    sources = {
+        "stabletrain.debug.diagnose": ("from stabletrain.safety.guard import GuardFailure\n", True),
+        "stabletrain.safety.guard": ("def f():\n    from stabletrain.training.loop import Trainer\n", False),
+        "stabletrain.training.loop": ("from stabletrain.safety.guard import StepGuard\n", False),
+    }
+    known = set(sources)
+    assert package_order_violations(import_graph(sources, known)) == [
+        "stabletrain.debug.diagnose:1 imports stabletrain.safety.guard",
+        "stabletrain.safety.guard:2 imports stabletrain.training.loop",
+    ]
+
+
 # ------------------------------------------------------------------ the checker on planted faults
 
 KNOWN = {
     "stabletrain", "stabletrain.errors", "stabletrain.utils", "stabletrain.utils.text", "stabletrain.debug",
     "stabletrain.debug.nan_capture", "stabletrain.debug.replay", "stabletrain.debug.diagnose",
-    "stabletrain.debug.diagnose.run", "stabletrain.debug.diagnose.render", "stabletrain.trainer", "stabletrain.cli",
+    "stabletrain.debug.diagnose.run", "stabletrain.debug.diagnose.render", "stabletrain.training.loop", "stabletrain.cli",
 }
 
 
@@ -377,14 +426,14 @@ def test_imports_in_functions_and_under_type_checking_count():
     source = (
         "from typing import TYPE_CHECKING\n"
         "if TYPE_CHECKING:\n"
-        "    from stabletrain.trainer import Trainer\n"
+        "    from stabletrain.training.loop import Trainer\n"
         "def f():\n"
         "    import stabletrain.cli\n"
         "    from stabletrain.debug import diagnose\n"
     )
     found = check_module("stabletrain.debug.nan_capture", source, KNOWN)
     assert [(v.line, v.rule) for v in found] == [(3, "direction"), (5, "direction"), (6, "direction")]
-    two = check_module("stabletrain.utils.text", "from stabletrain.trainer import Trainer, train\n", KNOWN)
+    two = check_module("stabletrain.utils.text", "from stabletrain.training.loop import Trainer, train\n", KNOWN)
     assert len(two) == 1, "one violation per statement"
     assert "imports stabletrain.debug.diagnose (rank 10)" in str(found[2]), "a submodule taken from its package"
 
@@ -413,7 +462,7 @@ def test_relative_imports_are_resolved():
     source = "from ..replay import load_nan_capture\nfrom . import render\nfrom ...cli import main\n"
     found = check_module("stabletrain.debug.diagnose.run", source, KNOWN)
     assert [(v.line, v.rule) for v in found] == [(3, "direction")]
-    assert "imports stabletrain.cli (rank 12)" in str(found[0])
+    assert "imports stabletrain.cli (rank 14)" in str(found[0])
 
 
 def test_a_module_without_a_rank_fails():

@@ -13,9 +13,9 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "train": "stabletrain.trainer",
-    "Trainer": "stabletrain.trainer",
-    "TrainResult": "stabletrain.trainer",
+    "train": "stabletrain.training.loop",
+    "Trainer": "stabletrain.training.loop",
+    "TrainResult": "stabletrain.training.loop",
     "TrainSettings": "stabletrain.config",
     "Callback": "stabletrain.events",
     "TrainModel": "stabletrain.tasks.base",
@@ -32,7 +32,7 @@ _EXPORTS = {
     "Report": "stabletrain.reporting",
     "StabletrainError": "stabletrain.errors",
     "ConfigError": "stabletrain.errors",
-    "CheckpointError": "stabletrain.checkpoint",
+    "CheckpointError": "stabletrain.runfiles.checkpoint",
     "NaNCaptureMonitor": "stabletrain.debug.nan_capture",
     "NaNDetectedError": "stabletrain.debug.nan_capture",
     "NaNCaptureError": "stabletrain.debug.nan_capture",
@@ -41,14 +41,14 @@ _EXPORTS = {
     "ReplayResult": "stabletrain.debug.replay",
     "diagnose": "stabletrain.debug.diagnose",
     "Diagnosis": "stabletrain.debug.diagnose",
-    "StepGuard": "stabletrain.debug.guard",
-    "NonFiniteStepError": "stabletrain.debug.guard",
-    "InstabilityGuard": "stabletrain.debug.instability_guard",
-    "SpikeDetector": "stabletrain.debug.spike_detector",
-    "RollbackSnapshots": "stabletrain.debug.rollback_snapshot",
-    "RecoveryLimitError": "stabletrain.healing",
-    "NonFiniteCheckpointError": "stabletrain.safety",
-    "TrainingInterrupted": "stabletrain.signals",
+    "StepGuard": "stabletrain.safety.guard",
+    "NonFiniteStepError": "stabletrain.safety.guard",
+    "InstabilityGuard": "stabletrain.safety.instability_guard",
+    "SpikeDetector": "stabletrain.safety.spike_detector",
+    "RollbackSnapshots": "stabletrain.safety.rollback_snapshot",
+    "RecoveryLimitError": "stabletrain.safety.healing",
+    "NonFiniteCheckpointError": "stabletrain.safety.net",
+    "TrainingInterrupted": "stabletrain.safety.interrupts",
 }
 
 __all__ = ["__version__", *_EXPORTS]

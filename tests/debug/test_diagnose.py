@@ -23,8 +23,8 @@ from stabletrain.debug.diagnose import (
     Diagnosis,
 )
 from stabletrain.debug.diagnose.search import ddmin as _ddmin
-from stabletrain.debug.guard import NonFiniteStepError
-from stabletrain.trainer import train
+from stabletrain.safety.guard import NonFiniteStepError
+from stabletrain.training.loop import train
 
 NANCAPTURE = {"nancapture": {"enabled": True}}
 RUN = dict(steps=8, batch_size=8, num_workers=0, log_every_num_steps=1, model_args={"lr": 0.01, "warmup_steps": 0})
@@ -84,7 +84,7 @@ def test_fp16_overflow_of_a_large_activation_is_precision_induced(tmp_path):
     from lightning_fabric.plugins import MixedPrecision
 
     from stabletrain.config import load_settings
-    from stabletrain.trainer import Trainer
+    from stabletrain.training.loop import Trainer
 
     victim = samples_of_step(2)[5]
     plant, op, _ = FAULTS["square"]
@@ -116,7 +116,7 @@ def test_fp16_loss_scaling_that_keeps_skipping_steps(tmp_path):
     from lightning_fabric.plugins import MixedPrecision
 
     from stabletrain.config import load_settings
-    from stabletrain.trainer import Trainer
+    from stabletrain.training.loop import Trainer
 
     fabric = Fabric(accelerator="cpu", devices=1,
                     plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**16))])
@@ -297,7 +297,7 @@ class _Damage:
     """After step ``step``'s optimizer step (and the guard's check of it) put ``value`` at
     ``index`` of a parameter or buffer: what a bad earlier step leaves behind. With checkpoints
     every 2 steps, the one after step 1 is written before the damage; none is written after it
-    (a checkpoint with NaN/Inf is refused, tests/test_checkpoint_health.py)."""
+    (a checkpoint with NaN/Inf is refused, tests/safety/test_checkpoint_health.py)."""
 
     def __init__(self, name, index, value, step=2):
         self.name, self.index, self.value, self.step = name, index, value, step
@@ -547,6 +547,7 @@ def test_report_files_json_and_command_line(tmp_path, capsys):
     assert stabletrain.Diagnosis is Diagnosis
 
 
+@pytest.mark.slow
 def test_diagnose_command_as_a_user_runs_it(tmp_path):
     boom = {"optimizer": "sgd", "lr": 1000.0, "warmup_steps": 0, "lr_schedule": "constant"}
     with pytest.raises(NaNDetectedError) as info:

@@ -11,12 +11,12 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-import stabletrain.trainer as trainer_module
+import stabletrain.training.loop as trainer_module
 from conftest import tiny_lm
 from stabletrain.config import load_settings
 from stabletrain.debug.grad_norm import GradNorm, clip_grad_norm_with_total, compute_grad_norm
 from stabletrain.loggers.jsonl import read_metrics
-from stabletrain.trainer import Trainer, train
+from stabletrain.training.loop import Trainer, train
 from stabletrain.utils.sync import SyncsPerStep
 
 

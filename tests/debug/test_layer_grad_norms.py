@@ -11,10 +11,10 @@ from torch import nn
 from conftest import tiny_lm
 from stabletrain.config import load_settings
 from stabletrain.debug.grad_norm import compute_grad_norm, layer_grad_norms
-from stabletrain.debug.guard import VERDICT_LEN
 from stabletrain.loggers.jsonl import read_metrics
+from stabletrain.safety.guard import VERDICT_LEN
 from stabletrain.tasks import build_task
-from stabletrain.trainer import Trainer, train
+from stabletrain.training.loop import Trainer, train
 
 
 def _reference(model: nn.Module) -> dict[str, float]:

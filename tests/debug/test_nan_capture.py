@@ -17,7 +17,7 @@ from stabletrain import NaNCaptureError, NaNCaptureMonitor, NaNDetectedError, lo
 from stabletrain.config import load_settings
 from stabletrain.debug.nan_capture import FORMAT, UNSHARDED_VERSION, VERSION
 from stabletrain.loggers.jsonl import read_metrics
-from stabletrain.trainer import Trainer, train
+from stabletrain.training.loop import Trainer, train
 from stabletrain.utils.rng import get_rng_state
 from stabletrain.utils.sync import SyncsPerStep
 
@@ -222,7 +222,7 @@ def test_capture_loads_safely_and_bad_files_fail_clearly(tmp_path):
     with pytest.raises(NaNCaptureError, match=f"newer stabletrain .*version {VERSION + 1}.*upgrade"):
         load_nan_capture(newer)
 
-    for i, other in enumerate(({"format": "stabletrain.checkpoint", "version": 1}, {"weights": torch.ones(2)}, [1, 2])):
+    for i, other in enumerate(({"format": "stabletrain.runfiles.checkpoint", "version": 1}, {"weights": torch.ones(2)}, [1, 2])):
         torch.save(other, tmp_path / f"other{i}.pt")
         with pytest.raises(NaNCaptureError, match="not a stabletrain NaN capture"):
             load_nan_capture(tmp_path / f"other{i}.pt")

@@ -22,11 +22,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import stabletrain.debug.replay.rerun as rerun_module
 from conftest import cli_env, tiny_lm
 from stabletrain import NaNCaptureError, NaNCaptureMonitor, NaNDetectedError, load_nan_capture
-from stabletrain.checkpoint import load_checkpoint
 from stabletrain.debug.nan_capture import default_replay_command, no_replay_command_reason
 from stabletrain.debug.replay import forward_backward, load_object
 from stabletrain.loggers.jsonl import read_metrics
-from stabletrain.trainer import train
+from stabletrain.runfiles.checkpoint import load_checkpoint
+from stabletrain.training.loop import train
 
 NANCAPTURE = {"nancapture": {"enabled": True}}
 #: The tiny language model diverges with SGD at lr 1000: non-finite at step 4.
@@ -159,6 +159,7 @@ def test_bf16_mixed_capture_replays_in_bf16_by_default(tmp_path):
     assert fp32.losses == pytest.approx(default.losses, rel=0.05)
 
 
+@pytest.mark.slow
 def test_error_message_command_works_when_pasted(cli, tmp_path, capsys):
     args = ["train", "out=boom", "steps=10", "batch_size=8", "checkpoint_every_num_steps=3",
             "model_args.n_layers=1", "model_args.n_heads=2", "model_args.dim=32", "model_args.context_length=16",

@@ -14,9 +14,9 @@ from torch import nn
 
 import stabletrain
 from conftest import tiny_lm
-from stabletrain.debug.guard import NonFiniteStepError
 from stabletrain.debug.underflow_overflow import UnderflowOverflowAbort, UnderflowOverflowMonitor
 from stabletrain.errors import ConfigError
+from stabletrain.safety.guard import NonFiniteStepError
 from stabletrain.tasks.language_model import MLP, TransformerLM
 from stabletrain.utils.sync import CountSyncs, SyncsPerStep
 
@@ -609,7 +609,7 @@ def test_trainer_fp16_loss_scaling_overflow_is_not_a_failure_but_a_persistent_on
     from stabletrain.config import load_settings
     from stabletrain.debug.underflow_overflow import SCALER_PATIENCE
     from stabletrain.loggers.jsonl import read_metrics
-    from stabletrain.trainer import Trainer
+    from stabletrain.training.loop import Trainer
 
     def fit(out, model=None, dataset=None, steps=6, init_scale=2.0**20, accum=1):
         scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
@@ -648,6 +648,7 @@ def test_trainer_fp16_loss_scaling_overflow_is_not_a_failure_but_a_persistent_on
         assert header.startswith(f"[backward] step {SCALER_PATIENCE - 1}  blocks.0.mlp.act.1 "), header
 
 
+@pytest.mark.slow
 def test_trainer_cli_turns_it_on_and_reports_bad_values(cli, tmp_path):
     result = cli("train", "out=run", "steps=2", "model_args.n_layers=1", "model_args.dim=32", "model_args.n_heads=2",
                  "model_args.context_length=16", "batch_size=8", "debug_args.underflow_overflow.enabled=true",

@@ -17,7 +17,7 @@ from fsdp_train import FAULT_STEP, MODEL_ARGS
 from stabletrain.config import load_settings
 from stabletrain.data.loader import build_loader
 from stabletrain.debug.grad_norm import compute_grad_norm, layer_grad_norms
-from stabletrain.run_history import read_run
+from stabletrain.runfiles.history import read_run
 from stabletrain.tasks import build_task
 from stabletrain.utils.rng import seed_everything
 

@@ -55,6 +55,7 @@ def run_command(command, cwd):
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_nancapture_names_step_and_sample_replays_and_diagnoses(tmp_path):
     # batch 4, 2 accumulation steps: sample 29 is in step 3, micro step 1 (batch_idx 7), row 1.
     torch.manual_seed(0)

@@ -41,6 +41,7 @@ def train(model, data, tmp_path, callback, **overrides):
     return trainer
 
 
+@pytest.mark.slow
 def test_causal_lm_capture_replays_from_config_and_diagnose_names_module_and_sample(tmp_path):
     callback = StabletrainCallback(debug_args={"nancapture": {"enabled": True}})
     model = causal_lm()

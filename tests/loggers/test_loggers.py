@@ -25,7 +25,7 @@ from packaging.version import Version
 from conftest import cli_env, tiny_lm
 from stabletrain.errors import ConfigError
 from stabletrain.loggers.jsonl import read_metrics
-from stabletrain.trainer import train
+from stabletrain.training.loop import train
 
 TINY_CLI = [
     "model_args.n_layers=1", "model_args.n_heads=2", "model_args.dim=32", "model_args.context_length=16",

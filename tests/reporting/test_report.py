@@ -15,8 +15,8 @@ import stabletrain
 from conftest import run_cli, tiny_lm
 from stabletrain.loggers.jsonl import JsonlLogger
 from stabletrain.reporting import KIND_COLORS, RunData, report, signal_figure
-from stabletrain.safety import NonFiniteCheckpointError
-from stabletrain.trainer import train
+from stabletrain.safety.net import NonFiniteCheckpointError
+from stabletrain.training.loop import train
 
 
 @pytest.fixture(scope="module")

@@ -191,7 +191,7 @@ def test_check_task_dispatches_here(tmp_path: Path):
 
 def test_num_samples_is_the_built_datasets_length_and_too_few_fail(tmp_path: Path):
     from stabletrain.errors import ConfigError
-    from stabletrain.trainer import train
+    from stabletrain.training.loop import train
 
     folder = write_folder(tmp_path / "imgs", {"a": 3, "b": 2})
     for s in (settings(tmp_path), settings(tmp_path, data=str(folder))):

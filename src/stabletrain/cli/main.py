@@ -13,7 +13,7 @@ from typing import Callable, Optional
 from stabletrain import __version__
 from stabletrain.cli import diagnose, replay, report, train
 from stabletrain.errors import ConfigError, StabletrainError
-from stabletrain.signals import TrainingInterrupted
+from stabletrain.safety.interrupts import TrainingInterrupted
 
 #: name -> (one-line help, function taking the remaining arguments and returning an exit code)
 COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {

@@ -53,9 +53,9 @@ def run(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(usage())
         return 0
-    from stabletrain.commands import set_cli_invocation
     from stabletrain.config import parse_cli_overrides
-    from stabletrain.preflight import check_without_torch
+    from stabletrain.runfiles.commands import set_cli_invocation
+    from stabletrain.training.preflight import check_without_torch
 
     overrides = parse_cli_overrides(argv)
     if "out" not in overrides:
@@ -64,7 +64,7 @@ def run(argv: list[str]) -> int:
     try:
         # Loading torch takes seconds: what can be checked without it is checked first.
         check_without_torch(overrides)
-        from stabletrain.trainer import train
+        from stabletrain.training.loop import train
 
         train(**overrides)
     finally:

@@ -23,7 +23,7 @@ _DTYPE_NAMES = {
 
 
 def describe_optimizer_damage(failure: Any, model: nn.Module, optimizer: Any) -> None:
-    """Fill in ``failure``'s (a :class:`stabletrain.debug.guard.GuardFailure`) parameters and
+    """Fill in ``failure``'s (a :class:`stabletrain.safety.guard.GuardFailure`) parameters and
     state entries holding NaN/Inf, and why (host reads)."""
     names = {id(p): n for n, p in model.named_parameters()}
     counts = {}

@@ -96,6 +96,6 @@ class _Folder:
         self.folder = folder
 
     def healthy_checkpoint(self) -> Any:
-        from stabletrain.checkpoint import newest_healthy
+        from stabletrain.runfiles.checkpoint import newest_healthy
 
         return newest_healthy(self.folder)

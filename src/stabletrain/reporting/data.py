@@ -12,12 +12,12 @@ from typing import Any
 import numpy as np
 
 from stabletrain.errors import StabletrainError
-from stabletrain.run_history import read_run
+from stabletrain.runfiles.history import read_run
 
 
 class RunData:
     """The series of one run, one row per step: after a resume the later rows win (see
-    :mod:`stabletrain.run_history`)."""
+    :mod:`stabletrain.runfiles.history`)."""
 
     def __init__(self, out: Path):
         self.out = out

@@ -60,7 +60,7 @@ def _signal_line(signal: str, status: str, episodes: Sequence[Episode]) -> str:
 
 def _checkpoint_line(out: Path) -> str:
     """The newest healthy checkpoint, the same one the run's messages and diagnose name."""
-    from stabletrain.checkpoint import list_checkpoints, newest_healthy
+    from stabletrain.runfiles.checkpoint import list_checkpoints, newest_healthy
 
     folder = out / "checkpoints"
     infos = list_checkpoints(folder)

@@ -5,7 +5,7 @@ A run whose loss or gradient norm went non-finite (logged, or found by the guard
 steps) or grew by two orders of magnitude or more is never "stable"; with fewer logged points
 than the detector needs for a band (``trend_alerts.persist`` + 1) and nothing found, the verdict
 is "too few logged steps". A resumed run is read as one timeline: the rows logged after a resume
-replace those of the same and later steps (see :mod:`stabletrain.run_history`).
+replace those of the same and later steps (see :mod:`stabletrain.runfiles.history`).
 """
 
 from __future__ import annotations

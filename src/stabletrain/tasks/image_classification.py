@@ -29,7 +29,7 @@ from stabletrain.data.images import (
     find_image_classes,
     generate_images,
 )
-from stabletrain.preflight import IMAGE_DATA_HINT, data_path_problems
+from stabletrain.data.paths import IMAGE_DATA_HINT, data_path_problems
 from stabletrain.tasks.base import Task
 from stabletrain.utils.text import fmt_list
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stabletrain.config import TrainSettings
+from stabletrain.data.paths import TEXT_DATA_HINT, data_path_problems
 from stabletrain.data.text import (
     BYTE_VOCAB_SIZE,
     TextDataset,
@@ -27,7 +28,6 @@ from stabletrain.data.text import (
     generate_text,
     num_windows,
 )
-from stabletrain.preflight import TEXT_DATA_HINT, data_path_problems
 from stabletrain.tasks.base import Task
 
 __all__ = ["MODEL_NAMES", "TransformerLM", "build", "build_model", "check"]

@@ -12,11 +12,11 @@ from torch import nn
 
 from conftest import LinearData, tiny_lm
 from stabletrain.config import TrendAlertArgs
-from stabletrain.debug.guard import NonFiniteStepError
 from stabletrain.debug.trends import AlertContext, Episode, TrendAlerts, TrendDetector, detect_trends, next_actions
 from stabletrain.loggers.jsonl import read_metrics
-from stabletrain.safety import NonFiniteCheckpointError
-from stabletrain.trainer import train
+from stabletrain.safety.guard import NonFiniteStepError
+from stabletrain.safety.net import NonFiniteCheckpointError
+from stabletrain.training.loop import train
 from stabletrain.utils.sync import SyncsPerStep
 
 

@@ -65,7 +65,7 @@ class RunContext:
         clip = advice.clip(settings.get("gradient_clip_val") if settings else None, known=bool(settings))
         rows: list[dict[str, Any]] = []
         if out is not None and (out / "metrics.jsonl").is_file():
-            from stabletrain.run_history import read_run
+            from stabletrain.runfiles.history import read_run
 
             rows = read_run(out / "metrics.jsonl").rows
         return cls(cap, out, settings, lr_text(settings, rows, unstable_from), clip)

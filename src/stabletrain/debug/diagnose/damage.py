@@ -100,7 +100,7 @@ def earlier_damage(out: Optional[Path], step: int) -> Optional[Damage]:
     path = out / "metrics.jsonl" if out is not None else None
     if path is None or not path.is_file():
         return None
-    from stabletrain.run_history import read_run
+    from stabletrain.runfiles.history import read_run
 
     try:
         history = read_run(path)

@@ -76,7 +76,7 @@ def scan_checkpoints(folder: Path, threshold: float, names: set[str], buffer_nam
     weights are finite and below ``threshold`` and its buffers finite: ``{"path", "step", "abs_max", "healthy"}``."""
     if not folder.is_dir():
         return []
-    from stabletrain.checkpoint import CheckpointError, load_checkpoint
+    from stabletrain.runfiles.checkpoint import CheckpointError, load_checkpoint
 
     seen: dict[int, dict[str, Any]] = {}
     files = sorted(folder.glob("step_*.ckpt")) + [folder / "last.ckpt"]

@@ -87,7 +87,7 @@ class NaNCaptureCallback:
 
     def _advice(self, trainer: TrainerLike, step: int) -> str:
         """Where to continue: the trainer names the newest checkpoint recorded healthy (measured
-        when written, see stabletrain.checkpoint_health), with a command to paste."""
+        when written, see stabletrain.safety.checkpoint_health), with a command to paste."""
         advise = getattr(trainer, "resume_advice", None)
         text = advise(step) if callable(advise) else f"Continue from a checkpoint written before step {step}."
         return "No non-finite value reached the optimizer or a checkpoint. " + text

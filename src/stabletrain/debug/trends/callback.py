@@ -57,7 +57,7 @@ class TrendAlerts:
 
     def _replay_history(self, path: Path, before_step: int) -> None:
         """After a resume, continue the trend of the steps already logged (alerts already given)."""
-        from stabletrain.run_history import read_run
+        from stabletrain.runfiles.history import read_run
 
         if self.detector is None or not path.exists():
             return
@@ -108,7 +108,7 @@ def checkpoint_context(context: AlertContext, trainer: Any) -> None:
 
 
 def _step_of(path: Path) -> Optional[int]:
-    from stabletrain.checkpoint import read_checkpoint_health
+    from stabletrain.runfiles.checkpoint import read_checkpoint_health
 
     try:
         return read_checkpoint_health(path)[0] if path.is_file() else None

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "debug"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "debug"))
 
 from nan_models import PoisonData, PoisonNet, samples_of_step  # noqa: E402
 

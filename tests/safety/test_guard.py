@@ -14,10 +14,10 @@ from torch import nn
 import stabletrain
 from conftest import LinearData, cli_env, tiny_lm
 from stabletrain.debug.grad_norm import compute_grad_norm
-from stabletrain.debug.guard import NonFiniteStepError, StepGuard
 from stabletrain.loggers.jsonl import read_metrics
-from stabletrain.safety import NonFiniteCheckpointError
-from stabletrain.trainer import train
+from stabletrain.safety.guard import NonFiniteStepError, StepGuard
+from stabletrain.safety.net import NonFiniteCheckpointError
+from stabletrain.training.loop import train
 from stabletrain.utils.sync import SyncsPerStep
 
 BOOM = tiny_lm(steps=60, log_every_num_steps=10, checkpoint_every_num_steps=2, model_args={"lr": 1e3})
@@ -250,7 +250,7 @@ def test_fp16_skipped_steps_are_normal_until_too_many_in_a_row(tmp_path, max_ski
     """A scale of 2**20 overflows the fp16 gradients: the GradScaler skips steps and halves the
     scale until they fit (a few steps). That is normal, unless more than max_skipped_steps."""
     from stabletrain.config import load_settings
-    from stabletrain.trainer import Trainer
+    from stabletrain.training.loop import Trainer
 
     debug = {"nancapture": {"max_skipped_steps": max_skipped}}
     settings = load_settings({"out": tmp_path / str(max_skipped), "debug_args": debug,

@@ -11,11 +11,11 @@ import torch
 import stabletrain
 from conftest import LinearData, tiny_lm
 from stabletrain import NaNDetectedError
-from stabletrain.checkpoint import list_checkpoints, load_checkpoint, newest_healthy
 from stabletrain.errors import ConfigError
 from stabletrain.loggers.jsonl import read_metrics
-from stabletrain.safety import NonFiniteCheckpointError
-from stabletrain.trainer import train
+from stabletrain.runfiles.checkpoint import list_checkpoints, load_checkpoint, newest_healthy
+from stabletrain.safety.net import NonFiniteCheckpointError
+from stabletrain.training.loop import train
 
 # SGD at lr 3 after a 10-step warmup: healthy up to step 4, exploding from step 5, NaN at step 17.
 DIVERGING = tiny_lm(steps=40, checkpoint_every_num_steps=2, max_checkpoints_to_keep=1,

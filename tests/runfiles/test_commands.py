@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import shlex
 
-from stabletrain.commands import set_cli_invocation, train_command
 from stabletrain.config import load_settings
+from stabletrain.runfiles.commands import set_cli_invocation, train_command
 
 
 def test_a_command_from_settings_has_absolute_quoted_paths_and_only_the_changed_settings(tmp_path):

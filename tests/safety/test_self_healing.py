@@ -20,7 +20,7 @@ import stabletrain
 from conftest import cli_env
 from stabletrain import ConfigError, InstabilityGuard, NonFiniteStepError, RecoveryLimitError, load_nan_capture
 from stabletrain.config import load_settings, parse_cli_overrides
-from stabletrain.run_history import read_run
+from stabletrain.runfiles.history import read_run
 from stabletrain.utils.sync import CountSyncs
 
 

@@ -11,11 +11,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from stabletrain import __version__, trainer_checks
+from stabletrain import __version__
 from stabletrain.config import TorchCompileArgs, TrainSettings
 from stabletrain.errors import ConfigError
 from stabletrain.tasks import resolve_task_name
-from stabletrain.trainer_checks import resolve_precision, settings_warnings
+from stabletrain.training import checks
+from stabletrain.training.checks import resolve_precision, settings_warnings
 from stabletrain.utils.io import atomic_write_text
 
 #: Files and folders a run writes directly under ``out/``; ``overwrite=True`` removes these only.
@@ -38,7 +39,7 @@ def make_fabric(settings: TrainSettings) -> Any:
     from lightning_fabric import Fabric
 
     s = settings
-    available = trainer_checks.available_accelerators()
+    available = checks.available_accelerators()
     if s.accelerator not in available:
         # Fabric's own error for 'gpu' names no alternative; say what this machine has.
         raise ConfigError(
@@ -46,7 +47,7 @@ def make_fabric(settings: TrainSettings) -> Any:
             f"available here: {', '.join(available)}"
         )
     strategy: Any = s.strategy
-    if trainer_checks.is_fsdp(s):
+    if checks.is_fsdp(s):
         if resolve_precision(s.precision, s.accelerator) == "16-mixed":
             raise ConfigError(
                 "precision: 16-mixed (fp16 with loss scaling) together with strategy=fsdp is not supported yet "
@@ -107,7 +108,7 @@ def build_debug_callbacks(trainer: Any) -> list[Any]:
 
         callbacks.append(UnderflowOverflowCallback(debug.underflow_overflow))
     if trainer.settings.on_instability.policy != "stop":
-        from stabletrain.healing import Healer
+        from stabletrain.safety.healing import Healer
 
         callbacks.append(Healer(trainer))
     if trainer.settings.trend_alerts.enabled:

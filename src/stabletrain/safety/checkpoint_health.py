@@ -4,7 +4,7 @@
 (else it is not written); :class:`HealthTracker` judges a written one healthy from the run's
 own history (open trend episodes, the last step's loss and gradient norm, weight growth below
 :data:`WEIGHT_GROWTH`) and records the verdict as ``state["health"]``, read back by
-:func:`stabletrain.checkpoint.newest_healthy`. See docs/blowups.md ("Healthy" is measured and recorded).
+:func:`stabletrain.runfiles.checkpoint.newest_healthy`. See docs/blowups.md ("Healthy" is measured and recorded).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from stabletrain.config import TrendAlertArgs
-from stabletrain.debug.guard import finite_norms
+from stabletrain.safety.guard import finite_norms
 
 #: A weight norm this many times the one at the start of the run is a divergence, not learning.
 WEIGHT_GROWTH = 100.0

@@ -11,7 +11,7 @@ from pydantic import BaseModel
 from conftest import tiny_lm
 from stabletrain.config import TrainSettings, load_settings, parse_cli_overrides, settings_help
 from stabletrain.errors import ConfigError
-from stabletrain.trainer import train
+from stabletrain.training.loop import train
 
 
 def _all_dotted(model: type[BaseModel] = TrainSettings, prefix: str = "") -> list[str]:
@@ -181,7 +181,7 @@ def test_dataset_smaller_than_a_batch_fails_before_out_is_written(tmp_path):
 )
 def test_dataset_size_check_matches_the_loader_exactly(tmp_path, batch_size, accum, world_size):
     from stabletrain.data.loader import ResumableBatchSampler
-    from stabletrain.trainer import Trainer
+    from stabletrain.training.loop import Trainer
 
     microbatch = batch_size // (world_size * accum)
     for n in range(1, 2 * batch_size):
@@ -330,6 +330,6 @@ def test_what_fsdp_does_not_run_yet_is_refused_before_anything_starts(tmp_path):
         train(out=out, strategy="fsdp", accelerator="cpu", devices=1, precision="16-mixed")
     assert not out.exists(), "nothing was written"
     # The same settings without fsdp are accepted by these checks.
-    from stabletrain.trainer_checks import sharding_problems
+    from stabletrain.training.checks import sharding_problems
 
     assert sharding_problems(load_settings({"out": "o", "on_instability": {"policy": "rollback"}})) == []

@@ -1,7 +1,7 @@
 """Skip a non-finite or spiking step in any PyTorch loop: detect, decide and skip on the device.
 
-:class:`InstabilityGuard` joins a :class:`~stabletrain.debug.spike_detector.SpikeDetector` and a
-:class:`~stabletrain.debug.skip_step.SkipStep`: :meth:`~InstabilityGuard.check` decides on the device,
+:class:`InstabilityGuard` joins a :class:`~stabletrain.safety.spike_detector.SpikeDetector` and a
+:class:`~stabletrain.safety.skip_step.SkipStep`: :meth:`~InstabilityGuard.check` decides on the device,
 :meth:`~InstabilityGuard.step` runs the optimizer step and undoes it when bad, and
 :meth:`~InstabilityGuard.poll` returns the recoveries the host can already see. See docs/self_healing.md.
 """
@@ -16,8 +16,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from stabletrain.debug.skip_step import SkipStep
-from stabletrain.debug.spike_detector import VERDICT_FIELDS, SpikeDetector, describe_trigger, trigger_name
+from stabletrain.safety.skip_step import SkipStep
+from stabletrain.safety.spike_detector import VERDICT_FIELDS, SpikeDetector, describe_trigger, trigger_name
 
 __all__ = ["InstabilityGuard", "Recovery"]
 
@@ -93,7 +93,7 @@ class InstabilityGuard:
     Args:
         optimizer: The optimizer whose steps are guarded.
         window, zscore, warmup, max_ratio, min_std: The detector's thresholds
-            (:class:`~stabletrain.debug.spike_detector.SpikeDetector`).
+            (:class:`~stabletrain.safety.spike_detector.SpikeDetector`).
         skip: Undo bad steps (False: only detect and record).
         all_reduce: ``fn(tensor) -> tensor``, the mean over ranks, under DDP.
         action: The action recorded in each :class:`Recovery` (the trainer's rollback says so).

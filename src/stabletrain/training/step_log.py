@@ -33,7 +33,7 @@ class StepClock:
 def log_step(trainer: Any, step: int, losses: list[torch.Tensor], gn: GradNorm, lr: float) -> dict[str, float]:
     """Log ``step``'s metrics to the loggers and the progress line, and hand the guard its verdict.
 
-    ``trainer`` is the :class:`~stabletrain.trainer.Trainer`; returns the metrics row.
+    ``trainer`` is the :class:`~stabletrain.training.loop.Trainer`; returns the metrics row.
     """
     loss = torch.stack(losses).float().mean()
     task_names, task_values = training_metrics(trainer.model, loss.device)

@@ -1,8 +1,8 @@
 """The trainer's safety net: the guard, checkpoint verification and health, stop signals.
 
-:class:`SafetyNet` joins the guard (:mod:`stabletrain.debug.guard`), the finite check and health of
-every checkpoint (:mod:`stabletrain.checkpoint_health`) and SIGINT/SIGTERM handling
-(:mod:`stabletrain.signals`), so that the trainer never loses the run. See docs/blowups.md.
+:class:`SafetyNet` joins the guard (:mod:`stabletrain.safety.guard`), the finite check and health of
+every checkpoint (:mod:`stabletrain.safety.checkpoint_health`) and SIGINT/SIGTERM handling
+(:mod:`stabletrain.safety.interrupts`), so that the trainer never loses the run. See docs/blowups.md.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from stabletrain.checkpoint import CheckpointError, checkpoint_dir
-from stabletrain.checkpoint_health import HealthTracker, nonfinite_entries, verify_tensors
-from stabletrain.debug.guard import ORIGIN_OPTIMIZER, VERDICT_LEN, NonFiniteStepError, StepGuard
-from stabletrain.signals import StopSignals
+from stabletrain.runfiles.checkpoint import CheckpointError, checkpoint_dir
+from stabletrain.safety.checkpoint_health import HealthTracker, nonfinite_entries, verify_tensors
+from stabletrain.safety.guard import ORIGIN_OPTIMIZER, VERDICT_LEN, NonFiniteStepError, StepGuard
+from stabletrain.safety.interrupts import StopSignals
 
 _NO_STEP = -1e18
 _GUARD_LEN = VERDICT_LEN
@@ -42,7 +42,7 @@ class NonFiniteCheckpointError(CheckpointError):
 
 
 class SafetyNet:
-    """Owned by a :class:`~stabletrain.trainer.Trainer`; see the module docstring."""
+    """Owned by a :class:`~stabletrain.training.loop.Trainer`; see the module docstring."""
 
     def __init__(self, trainer: Any):
         self.trainer = trainer
@@ -230,7 +230,7 @@ class SafetyNet:
                                   weight_norm=host[3])
 
     def _refuse(self, state: dict[str, Any]) -> None:
-        from stabletrain.stop_messages import resume_advice
+        from stabletrain.safety.stop_messages import resume_advice
 
         t = self.trainer
         names = [n for n, _ in t.model.named_parameters()]
@@ -269,7 +269,7 @@ class SafetyNet:
 
     def fail(self, host: Optional[list[float]], stopped_at: int, other_step: Optional[int] = None) -> None:
         """Raise the guard's error (every rank does, at the same point)."""
-        from stabletrain.stop_messages import guard_message
+        from stabletrain.safety.stop_messages import guard_message
 
         assert self.guard is not None
         t = self.trainer
@@ -279,7 +279,7 @@ class SafetyNet:
         capture: Optional[Path] = None
         if (failure.origin == ORIGIN_OPTIMIZER and failure.step >= 0 and t.settings.debug_args.nancapture.enabled
                 and not t.sharded):
-            from stabletrain.debug.optimizer_step import capture_optimizer_step
+            from stabletrain.safety.optimizer_capture import capture_optimizer_step
 
             capture = capture_optimizer_step(t, failure)
         message, best, command = guard_message(t, failure, capture)

@@ -2,7 +2,7 @@
 
 ``out/checkpoints/last.ckpt`` and ``step_NNNNNN.ckpt`` hold model, optimizer, loss scaler, step,
 every rank's RNG states and the data position; a non-finite state is never written, and rotation
-keeps the newest healthy one (:mod:`stabletrain.checkpoint_health`). See docs/checkpoints.md.
+keeps the newest healthy one (:mod:`stabletrain.safety.checkpoint_health`). See docs/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from stabletrain.utils.text import shell_path
 # torch is imported where a checkpoint is written or read, so that the command line can check
 # a run's checkpoints (unreadable_reason) before it loads torch.
 
-FORMAT = "stabletrain.checkpoint"
+FORMAT = "stabletrain.runfiles.checkpoint"
 VERSION = 1
 
 #: Settings that cannot change when resuming: they define the model, the data or their order.
@@ -197,7 +197,7 @@ def fallback_advice(failed: str | Path, command: Optional[Callable[..., str]] = 
     Args:
         failed: The checkpoint file that could not be read.
         command: Builds what to run from start settings, called as ``command(resume_from=path)``
-            or ``command(overwrite=True)`` (e.g. :func:`stabletrain.commands.train_command` with
+            or ``command(overwrite=True)`` (e.g. :func:`stabletrain.runfiles.commands.train_command` with
             the run's settings bound); by default the settings themselves
             (``resume_from=/abs/path``).
 
@@ -250,7 +250,7 @@ def _get(d: dict[str, Any], dotted: str) -> Any:
 
 
 # --------------------------------------------------------------------------------------
-# Recorded health, read back: one rule for every message (see stabletrain.checkpoint_health)
+# Recorded health, read back: one rule for every message (see stabletrain.safety.checkpoint_health)
 # --------------------------------------------------------------------------------------
 
 

@@ -1,6 +1,6 @@
 """Self-healing in the trainer: ``on_instability.policy`` ``skip_step`` or ``rollback``.
 
-:class:`Healer` is the trainer callback that the :class:`~stabletrain.safety.SafetyNet` calls each
+:class:`Healer` is the trainer callback that the :class:`~stabletrain.safety.net.SafetyNet` calls each
 step: :meth:`~Healer.check` before the optimizer step, :meth:`~Healer.after_step` to undo a bad
 update, :meth:`~Healer.end_of_step` to turn the verdicts into recoveries (capture, event row,
 console line, and under ``rollback`` the restore of the newest in-memory snapshot).
@@ -15,9 +15,9 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from stabletrain.debug.instability_guard import InstabilityGuard, Recovery
 from stabletrain.debug.nan_capture import NaNCaptureMonitor, default_replay_command
 from stabletrain.errors import StabletrainError
+from stabletrain.safety.instability_guard import InstabilityGuard, Recovery
 from stabletrain.utils.rng import set_rng_state
 
 __all__ = ["Healer", "RecoveryLimitError", "snapshot_bytes"]
@@ -277,7 +277,7 @@ class Healer:
         self.guard.load_state_dict(snap["callbacks"]["on_instability"])
         t.step = int(snap["step"])
         self._since = {}
-        # The rows of the abandoned steps are superseded, as after a resume (stabletrain.run_history).
+        # The rows of the abandoned steps are superseded, as after a resume (stabletrain.runfiles.history).
         t.log_event({"event": "resume", "step": t.step, "reason": f"rollback after step {rec.step}"})
         return {"rolled_back_to": t.step, "skipped_steps": steps, "skipped_samples": samples}
 

@@ -3,8 +3,9 @@
 ``train()`` validates settings, prepares the output folder and hands over to
 :class:`Trainer`, whose ``fit -> train_step -> forward_backward`` is the whole loop. The
 events it fires, and where, are listed in :mod:`stabletrain.events`; settings are in
-docs/training.md. Setup, the optimizer, step logging and checkpoint state live in the
-``trainer_*`` and ``step_log`` modules beside this one.
+docs/training.md. Setup, checks, the optimizer, step logging and checkpoint state live in the
+modules beside this one (:mod:`stabletrain.training`); the guard and checkpoint health in
+:mod:`stabletrain.safety`.
 """
 
 from __future__ import annotations
@@ -18,15 +19,6 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from stabletrain import trainer_checks, trainer_optim, trainer_state
-from stabletrain.checkpoint import (
-    CheckpointError,
-    CheckpointInfo,
-    checkpoint_dir,
-    load_checkpoint,
-    newest_healthy,
-    save_checkpoint,
-)
 from stabletrain.config import TrainSettings
 from stabletrain.data.loader import build_loader
 from stabletrain.debug.grad_norm import GradNorm, clip_grad_norm_with_total, compute_grad_norm
@@ -34,18 +26,28 @@ from stabletrain.errors import ConfigError, StabletrainError
 from stabletrain.events import CallbackList
 from stabletrain.loggers import Logger, build_loggers
 from stabletrain.loggers.console import Console, format_duration
-from stabletrain.safety import SafetyNet
-from stabletrain.signals import TrainingInterrupted, wait_for_launcher
-from stabletrain.step_log import StepClock, log_step
+from stabletrain.runfiles.checkpoint import (
+    CheckpointError,
+    CheckpointInfo,
+    checkpoint_dir,
+    load_checkpoint,
+    newest_healthy,
+    save_checkpoint,
+)
+from stabletrain.safety.interrupts import TrainingInterrupted, wait_for_launcher
+from stabletrain.safety.net import SafetyNet
 from stabletrain.tasks import build_task, resolve_task_name
-from stabletrain.trainer_checks import resolve_precision, validate_settings
-from stabletrain.trainer_setup import (
+from stabletrain.training import checks, optim
+from stabletrain.training import state as trainer_state
+from stabletrain.training.checks import resolve_precision, validate_settings
+from stabletrain.training.setup import (
     build_debug_callbacks,
     compile_module,
     make_fabric,
     prepare_out_dir,
     write_settings,
 )
+from stabletrain.training.step_log import StepClock, log_step
 from stabletrain.utils.dist import max_over_ranks
 from stabletrain.utils.rng import seed_everything, set_rng_state
 
@@ -111,7 +113,7 @@ class Trainer:
     ``task``, ``console``, ``loggers``; methods ``any_rank``, ``max_over_ranks``,
     ``request_stop``, ``log_event``, ``resolved_settings``, ``checkpoint_state``,
     ``healthy_checkpoint``. ``safety`` holds the guard, checkpoint health and the stop signals
-    (:mod:`stabletrain.safety`).
+    (:mod:`stabletrain.safety.net`).
     """
 
     def __init__(self, settings: TrainSettings, fabric: Any = None):
@@ -134,7 +136,7 @@ class Trainer:
 
     def _check_dataset_size(self, world_size: int) -> list[str]:
         """The loader drops incomplete microbatches: every rank needs at least one full one."""
-        return trainer_checks.dataset_size_problems(self.settings, world_size)
+        return checks.dataset_size_problems(self.settings, world_size)
 
     def _prepare_out_dir(self) -> None:
         prepare_out_dir(self.settings, self.out)
@@ -151,7 +153,7 @@ class Trainer:
         # started by the launcher (rank > 0) skip the out/ checks; rank 0 owns the folder.
         # Without a Fabric no process was launched: this is the first one.
         first = fabric is None or fabric.global_rank == 0
-        problems = trainer_checks.setup_problems(
+        problems = checks.setup_problems(
             self.settings, None if fabric is None else fabric.world_size, is_rank_zero=first,
             fabric_problems=fabric_problems,
         )
@@ -222,7 +224,7 @@ class Trainer:
         if self.sharded:
             self._set_up_sharded(state)
         else:
-            self.optimizer = trainer_optim.build_optimizer(self.model, s.model_args)
+            self.optimizer = optim.build_optimizer(self.model, s.model_args)
             if state is not None:
                 self._load_optimizer_state(state["optimizer"])
             module = compile_module(_TrainingStep(self.model), s.torch_compile_args)
@@ -248,7 +250,7 @@ class Trainer:
         from stabletrain.distributed.checkpoint_state import load_optimizer_checkpoint
 
         self.fabric_module = self.fabric.setup_module(_TrainingStep(self.model))
-        self.optimizer = trainer_optim.build_optimizer(self.model, self.settings.model_args)
+        self.optimizer = optim.build_optimizer(self.model, self.settings.model_args)
         self.fabric_optimizer = self.fabric.setup_optimizers(self.optimizer)
         if state is not None:
             load_optimizer_checkpoint(self.model, self.optimizer, state["optimizer"])
@@ -273,7 +275,7 @@ class Trainer:
 
     def _report_exception(self, exc: BaseException) -> None:
         """Errors that end a run go to train.log too (the console gets them from the CLI)."""
-        from stabletrain.stop_messages import keyboard_interrupt_message
+        from stabletrain.safety.stop_messages import keyboard_interrupt_message
 
         if isinstance(exc, KeyboardInterrupt):
             self.console.info(keyboard_interrupt_message(self))
@@ -283,17 +285,17 @@ class Trainer:
     def resume_advice(self, failing_step: Optional[int] = None) -> str:
         """Where to continue after a failure at ``failing_step``: the newest healthy checkpoint,
         why, and the command to paste (or ``overwrite=true`` when there is none)."""
-        from stabletrain.stop_messages import resume_advice
+        from stabletrain.safety.stop_messages import resume_advice
 
         return resume_advice(self, failing_step)[0]
 
     def healthy_checkpoint(self, before_step: Optional[int] = None) -> Optional[CheckpointInfo]:
-        """The newest checkpoint of this run recorded healthy (see :mod:`stabletrain.checkpoint_health`)."""
+        """The newest checkpoint of this run recorded healthy (see :mod:`stabletrain.safety.checkpoint_health`)."""
         return newest_healthy(checkpoint_dir(self.out), before_step=before_step)
 
     def _load_optimizer_state(self, saved: dict[str, Any]) -> None:
         """Load a checkpoint's optimizer state, keeping this run's hyperparameters (lr, momentum, ...)."""
-        trainer_optim.load_optimizer_state(self.optimizer, saved)
+        optim.load_optimizer_state(self.optimizer, saved)
 
     def resolved_settings(self) -> dict[str, Any]:
         """The settings as run (JSON-compatible): resolved task, precision and world size."""
@@ -320,7 +322,7 @@ class Trainer:
         path = self._save_checkpoint(periodic=False)
         self.callbacks("on_train_end", self)
         if self.safety.interrupted is not None:
-            from stabletrain.stop_messages import interrupt_message
+            from stabletrain.safety.stop_messages import interrupt_message
 
             last = path or checkpoint_dir(self.out) / "last.ckpt"
             text, command = interrupt_message(self, self.safety.interrupted, last)
@@ -385,7 +387,7 @@ class Trainer:
 
     def lr_factor(self, step: int) -> float:
         """Multiplier of each parameter group's base lr at ``step``."""
-        return trainer_optim.lr_factor(self.settings, step)
+        return optim.lr_factor(self.settings, step)
 
     def _set_lr(self, step: int) -> float:
         factor = self.lr_factor(step)

@@ -12,23 +12,13 @@ import os
 from pathlib import Path
 from typing import Any
 
-from stabletrain.checkpoint import checkpoint_dir, fallback_advice, unreadable_reason
-from stabletrain.commands import train_command
 from stabletrain.config import TrainSettings, load_settings, partial_settings
+from stabletrain.data.paths import data_path_problems
 from stabletrain.errors import ConfigError
+from stabletrain.runfiles.checkpoint import checkpoint_dir, fallback_advice, unreadable_reason
+from stabletrain.runfiles.commands import train_command
 
-__all__ = [
-    "IMAGE_DATA_HINT",
-    "TEXT_DATA_HINT",
-    "check_without_torch",
-    "data_path_problems",
-    "out_dir_problems",
-]
-
-TEXT_DATA_HINT = "give a UTF-8 text file, or omit data for the built-in generated text"
-IMAGE_DATA_HINT = (
-    "give a folder with one subfolder of images per class, or omit data for the built-in generated images"
-)
+__all__ = ["check_without_torch", "out_dir_problems"]
 
 #: Environment variables through which launchers (Lightning's, torchrun, SLURM, MPI) give a process its rank.
 _RANK_VARIABLES = ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
@@ -89,32 +79,11 @@ def _launched_as_later_rank() -> bool:
     return False
 
 
-def data_path_problems(task: str, path: Path) -> list[str]:
-    """Whether ``path`` exists and is what ``task`` reads: a text file for the language model,
-    a folder for image classification. What is inside is the task's own check."""
-    if task == "language_model":
-        if not path.exists():
-            return [f"data: file not found: {path} ({TEXT_DATA_HINT})"]
-        if path.is_dir():
-            return [
-                f"data: {path} is a directory, the language model needs a text file ({TEXT_DATA_HINT}; "
-                "for an image folder set model='cnn' or 'torchvision/<name>')"
-            ]
-        if not path.is_file():
-            return [f"data: {path} is not a regular file ({TEXT_DATA_HINT})"]
-    elif task == "image_classification":
-        if not path.exists():
-            return [f"data: folder not found: {path} ({IMAGE_DATA_HINT})"]
-        if not path.is_dir():
-            return [f"data: {path} is not a folder ({IMAGE_DATA_HINT}; for a text file use the language model task)"]
-    return []
-
-
 def out_dir_problems(settings: TrainSettings) -> list[str]:
     """Whether the ``out`` folder can take the run: empty or absent for a new run (or
     ``overwrite``); for ``resume_interrupted`` a whole ``last.ckpt``, for ``resume_from`` a whole
     file. An unreadable checkpoint's problem names the one to continue from instead
-    (:func:`stabletrain.checkpoint.fallback_advice`), with the command."""
+    (:func:`stabletrain.runfiles.checkpoint.fallback_advice`), with the command."""
     s = settings
     out = Path(s.out)
     last = checkpoint_dir(out) / "last.ckpt"

@@ -11,7 +11,7 @@ from torch import nn
 from conftest import LinearData, tiny_lm
 from stabletrain.errors import ConfigError, StabletrainError
 from stabletrain.loggers.jsonl import read_metrics
-from stabletrain.trainer import train
+from stabletrain.training.loop import train
 
 
 def test_outputs_metrics_log_settings_and_checkpoints(tmp_path, capsys):

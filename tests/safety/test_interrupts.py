@@ -16,7 +16,7 @@ import torch
 
 from conftest import cli_env, tiny_lm
 from stabletrain.loggers.jsonl import read_metrics
-from stabletrain.trainer import train
+from stabletrain.training.loop import train
 
 TINY_CLI = [
     "model_args.n_layers=1", "model_args.n_heads=2", "model_args.dim=32", "model_args.context_length=16",
@@ -77,6 +77,7 @@ def reference(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_finishes_the_step_checkpoints_and_the_printed_command_continues_bitwise(
     tmp_path, reference, sig, code

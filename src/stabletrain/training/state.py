@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from stabletrain import __version__
-from stabletrain.checkpoint import checkpoint_dir, list_checkpoints, resume_conflicts
 from stabletrain.errors import ConfigError
+from stabletrain.runfiles.checkpoint import checkpoint_dir, list_checkpoints, resume_conflicts
 from stabletrain.utils.rng import get_rng_state
 from stabletrain.utils.text import shell_path
 
@@ -67,7 +67,7 @@ def check_resume(trainer: Any, state: dict[str, Any], source: Path) -> None:
             f"steps: the checkpoint already holds {int(state['step'])} steps; "
             f"set steps above that to train on (got {settings.steps})"
         )
-    from stabletrain.checkpoint_health import nonfinite_entries
+    from stabletrain.safety.checkpoint_health import nonfinite_entries
 
     bad = nonfinite_entries(state)
     if bad:
@@ -83,7 +83,7 @@ def check_resume(trainer: Any, state: dict[str, Any], source: Path) -> None:
 
 def continue_history(trainer: Any, state: dict[str, Any], source: Path) -> None:
     """Continue the run's history (health, trends) and say where it resumed from."""
-    from stabletrain.run_history import read_run
+    from stabletrain.runfiles.history import read_run
 
     health = state.get("health") if isinstance(state.get("health"), dict) else None
     if health and isinstance(health.get("initial_weight_norm"), float):

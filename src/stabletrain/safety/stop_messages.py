@@ -1,7 +1,7 @@
 """The words a run ends with: where to continue from, and the command that does it.
 
 Every message that recommends a checkpoint names the newest one recorded healthy
-(:func:`stabletrain.checkpoint_health.newest_healthy`) and says why, with a command to paste:
+(:func:`stabletrain.safety.checkpoint_health.newest_healthy`) and says why, with a command to paste:
 ``resume_interrupted=true`` when that checkpoint is ``last.ckpt``'s state, ``resume_from=<file>``
 when it is older, ``overwrite=true`` when the run has none.
 """
@@ -11,10 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-from stabletrain.checkpoint import CheckpointInfo, checkpoint_dir, list_checkpoints, newest_healthy
-from stabletrain.commands import train_command
 from stabletrain.debug import advice
-from stabletrain.debug.guard import ORIGIN_OPTIMIZER, GuardFailure
+from stabletrain.runfiles.checkpoint import CheckpointInfo, checkpoint_dir, list_checkpoints, newest_healthy
+from stabletrain.runfiles.commands import train_command
+from stabletrain.safety.guard import ORIGIN_OPTIMIZER, GuardFailure
 from stabletrain.utils.text import shell_path
 
 
@@ -24,7 +24,7 @@ def _last_step(folder: Path) -> Optional[int]:
     for c in reversed(infos):
         if c.path == last:
             return c.step
-    from stabletrain.checkpoint import read_checkpoint_health
+    from stabletrain.runfiles.checkpoint import read_checkpoint_health
 
     try:
         return read_checkpoint_health(last)[0] if last.is_file() else None
@@ -71,7 +71,7 @@ def resume_advice(trainer: Any, failing_step: Optional[int], extra: Optional[dic
 
 def logged_rows(trainer: Any) -> list[dict[str, Any]]:
     """The run's logged rows so far (from metrics.jsonl, later rows of a step winning)."""
-    from stabletrain.run_history import read_run
+    from stabletrain.runfiles.history import read_run
 
     path = Path(trainer.out) / "metrics.jsonl"
     if not path.is_file():
@@ -154,7 +154,7 @@ def interrupt_message(trainer: Any, signal_name: str, path: Optional[Path]) -> t
                 f"start again with overwrite=true: {command}", command)
     command = train_command(s, resume_interrupted=True)
     text = f"{signal_name}: stopped after step {trainer.step - 1}; checkpoint {path} holds {trainer.step} steps."
-    from stabletrain.checkpoint import read_checkpoint_health
+    from stabletrain.runfiles.checkpoint import read_checkpoint_health
 
     try:
         _, health = read_checkpoint_health(path)

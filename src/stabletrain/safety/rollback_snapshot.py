@@ -2,7 +2,7 @@
 
 :class:`RollbackSnapshots` keeps one CPU copy of the model, optimizer and RNG states, taken every
 ``every`` steps (:meth:`~RollbackSnapshots.maybe_take`); :meth:`~RollbackSnapshots.restore` puts it back
-and returns its step. The trainer's ``on_instability.policy=rollback`` is in :mod:`stabletrain.healing`.
+and returns its step. The trainer's ``on_instability.policy=rollback`` is in :mod:`stabletrain.safety.healing`.
 See docs/self_healing.md.
 """
 

@@ -4,7 +4,7 @@ written or trained.
 :func:`validate_settings` (what ``train()`` calls first) reports pydantic's problems together
 with those of the checks that do not read a rejected value; :func:`setup_problems` is the full
 set, run once Lightning Fabric knows the world size. Each problem names the setting, the value
-and what to do instead. The checks that need no torch live in :mod:`stabletrain.preflight`
+and what to do instead. The checks that need no torch live in :mod:`stabletrain.training.preflight`
 (``stabletrain train`` runs them before it loads torch) and are part of these.
 :func:`settings_warnings` are the valid settings that are probably not what was meant; the
 run's header prints them.
@@ -23,8 +23,8 @@ from stabletrain.config import IMAGE_MODEL_ARGS, LANGUAGE_MODEL_ARGS, TrainSetti
 from stabletrain.data.loader import samples_needed
 from stabletrain.errors import ConfigError
 from stabletrain.loggers import check_loggers
-from stabletrain.preflight import out_dir_problems
 from stabletrain.tasks import check_task, num_samples, resolve_task_name
+from stabletrain.training.preflight import out_dir_problems
 
 #: Settings the task checks (model name, data) read; with one of them rejected they cannot run.
 _TASK_CHECK_KEYS = (

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from conftest import LinearData, cli_env, tiny_lm
-from stabletrain.checkpoint import CheckpointError, load_checkpoint
 from stabletrain.errors import ConfigError
 from stabletrain.loggers.jsonl import read_metrics
-from stabletrain.trainer import train
+from stabletrain.runfiles.checkpoint import CheckpointError, load_checkpoint
+from stabletrain.training.loop import train
 
 # Dropout on and accumulation 2, so that RNG and data position both matter.
 RESUME = tiny_lm(
@@ -230,7 +230,7 @@ def test_checkpoint_loads_safely_and_rejects_bad_files(tmp_path):
             return (print, ("code ran",))
 
     evil = tmp_path / "evil.ckpt"
-    torch.save({"format": "stabletrain.checkpoint", "version": 1, "x": Evil()}, evil)
+    torch.save({"format": "stabletrain.runfiles.checkpoint", "version": 1, "x": Evil()}, evil)
     with pytest.raises(CheckpointError, match="cannot read checkpoint"):
         load_checkpoint(evil)
 
@@ -240,7 +240,7 @@ def test_checkpoint_loads_safely_and_rejects_bad_files(tmp_path):
         load_checkpoint(other)
 
     newer = tmp_path / "newer.ckpt"
-    torch.save({"format": "stabletrain.checkpoint", "version": 99}, newer)
+    torch.save({"format": "stabletrain.runfiles.checkpoint", "version": 99}, newer)
     with pytest.raises(CheckpointError, match="newer stabletrain"):
         load_checkpoint(newer)
 
