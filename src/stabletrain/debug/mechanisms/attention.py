@@ -1,0 +1,167 @@
+"""Attention statistics: the max pre-softmax logit and the mean entropy, from attention logits.
+
+Two sources, both seen by :mod:`~stabletrain.debug.mechanisms.probes`:
+
+* a softmax over the last dimension inside an attention module (eager attention, which
+  materialises the logits): :func:`softmax_stats` reads the softmax's input;
+* ``F.scaled_dot_product_attention``, which never materialises them: :func:`sdpa_stats`
+  computes ``q @ k^T * scale`` (plus the mask or the causal pattern) once more, on logged steps.
+
+Which module is an attention module is :func:`is_attention_module`. An entry is *masked* when
+the mask excludes it (a boolean mask's False, the causal pattern) or when its logit is -inf or
+at most half the most negative finite value of the logits' dtype (an additive mask of
+``finfo.min``, as the built-in LM and Hugging Face's eager attention use); masked entries are
+left out of the max, and a query whose keys are all masked is left out of the entropy mean.
+Everything stays on the device; the logits are processed in chunks of queries so that the
+statistics never hold more than about :data:`CHUNK_ELEMENTS` float32 values per temporary.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+#: Logit entries per chunk (16 MiB as float32); a few temporaries of this size live at once.
+CHUNK_ELEMENTS = 1 << 22
+
+
+def is_attention_module(module: nn.Module) -> bool:
+    """The rule for "an attention module": ``nn.MultiheadAttention``, or a class whose name
+    contains ``attention`` or ``attn`` (any case): ``GPT2Attention``, ``LlamaAttention``,
+    ``BertSelfAttention``, ``CausalSelfAttention``, timm's ``Attention``, ``SelfAttn``."""
+    if isinstance(module, nn.MultiheadAttention):
+        return True
+    name = type(module).__name__.lower()
+    return "attention" in name or "attn" in name
+
+
+@dataclass
+class AttentionStats:
+    """Running statistics of one module (float32 device scalars).
+
+    Attributes:
+        logit_max: Largest unmasked logit seen.
+        entropy_sum: Sum of the per-query entropies (nats) of the queries counted.
+        rows: Number of queries counted (batch x heads x queries with an unmasked key).
+    """
+
+    logit_max: Tensor
+    entropy_sum: Tensor
+    rows: Tensor
+
+    def merge(self, other: "AttentionStats") -> "AttentionStats":
+        other_max = other.logit_max.to(self.logit_max.device)
+        # torch.maximum propagates NaN: a NaN logit anywhere stays visible.
+        return AttentionStats(
+            torch.maximum(self.logit_max, other_max),
+            self.entropy_sum + other.entropy_sum.to(self.entropy_sum.device),
+            self.rows + other.rows.to(self.rows.device),
+        )
+
+    def entropy_mean(self) -> Tensor:
+        """Mean entropy per query (NaN when no query was counted)."""
+        return self.entropy_sum / self.rows
+
+
+def masked_below(dtype: torch.dtype) -> float:
+    """Logits at or below this are masked: half the most negative finite value of ``dtype``."""
+    return torch.finfo(dtype).min / 2 if dtype.is_floating_point else -math.inf
+
+
+def scores_stats(scores: Tensor, valid: Optional[Tensor]) -> AttentionStats:
+    """Statistics of one block of float32 logits ``(..., queries, keys)``.
+
+    Args:
+        scores: The logits as the softmax receives them.
+        valid: Boolean, broadcastable to ``scores``: True where an entry takes part; None: all do.
+    """
+    x = scores if valid is None else scores.masked_fill(~valid, -math.inf)
+    logit_max = x.amax()
+    logp = torch.log_softmax(x, dim=-1)
+    plogp = logp.exp() * logp
+    if valid is None:
+        entropy = -plogp.sum(dim=-1)
+        rows = torch.full((), entropy.numel(), dtype=torch.float32, device=scores.device)
+        return AttentionStats(logit_max, entropy.sum(), rows)
+    # Masked entries give 0 * -inf = NaN: they contribute nothing. A query whose keys are all
+    # masked has no distribution at all and is not counted.
+    entropy = -torch.where(valid, plogp, 0.0).sum(dim=-1)
+    counted = valid.any(dim=-1).expand(entropy.shape)
+    entropy_sum = torch.where(counted, entropy, 0.0).sum()
+    return AttentionStats(logit_max, entropy_sum, counted.sum().float())
+
+
+def _rows_per_chunk(lead: int, keys: int) -> int:
+    return max(1, CHUNK_ELEMENTS // max(1, lead * keys))
+
+
+def _merge(acc: Optional[AttentionStats], new: AttentionStats) -> AttentionStats:
+    return new if acc is None else acc.merge(new)
+
+
+def softmax_stats(scores: Tensor) -> AttentionStats:
+    """Statistics of the logits a softmax over the last dimension receives (eager attention)."""
+    if scores.ndim < 2:
+        scores = scores.reshape(1, -1)
+    threshold = masked_below(scores.dtype)
+    queries, keys = scores.shape[-2], scores.shape[-1]
+    step = _rows_per_chunk(scores.numel() // max(1, queries * keys), keys)
+    acc: Optional[AttentionStats] = None
+    for start in range(0, queries, step):
+        block = scores[..., start : start + step, :].float()
+        # NaN is not <= anything: a NaN logit stays in, and shows.
+        acc = _merge(acc, scores_stats(block, ~(block <= threshold)))
+    assert acc is not None, "a softmax over zero queries"
+    return acc
+
+
+def sdpa_stats(
+    query: Tensor,
+    key: Tensor,
+    attn_mask: Optional[Tensor] = None,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+) -> AttentionStats:
+    """Statistics of the logits ``F.scaled_dot_product_attention(query, key, ...)`` computes.
+
+    The logits are ``query @ key^T * scale`` (``scale`` defaults to ``1/sqrt(head_dim)``), plus
+    a float ``attn_mask``; a boolean ``attn_mask`` keeps the entries where it is True and
+    ``is_causal`` keeps key ``j <= i`` for query ``i`` (the top-left aligned triangle SDPA uses).
+    The product is computed in the inputs' dtype (bfloat16 and float32 as they are; float16 in
+    float32, where the raw product could overflow), then in float32.
+    """
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.shape[-1])
+    if enable_gqa and key.shape[-3] != query.shape[-3]:
+        key = key.repeat_interleave(query.shape[-3] // key.shape[-3], dim=-3)
+    dtype = torch.float32 if query.dtype == torch.float16 else query.dtype
+    q = query.to(dtype)
+    kt = key.to(dtype).transpose(-2, -1)
+    threshold = masked_below(query.dtype)
+    queries, keys = q.shape[-2], kt.shape[-1]
+    lead = max(math.prod(q.shape[:-2]), math.prod(kt.shape[:-2]))
+    step = _rows_per_chunk(lead, keys)
+    acc: Optional[AttentionStats] = None
+    for start in range(0, queries, step):
+        stop = min(queries, start + step)
+        scores = (q[..., start:stop, :] @ kt).float() * scale
+        valid = None
+        if attn_mask is not None:
+            mask = attn_mask if attn_mask.ndim < 2 or attn_mask.shape[-2] == 1 else attn_mask[..., start:stop, :]
+            if mask.dtype == torch.bool:
+                valid = mask
+            else:
+                scores = scores + mask.float()
+                valid = ~(scores <= threshold)
+        if is_causal:
+            rows = torch.arange(start, stop, device=scores.device)[:, None]
+            causal = rows >= torch.arange(keys, device=scores.device)[None, :]
+            valid = causal if valid is None else valid & causal
+        acc = _merge(acc, scores_stats(scores, valid))
+    assert acc is not None, "attention over zero queries"
+    return acc
