@@ -72,27 +72,26 @@ def masked_below(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).min / 2 if dtype.is_floating_point else -math.inf
 
 
-def scores_stats(scores: Tensor, valid: Optional[Tensor]) -> AttentionStats:
-    """Statistics of one block of float32 logits ``(..., queries, keys)``.
+def scores_stats(scores: Tensor, threshold: float) -> AttentionStats:
+    """Statistics of one block of float32 logits ``(..., queries, keys)`` whose masked entries
+    hold -inf or a value at or below ``threshold`` (see :func:`masked_below`).
 
-    Args:
-        scores: The logits as the softmax receives them.
-        valid: Boolean, broadcastable to ``scores``: True where an entry takes part; None: all do.
+    A query counts when one of its keys is unmasked: then its largest logit is an unmasked one
+    (a masked value lies far below any other), and so no mask needs to be built.
     """
-    x = scores if valid is None else scores.masked_fill(~valid, -math.inf)
-    logit_max = x.amax()
-    logp = torch.log_softmax(x, dim=-1)
-    plogp = logp.exp() * logp
-    if valid is None:
-        entropy = -plogp.sum(dim=-1)
-        rows = torch.full((), entropy.numel(), dtype=torch.float32, device=scores.device)
-        return AttentionStats(logit_max, entropy.sum(), rows)
-    # Masked entries give 0 * -inf = NaN: they contribute nothing. A query whose keys are all
-    # masked has no distribution at all and is not counted.
-    entropy = -torch.where(valid, plogp, 0.0).sum(dim=-1)
-    counted = valid.any(dim=-1).expand(entropy.shape)
-    entropy_sum = torch.where(counted, entropy, 0.0).sum()
-    return AttentionStats(logit_max, entropy_sum, counted.sum().float())
+    row_max = scores.amax(dim=-1)
+    counted = ~(row_max <= threshold)  # a NaN logit is no mask: its query counts, and shows
+    # softmax rather than exp(log_softmax): exp of the huge negative logs of masked entries is
+    # several times slower on a CPU. Masked keys get p = 0 exactly; the clamp keeps 0 * log p at 0
+    # where log p is -inf.
+    logp = torch.log_softmax(scores, dim=-1).clamp_min_(torch.finfo(scores.dtype).min)
+    plogp = torch.softmax(scores, dim=-1).mul_(logp)
+    entropy = -plogp.sum(dim=-1)
+    return AttentionStats(
+        torch.where(counted, row_max, -math.inf).amax(),
+        torch.where(counted, entropy, 0.0).sum(),
+        counted.sum().float(),
+    )
 
 
 def _rows_per_chunk(lead: int, keys: int) -> int:
@@ -112,9 +111,7 @@ def softmax_stats(scores: Tensor) -> AttentionStats:
     step = _rows_per_chunk(scores.numel() // max(1, queries * keys), keys)
     acc: Optional[AttentionStats] = None
     for start in range(0, queries, step):
-        block = scores[..., start : start + step, :].float()
-        # NaN is not <= anything: a NaN logit stays in, and shows.
-        acc = _merge(acc, scores_stats(block, ~(block <= threshold)))
+        acc = _merge(acc, scores_stats(scores[..., start : start + step, :].float(), threshold))
     assert acc is not None, "a softmax over zero queries"
     return acc
 
@@ -150,18 +147,15 @@ def sdpa_stats(
     for start in range(0, queries, step):
         stop = min(queries, start + step)
         scores = (q[..., start:stop, :] @ kt).float() * scale
-        valid = None
         if attn_mask is not None:
             mask = attn_mask if attn_mask.ndim < 2 or attn_mask.shape[-2] == 1 else attn_mask[..., start:stop, :]
             if mask.dtype == torch.bool:
-                valid = mask
+                scores = scores.masked_fill(~mask, -math.inf)
             else:
                 scores = scores + mask.float()
-                valid = ~(scores <= threshold)
         if is_causal:
             rows = torch.arange(start, stop, device=scores.device)[:, None]
-            causal = rows >= torch.arange(keys, device=scores.device)[None, :]
-            valid = causal if valid is None else valid & causal
-        acc = _merge(acc, scores_stats(scores, valid))
+            scores = scores.masked_fill(rows < torch.arange(keys, device=scores.device)[None, :], -math.inf)
+        acc = _merge(acc, scores_stats(scores, threshold))
     assert acc is not None, "attention over zero queries"
     return acc
