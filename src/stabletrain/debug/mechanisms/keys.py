@@ -41,13 +41,14 @@ KEYS: dict[str, str] = {
     ATTN_ENTROPY_MIN: "smallest attn_entropy over the attention modules",
     OUTPUT_LOGSUMEXP: "output logits' log-partition: logsumexp over the class dimension, averaged over the rows "
                       "that enter the loss (rows whose target is ignore_index left out)",
-    OUTPUT_LOGIT_ABSMAX: "largest |logit| over the same rows",
+    OUTPUT_LOGIT_ABSMAX: "largest absolute logit over the same rows",
     f"{WEIGHT_RMS}/<group>": "root mean square of the group's parameters after the step",
-    f"{UPDATE_RMS}/<group>": "relative update of the step, ||w_after - w_before|| / ||w_before|| over the group",
-    UPDATE_RMS_MAX: "largest relative update ||dw|| / ||w_before|| of one parameter tensor (tensors whose weights "
+    f"{UPDATE_RMS}/<group>": "relative update of the step over the group: norm(w_after - w_before) / norm(w_before), "
+                             "the update's RMS over the weights' RMS",
+    UPDATE_RMS_MAX: "largest relative update norm(dw) / norm(w_before) of one parameter tensor (tensors whose weights "
                     "were all zero before the step left out)",
     UPDATE_RMS_ARGMAX: "which tensor that is: its position in the parameters list of the run's "
-                       "mechanism_signals event",
+                       "mechanism_signals event (from 0)",
     ADAM_EPS_FRACTION: "Adam family: fraction of second-moment entries whose bias-corrected sqrt(v_hat) is below "
                        "eps (the update of such an entry is damped by eps rather than normalised)",
 }
