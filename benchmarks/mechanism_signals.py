@@ -12,6 +12,9 @@ the cost the signals put on that step.
 
 Host synchronisations (counted with ``stabletrain.utils.sync``): per step of
 ``stabletrain.train`` with the signals on and off (goal: the same on every step, logged or not).
+On a GPU, also the synchronising CUDA calls of one logged step of each copy, counted with
+``torch.cuda.set_sync_debug_mode("warn")``, which sees what the counter cannot (e.g. a blocking
+copy of a CPU tensor to the GPU); goal: as many with the signals as without.
 
     python benchmarks/mechanism_signals.py [--rounds 30] [--log-every 10] [--device cpu|cuda]
 """
@@ -108,6 +111,22 @@ def logged_step_alone(variants: dict[str, Callable[[bool], None]], n: int, sync:
     return out
 
 
+def cuda_syncs_of_a_logged_step(step: Callable[[bool], None]) -> int:
+    """Synchronising CUDA calls of one logged step (its one read included), as torch's sync
+    debug mode reports them."""
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step(True)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
 def trainer_syncs(signals: bool, device: str) -> dict[int, int]:
     counter = SyncsPerStep()
     with tempfile.TemporaryDirectory() as tmp:
@@ -154,6 +173,10 @@ def main() -> None:
               f"logged {[c[s] for s in logged_steps]}")
     added = max(counts[True][s] - counts[False][s] for s in range(12))
     print(f"added by the signals, any step: {added} (goal 0)")
+    if torch.device(ns.device).type == "cuda":
+        cuda = {name: cuda_syncs_of_a_logged_step(step) for name, step in variants.items()}
+        print(f"synchronising CUDA calls in a logged step: plain {cuda['plain']}, signals {cuda['signals']} "
+              "(goal: equal)")
 
 
 if __name__ == "__main__":
