@@ -41,8 +41,9 @@ class MechanismSignals:
         s = trainer.settings
         settings = self._settings or s.debug_args.mechanisms
         self._trainer = trainer
-        self.monitor = MechanismMonitor(trainer.model, probes=s.torch_compile_args.disable,
-                                        updates=settings.updates, report=self._report)
+        task = getattr(trainer, "task", None)
+        self.monitor = MechanismMonitor(trainer.model, probes=s.torch_compile_args.disable, updates=settings.updates,
+                                        report=self._report, model_name=getattr(task, "model_name", "") or None)
         if not s.torch_compile_args.disable:
             self.monitor.notice(f"{keys.ATTENTION_KEYS}, {keys.OUTPUT_KEYS}",
                                  "torch_compile_args.disable=false: the probes run Python inside the forward pass, "

@@ -53,6 +53,7 @@ class MechanismMonitor:
         updates: Measure the relative update (keeps one copy of the parameters).
         report: Called once with each :class:`Notice` (what cannot be measured, and why);
             default: a warning on the ``stabletrain`` logger.
+        model_name: How notices name the model; default: its class name.
 
     Example::
 
@@ -77,8 +78,10 @@ class MechanismMonitor:
         probes: bool = True,
         updates: bool = True,
         report: Optional[Callable[[Notice], None]] = None,
+        model_name: Optional[str] = None,
     ):
         self.model = model
+        self.model_name = model_name or type(model).__name__
         self.report = report or (lambda notice: _log.warning("stabletrain signals: %s", notice.text))
         self.notices: list[Notice] = []
         self.armed = False
@@ -90,8 +93,8 @@ class MechanismMonitor:
         self.probes: Optional[SignalProbes] = None
         if probes and hasattr(model, "_orig_mod"):
             self.notice(f"{keys.ATTENTION_KEYS}, {keys.OUTPUT_KEYS}",
-                         f"{type(model).__name__} is torch.compile'd: the probes run Python inside the forward, "
-                         "which a compiled graph does not")
+                        f"{self.model_name} is torch.compile'd: the probes run Python inside the forward, "
+                        "which a compiled graph does not")
         elif probes:
             self.probes = SignalProbes(self._module_names, lambda text: self.notice("the signals of that call", text))
         self.updates: Optional[UpdateStats] = None
@@ -237,7 +240,7 @@ class MechanismMonitor:
 
     def _check_found(self) -> None:
         """After the first probed step: name what could not be found (once each)."""
-        model = type(self.model).__name__
+        model = self.model_name
         if self.probes is not None and self._probed and "probes" not in self._checked:
             self._checked.add("probes")
             if not self.probes.attention:
