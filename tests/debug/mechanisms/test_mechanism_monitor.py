@@ -262,3 +262,21 @@ def test_close_removes_the_hooks_and_the_mode():
     assert not torch.overrides._get_current_function_mode_stack()
     assert not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
     copy.deepcopy(optimizer)  # nothing of the monitor is left in it
+
+
+def test_keys_hold_only_characters_every_logger_accepts():
+    """The model itself is ':root' and group names are cleaned: MLflow refuses '<', '>' and more."""
+    from mlflow.utils.validation import _validate_metric_name  # what MLflow checks each key with
+
+    mha = nn.MultiheadAttention(8, 2, batch_first=True)
+    optimizer = torch.optim.AdamW([{"params": mha.parameters(), "name": "attn <all>"}], lr=1e-3)
+    with MechanismMonitor(mha, optimizer, report=lambda n: None) as monitor:
+        monitor.begin_step(log=True)
+        x = torch.randn(2, 5, 8)
+        mha(x, x, x)[0].sum().backward()
+        optimizer.step()
+        monitor.after_step()
+        values = monitor.values()
+    assert "signals/attn_logit_max/:root" in values and "signals/weight_rms/attn _all_" in values
+    for key in values:
+        _validate_metric_name(key)
