@@ -154,3 +154,25 @@ def test_output_logits_class_dim_one_of_a_segmentation_input():
     ref = torch.logsumexp(logits.double(), dim=1)
     assert stats.lse_mean().item() == pytest.approx(ref.mean().item(), rel=1e-6)
     assert stats.rows.item() == 24
+
+
+def test_a_call_beyond_the_budget_is_measured_on_evenly_spaced_queries_then_samples(monkeypatch):
+    from stabletrain.debug.mechanisms.attention import subset_strides
+
+    q, k = _qk(b=4, h=2, lq=12, s=12)
+    scores = q.double() @ k.double().transpose(-2, -1) / math.sqrt(8)
+    causal = torch.ones(12, 12, dtype=torch.bool).tril()
+    full = sdpa_stats(q, k, is_causal=True)
+    for budget, strides in ((4 * 2 * 12 * 12, (1, 1)), (4 * 2 * 4 * 12, (1, 3)), (2 * 2 * 1 * 12, (2, 12))):
+        monkeypatch.setattr(attention_module, "CALL_BUDGET", budget)
+        assert subset_strides(4, 8, 12, 12) == strides
+        b, s = strides
+        best, entropy = reference(scores[::b, :, ::s], causal[::s])
+        for stats in (sdpa_stats(q, k, is_causal=True),
+                      softmax_stats((q @ k.transpose(-2, -1) / math.sqrt(8)).masked_fill(~causal, -math.inf))):
+            assert stats.logit_max.item() == pytest.approx(best, rel=1e-5), strides
+            assert stats.entropy_mean().item() == pytest.approx(entropy, rel=1e-5), strides
+            assert stats.rows.item() == (4 // b) * 2 * len(range(0, 12, s))
+    # Within the budget nothing is left out.
+    monkeypatch.setattr(attention_module, "CALL_BUDGET", 1 << 24)
+    assert full.rows.item() == 4 * 2 * 12

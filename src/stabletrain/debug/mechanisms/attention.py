@@ -13,7 +13,9 @@ at most half the most negative finite value of the logits' dtype (an additive ma
 ``finfo.min``, as the built-in LM and Hugging Face's eager attention use); masked entries are
 left out of the max, and a query whose keys are all masked is left out of the entropy mean.
 Everything stays on the device; the logits are processed in chunks of queries so that the
-statistics never hold more than about :data:`CHUNK_ELEMENTS` float32 values per temporary.
+statistics never hold more than about :data:`CHUNK_ELEMENTS` float32 values per temporary, and a
+call with more than :data:`CALL_BUDGET` logits is measured on evenly spaced queries (then
+samples): its max is then the max over those, its entropy their mean.
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ from torch import Tensor, nn
 
 #: Logit entries per chunk (16 MiB as float32); a few temporaries of this size live at once.
 CHUNK_ELEMENTS = 1 << 22
+#: Logits the statistics of one attention call cover at most (16.8M, e.g. 8 samples x 32 heads x
+#: 256 queries x 256 keys): beyond, evenly spaced queries of every sample and head are measured
+#: (then every n-th sample), so that a long context costs a bounded amount.
+CALL_BUDGET = 1 << 24
 
 
 def is_attention_module(module: nn.Module) -> bool:
@@ -102,13 +108,33 @@ def _merge(acc: Optional[AttentionStats], new: AttentionStats) -> AttentionStats
     return new if acc is None else acc.merge(new)
 
 
+def subset_strides(batch: int, lead: int, queries: int, keys: int) -> tuple[int, int]:
+    """``(sample stride, query stride)`` that keep one call's ``lead x queries x keys`` logits
+    within :data:`CALL_BUDGET`: evenly spaced queries first, then every n-th sample."""
+    total = lead * queries * keys
+    if total <= CALL_BUDGET:
+        return 1, 1
+    q_stride = min(queries, math.ceil(total / CALL_BUDGET))
+    rest = lead * math.ceil(queries / q_stride) * keys
+    return (min(batch, math.ceil(rest / CALL_BUDGET)) if rest > CALL_BUDGET else 1), q_stride
+
+
+def _every(t: Tensor, stride: int, ndim: int) -> Tensor:
+    """Every ``stride``-th sample of ``t`` when its first dimension is the batch of an ``ndim`` input."""
+    return t[::stride] if stride > 1 and t.ndim == ndim and t.shape[0] > 1 else t
+
+
 def softmax_stats(scores: Tensor) -> AttentionStats:
     """Statistics of the logits a softmax over the last dimension receives (eager attention)."""
     if scores.ndim < 2:
         scores = scores.reshape(1, -1)
     threshold = masked_below(scores.dtype)
     queries, keys = scores.shape[-2], scores.shape[-1]
-    step = _rows_per_chunk(scores.numel() // max(1, queries * keys), keys)
+    lead = scores.numel() // max(1, queries * keys)
+    b_stride, q_stride = subset_strides(scores.shape[0] if scores.ndim > 2 else 1, lead, queries, keys)
+    scores = _every(scores, b_stride, scores.ndim)[..., ::q_stride, :]
+    queries, lead = scores.shape[-2], scores.numel() // max(1, scores.shape[-2] * keys)
+    step = _rows_per_chunk(lead, keys)
     acc: Optional[AttentionStats] = None
     for start in range(0, queries, step):
         acc = _merge(acc, scores_stats(scores[..., start : start + step, :].float(), threshold))
@@ -136,16 +162,23 @@ def sdpa_stats(
         scale = 1.0 / math.sqrt(query.shape[-1])
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         key = key.repeat_interleave(query.shape[-3] // key.shape[-3], dim=-3)
+    queries, keys = query.shape[-2], key.shape[-2]
+    lead = max(math.prod(query.shape[:-2]), math.prod(key.shape[:-2]))
+    ndim = max(query.ndim, key.ndim)
+    b_stride, q_stride = subset_strides(query.shape[0] if ndim > 2 else 1, lead, queries, keys)
     dtype = torch.float32 if query.dtype == torch.float16 else query.dtype
-    q = query.to(dtype)
-    kt = key.to(dtype).transpose(-2, -1)
+    q = _every(query, b_stride, ndim)[..., ::q_stride, :].to(dtype)
+    kt = _every(key, b_stride, ndim).to(dtype).transpose(-2, -1)
+    if attn_mask is not None:
+        attn_mask = _every(attn_mask, b_stride, ndim)
+        if attn_mask.ndim >= 2 and attn_mask.shape[-2] != 1:
+            attn_mask = attn_mask[..., ::q_stride, :]
+    positions = torch.arange(0, queries, q_stride, device=q.device)  # the queries measured
     threshold = masked_below(query.dtype)
-    queries, keys = q.shape[-2], kt.shape[-1]
-    lead = max(math.prod(q.shape[:-2]), math.prod(kt.shape[:-2]))
-    step = _rows_per_chunk(lead, keys)
+    step = _rows_per_chunk(max(math.prod(q.shape[:-2]), math.prod(kt.shape[:-2])), keys)
     acc: Optional[AttentionStats] = None
-    for start in range(0, queries, step):
-        stop = min(queries, start + step)
+    for start in range(0, q.shape[-2], step):
+        stop = min(q.shape[-2], start + step)
         scores = (q[..., start:stop, :] @ kt).float() * scale
         if attn_mask is not None:
             mask = attn_mask if attn_mask.ndim < 2 or attn_mask.shape[-2] == 1 else attn_mask[..., start:stop, :]
@@ -154,7 +187,7 @@ def sdpa_stats(
             else:
                 scores = scores + mask.float()
         if is_causal:
-            rows = torch.arange(start, stop, device=scores.device)[:, None]
+            rows = positions[start:stop, None]
             scores = scores.masked_fill(rows < torch.arange(keys, device=scores.device)[None, :], -math.inf)
         acc = _merge(acc, scores_stats(scores, threshold))
     assert acc is not None, "attention over zero queries"
