@@ -16,7 +16,9 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from stabletrain.debug.mechanisms.attention import CHUNK_ELEMENTS
+#: Logits per chunk: logsumexp makes one temporary of its input's size; bigger chunks than the
+#: attention's because a language model's vocabulary makes rows long (128K logits) and many.
+CHUNK_ELEMENTS = 1 << 26
 
 
 @dataclass
