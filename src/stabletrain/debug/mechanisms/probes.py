@@ -175,7 +175,7 @@ class SignalProbes(TorchFunctionMode):
             attn_mask=_arg(args, kwargs, 3, "attn_mask"),
             is_causal=bool(_arg(args, kwargs, 5, "is_causal", False)),
             scale=_arg(args, kwargs, 6, "scale"),
-            enable_gqa=bool(kwargs.get("enable_gqa", False)),
+            enable_gqa=bool(_arg(args, kwargs, 7, "enable_gqa", False)),
         )
 
     def _add_attention(self, module: Optional[nn.Module], stats: AttentionStats) -> None:
