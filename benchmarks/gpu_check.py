@@ -15,11 +15,12 @@ Sections, each printing PASS / FAIL / SKIP lines with the numbers behind them:
    must be DTensors (FSDP2's ``fully_shard``) and its step-0 loss and gradient_norm must equal a
    plain single-GPU run's (rel 1e-3). SKIP with stabletrain's ConfigError when it refuses the setting.
 4. ``overhead``: the benchmark scripts of this folder on the device: ``nancapture_overhead.py
-   --rounds 30``, ``underflow_overflow_overhead.py --rounds 12``, ``guard_overhead.py --rounds 60``
-   (each with ``--device``; 3, 2 and 4 rounds with ``--device cpu``), 240 s at most each. The
-   added host syncs per step decide PASS / FAIL (goals: nancapture +1, underflow_overflow <= 2,
-   guard 0); the step-time ratios are printed against their CPU goals but do not fail the check
-   (timings scatter). LightlyTrain as a peer: only if
+   --rounds 30``, ``underflow_overflow_overhead.py --rounds 12``, ``guard_overhead.py --rounds 60``,
+   ``mechanism_signals.py --rounds 30`` (each with ``--device``; 3, 2, 4 and 2 rounds with
+   ``--device cpu``), 240 s at most each. The added host syncs per step decide PASS / FAIL (goals:
+   nancapture +1, underflow_overflow <= 2, guard 0, mechanism signals 0 and, on the GPU, no
+   synchronising CUDA call added to a logged step); the step-time ratios are printed against
+   their CPU goals but do not fail the check (timings scatter). LightlyTrain as a peer: only if
    ``import lightly_train`` works, else SKIP.
 
 On an H200 the whole run should take 2-4 minutes (not measured yet). Without CUDA every section
@@ -267,6 +268,7 @@ def section_overhead(ck: Checks, device: str, tmp: Path) -> None:
         ("nancapture_overhead.py", 30, 3),
         ("underflow_overflow_overhead.py", 12, 2),
         ("guard_overhead.py", 60, 4),
+        ("mechanism_signals.py", 30, 2),
     ]
     for script, gpu_rounds, cpu_rounds in benches:
         rounds = gpu_rounds if device == "cuda" else cpu_rounds
@@ -298,6 +300,8 @@ def section_overhead(ck: Checks, device: str, tmp: Path) -> None:
             ck.check(f"underflow_overflow overhead on {device}", int(ours[3]) <= 2,
                      f"stabletrain {ours[2]}x median step time (CPU goal <= 1.15x; not a pass condition), "
                      f"+{ours[3]} host syncs per step (goal <= 2){peer}")
+        elif script == "mechanism_signals.py":
+            check_mechanism_signals(ck, device, out)
         else:
             alone = find(r"calls alone: ([\d.]+) ms/step = ([\d.]+)% .*-> ([\d.]+)x", out)
             added = find(r"added by the guard, any step: (\d+) \(nancapture off\), (\d+) \(nancapture on\); "
@@ -311,6 +315,22 @@ def section_overhead(ck: Checks, device: str, tmp: Path) -> None:
                      f"not a pass condition); host syncs added {added[1]} / {added[2]} (nancapture off / on), "
                      f"nancapture +{added[3]} (goals 0, 0, +1)")
     lightly_train_peer(ck)
+
+
+def check_mechanism_signals(ck: Checks, device: str, out: str) -> None:
+    """PASS when the signals add no host sync on any step of stabletrain.train and, on a GPU, no
+    synchronising CUDA call to a logged step; the step-time ratio is printed, not judged."""
+    ratio = find(r"median over rounds ([\d.]+)x", out)
+    added = find(r"added by the signals, any step: (-?\d+)", out)
+    cuda = find(r"synchronising CUDA calls in a logged step: plain (\d+), signals (\d+)", out)
+    name = f"mechanism signals overhead on {device}"
+    if not (ratio and added and (cuda or device != "cuda")):
+        ck.check(name, False, "could not read its figures (output above)")
+        return
+    ok = int(added[1]) == 0 and (cuda is None or cuda[1] == cuda[2])
+    sync_text = f"; synchronising CUDA calls in a logged step {cuda[1]} -> {cuda[2]} (goal equal)" if cuda else ""
+    ck.check(name, ok, f"{float(ratio[1]):.3f}x median step time at one logged step in 10 (CPU goal <= 1.02x; not a "
+                       f"pass condition); host syncs added on any step {added[1]} (goal 0){sync_text}")
 
 
 def lightly_train_peer(ck: Checks) -> None:

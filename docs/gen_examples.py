@@ -133,6 +133,7 @@ RUNS: dict[str, Run] = {
     "ddp-replay": Run(("stabletrain replay out/ddp/debug/nan_capture --model train.py:Net",), needs=("ddp-train",)),
     "fsdp": Run(("stabletrain train out=out/fsdp strategy=fsdp devices=2 accelerator=cpu steps=40 "
                  "model_args.warmup_steps=4",)),
+    "mechanisms-plain": Run(("python example.py",), files={"example.py": Example("mechanisms")}, cheap=True),
 }
 
 
@@ -319,6 +320,17 @@ def _trend_alert(kind: str, signal: str) -> Callable[[dict], bool]:
 LAYER_KEYS = ["step", "loss", "gradient_norm", "lr", "gradient_norm/tok_emb.weight", "gradient_norm/pos_emb.weight",
               "gradient_norm/blocks.0.ln1.weight", "gradient_norm/blocks.0.attn", "gradient_norm/blocks"]
 
+#: The keys of a metrics row docs/training.md shows (the signals/... keys after them are in docs/mechanisms.md).
+DEMO_KEYS = ["step", "loss", "gradient_norm", "lr", "epoch", "samples", "elapsed_s", "steps_per_s", "samples_per_s",
+             "eta_s"]
+#: The signals/... keys of the default language model shown in docs/mechanisms.md.
+MECHANISM_KEYS = ["step", "loss", *(f"signals/{k}/blocks.{i}.attn" for i in (0, 1) for k in ("attn_logit_max",
+                                                                                           "attn_entropy")),
+                  *(f"signals/{k}" for k in ("attn_logit_max", "attn_entropy_min", "output_logsumexp",
+                                             "output_logit_absmax", "weight_rms/decay", "weight_rms/no_decay",
+                                             "update_rms/decay", "update_rms/no_decay", "update_rms_max",
+                                             "update_rms_argmax", "adam_eps_fraction"))]
+
 BLOCKS: dict[str, Block] = {
     # README.md and docs/index.md: the tour
     "tour-train": console("demo", trim=head_tail(3, 1)),
@@ -330,7 +342,8 @@ BLOCKS: dict[str, Block] = {
     "tour-resume": console("resume", trim=head_tail(3, 1)),
     # docs/training.md
     "train-demo": console("demo", trim=head_tail(5, 2)),
-    "demo-metrics-row": metrics_row("demo", "out/demo/metrics.jsonl", lambda r: r.get("step") == 10 and "loss" in r),
+    "demo-metrics-row": metrics_row("demo", "out/demo/metrics.jsonl", lambda r: r.get("step") == 10 and "loss" in r,
+                                    keys=DEMO_KEYS),
     "settings-errors": console("settings-errors", "settings-errors-2", exact=True),
     "settings-small-data": console("settings-small-data", exact=True),
     "own-model": output_only("own-model", trim=head_tail(3, 2)),
@@ -367,6 +380,10 @@ BLOCKS: dict[str, Block] = {
     "resume": console("resume", trim=head_tail(4, 1)),
     # docs/distributed.md
     "fsdp-run": output_only("fsdp", trim=pick(r"^All distributed", r"^task ", r"^step ", r"^Done")),
+    # docs/mechanisms.md
+    "mechanisms-row": metrics_row("demo", "out/demo/metrics.jsonl", lambda r: r.get("step") == 0 and "loss" in r,
+                                  keys=MECHANISM_KEYS, digits=3),
+    "mechanisms-plain": console("mechanisms-plain"),
 }
 
 

@@ -2,7 +2,7 @@
 
 Public API, imported lazily (``import stabletrain`` is cheap and has no side effects): ``train``,
 ``compute_grad_norm``, ``load_nan_capture``, ``UnderflowOverflowMonitor``, ``diagnose``, ``report``,
-``TrendDetector``, ``StepGuard``, ``InstabilityGuard`` (see ``__all__``). See docs/index.md.
+``TrendDetector``, ``MechanismMonitor``, ``StepGuard``, ``InstabilityGuard`` (see ``__all__``). See docs/index.md.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ _EXPORTS = {
     "TrendDetector": "stabletrain.debug.trends",
     "TrendAlerts": "stabletrain.debug.trends",
     "detect_trends": "stabletrain.debug.trends",
+    "MechanismMonitor": "stabletrain.debug.mechanisms",
+    "MechanismSignals": "stabletrain.debug.mechanisms",
     "report": "stabletrain.reporting",
     "Report": "stabletrain.reporting",
     "StabletrainError": "stabletrain.errors",

@@ -25,7 +25,8 @@ on callbacks that define that method. What a callback may use of ``trainer`` is
         optimizer.zero_grad()
         on_after_optimizer_step(trainer, step=step)
         if logging step:
-            metrics = {...}                       # host floats: one sync (the guard's verdict with it)
+            on_log_values(trainer, step=step, values=values)   # callbacks add device scalars to values
+            metrics = {..., **values}             # host floats: one sync (the guard's verdict with it)
             on_log(trainer, step=step, metrics=metrics)
         stop on SIGINT/SIGTERM or a guard verdict  # ranks agree (one host all-reduce under DDP)
         if checkpoint step:
@@ -38,7 +39,9 @@ on callbacks that define that method. What a callback may use of ``trainer`` is
 
 ``loss`` and ``grad_norm`` are device tensors: reading them (``.item()``, ``float()``,
 ``bool()``) forces a host synchronisation, which is what makes debugging tools slow on a GPU.
-Decide once per step, on the device where possible.
+Decide once per step, on the device where possible. A callback that wants values of its own in
+the metrics row adds them in ``on_log_values`` as device scalars (``values["my/key"] = tensor``):
+they ride on the logged step's one read and reach every logger, and ``on_log`` sees them as floats.
 
 Distributed runs: every rank calls every event at the same point. A callback that wants to
 stop training because of something only its rank saw must not simply raise (the other ranks
@@ -69,6 +72,7 @@ EVENTS = (
     "on_after_backward",
     "on_before_optimizer_step",
     "on_after_optimizer_step",
+    "on_log_values",
     "on_log",
     "on_checkpoint_save",
     "on_checkpoint_load",
@@ -156,6 +160,8 @@ class Callback:
     def on_before_optimizer_step(self, trainer: TrainerLike, *, step: int) -> None: ...
 
     def on_after_optimizer_step(self, trainer: TrainerLike, *, step: int) -> None: ...
+
+    def on_log_values(self, trainer: TrainerLike, *, step: int, values: dict[str, Any]) -> None: ...
 
     def on_log(self, trainer: TrainerLike, *, step: int, metrics: dict[str, float]) -> None: ...
 

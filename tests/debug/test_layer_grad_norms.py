@@ -118,9 +118,11 @@ def test_trainer_logs_them_at_the_logging_cadence(tmp_path, monkeypatch):
         for name, value in ref.items():
             assert math.isclose(layer[name], value, rel_tol=1e-5), (row["step"], name)
     n_layer_keys = len(ref)
-    # Logging reads back one tensor per logged step: loss, total, every per-layer norm and the
-    # guard's verdict together.
-    assert reads == [2 + n_layer_keys + VERDICT_LEN] * 3, reads
+    n_signals = len([k for k in rows[0] if k.startswith("signals/")])  # the mechanism signals, on by default
+    assert n_signals > 0
+    # Logging reads back one tensor per logged step: loss, total, every per-layer norm, the
+    # mechanism signals and the guard's verdict together.
+    assert reads == [2 + n_layer_keys + n_signals + VERDICT_LEN] * 3, reads
 
 
 def test_off_by_default(tmp_path):

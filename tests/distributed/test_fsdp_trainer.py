@@ -133,6 +133,33 @@ def test_resume_is_bitwise_exact(runs):
     assert "Resumed from step 3" in (resumed / "train.log").read_text()
 
 
+def test_mechanism_signals_are_global_under_fsdp(runs):
+    """The last row's weight RMS and Adam eps fraction equal those of the full (gathered) model and
+    optimizer in last.ckpt, written after that step: one rank's shard would give other values."""
+    straight, _, _, _ = runs
+    row = read_run(straight / "metrics.jsonl").rows[-1]
+    assert row["step"] == 5
+    state = _ckpt(straight)
+    s = load_settings({"out": "unused", "task": "language_model", "model_args": MODEL_ARGS})
+    names = [n for n, _ in build_task(s).model.named_parameters()]
+    for group, members in (("decay", [n for n in names if state["model"][n].ndim >= 2]),
+                           ("no_decay", [n for n in names if state["model"][n].ndim < 2])):
+        weights = torch.cat([state["model"][n].double().flatten() for n in members])
+        assert row[f"signals/weight_rms/{group}"] == pytest.approx(float(weights.square().mean().sqrt()), rel=1e-5)
+    below = total = 0
+    for group in state["optimizer"]["param_groups"]:
+        beta2, eps = group["betas"][1], group["eps"]
+        for index in group["params"]:
+            st = state["optimizer"]["state"][index]
+            v_hat = st["exp_avg_sq"].double() / (1 - beta2 ** float(st["step"]))
+            below += int((v_hat.sqrt() < eps).sum())
+            total += v_hat.numel()
+    assert row["signals/adam_eps_fraction"] == pytest.approx(below / total, rel=1e-6)
+    assert 0 < row["signals/update_rms/decay"] < 1 and row["signals/update_rms_max"] > 0
+    # The probes ran under FSDP2's own hooks: each rank's attention (rank 0's is logged).
+    assert row["signals/attn_logit_max/blocks.1.attn"] > 0 and row["signals/output_logsumexp"] > 0
+
+
 @pytest.fixture(scope="module")
 def faults(tmp_path_factory):
     """The NaN planted by rank 1 at FAULT_STEP, once with the guard on, once with it off."""

@@ -144,3 +144,41 @@ def test_example_on_two_processes_stops_both_and_replays(tmp_path):
     assert all(r.nan_param_names == ["embed.0.weight", "embed.0.bias", "embed.2.weight", "embed.2.bias"]
                for r in cap.ranks)
     assert 29 in cap.ranks[0].indices[1].tolist()
+
+
+def test_mechanism_signals_on_the_steps_the_loop_logs(tmp_path):
+    """begin_step(log=True) on steps 0 and 2: signals() gives the signals after the optimizer
+    step there (one host read each), {} on the others; what accelerator.log receives."""
+    from stabletrain.utils.sync import CountSyncs
+
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = Siamese()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    loader = torch.utils.data.DataLoader(Pairs(), batch_size=4)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    logged = {}
+    with StepMonitor(accelerator, model, out_dir=tmp_path, step_fn=step_fn) as monitor:
+        for step, batch in zip(range(4), loader):
+            monitor.begin_step(step, log=step % 2 == 0)
+            monitor.collect_batch(batch)
+            loss = step_fn(model, batch)
+            monitor.collect_loss(loss)
+            accelerator.backward(loss)
+            monitor.check(optimizer)
+            before = [p.detach().double().clone() for p in model.parameters()]
+            optimizer.step()
+            optimizer.zero_grad()
+            with CountSyncs() as syncs:
+                values = monitor.signals()
+            monitor.end_step()
+            assert syncs.count == (1 if values else 0)
+            if values:
+                logged[step] = values
+                after = [p.detach().double() for p in model.parameters()]
+                delta = sum(((a - b) ** 2).sum().item() for a, b in zip(after, before)) ** 0.5
+                ref = delta / sum((b**2).sum().item() for b in before) ** 0.5
+                assert values["signals/update_rms/group0"] == pytest.approx(ref, rel=1e-5)
+    assert sorted(logged) == [0, 2]
+    for values in logged.values():
+        assert 0 <= values["signals/adam_eps_fraction"] <= 1 and values["signals/weight_rms/group0"] > 0

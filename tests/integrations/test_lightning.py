@@ -175,13 +175,69 @@ def test_one_host_read_per_step_with_gradient_norm_and_nancapture(tmp_path):
     """Lightning's loop with and without the callback (gradient_norm logged, nancapture on,
     trend alerts on), the same steps: the callback adds one host synchronisation per step."""
     counts = {}
-    nancapture = {"nancapture": {"enabled": True}}
+    # The mechanism signals' one read per logged step is counted in the test after this one.
+    nancapture = {"nancapture": {"enabled": True}, "mechanisms": {"enabled": False}}
     for name, callbacks in (("without", []), ("with", [StabletrainCallback(debug_args=nancapture)])):
         torch.manual_seed(0)
         with CountSyncs() as syncs:
             fit(SiameseLit(dropout=0.0), PairData(), tmp_path / name, callbacks, max_steps=6, log_every_n_steps=3)
         counts[name] = syncs.count
     assert counts["with"] - counts["without"] == 6, counts
+
+
+class AttentionLit(L.LightningModule):
+    """Attention pooling (nn.MultiheadAttention) and a classifier trained with cross-entropy."""
+
+    def __init__(self):
+        super().__init__()
+        self.mha = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = torch.nn.Linear(8, 2)
+
+    def training_step(self, batch, batch_idx):
+        x = torch.stack([batch["x"], batch["y"]], dim=1)  # two tokens per sample
+        pooled, _ = self.mha(x, x, x)
+        logits = self.head(pooled.mean(1))
+        return torch.nn.functional.cross_entropy(logits, (batch["target"] > 0).long())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def test_mechanism_signals_reach_lightnings_loggers_with_one_read_per_logged_step(tmp_path):
+    """log_every_n_steps=2: steps 1 and 3 are logged; the signals are in the CSV at those steps,
+    and cost one host read each (none on steps 0 and 2)."""
+    class Weights(L.Callback):
+        """Each step's weights before and after, for the relative update in float64."""
+
+        def __init__(self):
+            self.before, self.after = {}, {}
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.before[trainer.global_step] = [p.detach().double().clone() for p in pl_module.parameters()]
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.after[trainer.global_step - 1] = [p.detach().double().clone() for p in pl_module.parameters()]
+
+    counts = {}
+    weights = Weights()
+    for name, mechanisms in (("off", False), ("on", True)):
+        torch.manual_seed(0)
+        callback = StabletrainCallback(debug_args={"mechanisms": {"enabled": mechanisms}})
+        with CountSyncs() as syncs:
+            fit(AttentionLit(), PairData(), tmp_path / name, [callback, weights], accumulate=1, max_steps=4,
+                log_every_n_steps=2)
+        counts[name] = syncs.count
+    assert counts["on"] - counts["off"] == 2, counts
+    for step, value in logged(tmp_path / "on", "signals/update_rms/group0").items():
+        before, after = weights.before[step], weights.after[step]
+        delta = math.sqrt(sum(((a - b) ** 2).sum().item() for a, b in zip(after, before)))
+        assert value == pytest.approx(delta / math.sqrt(sum((b**2).sum().item() for b in before)), rel=1e-5), step
+    for key in ("signals/attn_logit_max/mha", "signals/attn_entropy/mha", "signals/output_logsumexp",
+                "signals/weight_rms/group0", "signals/update_rms/group0", "signals/adam_eps_fraction"):
+        values = logged(tmp_path / "on", key)
+        assert sorted(values) == [1, 3], key
+        assert all(math.isfinite(v) for v in values.values())
+    assert 0 < logged(tmp_path / "on", "signals/attn_entropy/mha")[1] <= math.log(2)
 
 
 def test_trend_alert_in_lightnings_terms(tmp_path, caplog):

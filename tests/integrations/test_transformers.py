@@ -125,3 +125,39 @@ def test_nan_loss_hidden_by_logging_nan_inf_filter_is_alerted(tmp_path, caplog):
     assert [a["step"] for a in alerts] == [3]
     assert "loss is not finite (step 3)" in caplog.text
     assert "TrainingArguments(fp16=False, bf16=False)" not in caplog.text  # 32-true: precision is not the cause
+
+
+@pytest.mark.parametrize("moved_first", [False, True], ids=["after-the-defaults", "moved-first"])
+def test_mechanism_signals_join_the_logged_rows(tmp_path, moved_first):
+    """On each logged step (logging_steps=2: steps 2 and 4, counted from 1) the signals are in
+    the Trainer's log row, for callbacks after ours and for state.log_history; moved before the
+    Trainer's own callbacks (as the docs show for report_to loggers) it still reads them."""
+    from transformers import TrainerCallback
+
+    class Rows(TrainerCallback):
+        def __init__(self):
+            self.rows = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.rows.append(dict(logs or {}))
+
+    callback, rows = StabletrainCallback(), Rows()
+    model = causal_lm(planted=False)
+    settings = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                    max_steps=4, logging_steps=2, report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True,
+                    train_sampling_strategy="sequential", seed=0)
+    # A logger listed before ours, as the Trainer lists its report_to callbacks.
+    trainer = Trainer(model=model, args=TrainingArguments(**settings), train_dataset=TokenData(),
+                      callbacks=[rows, callback])
+    if moved_first:
+        trainer.callback_handler.callbacks.insert(0, trainer.pop_callback(StabletrainCallback))
+    trainer.train()
+    assert bool(any("signals/output_logsumexp" in r for r in rows.rows)) == moved_first
+    logged = [row for row in trainer.state.log_history if "loss" in row]
+    assert [row["step"] for row in logged] == [2, 4]
+    for row in [*logged, *(r for r in rows.rows if "loss" in r and moved_first)]:
+        assert row["signals/attn_logit_max/transformer.h.0.attn"] > 0
+        assert 0 < row["signals/attn_entropy_min"] <= math.log(16)
+        assert row["signals/output_logsumexp"] > 0 and row["signals/update_rms/group0"] > 0
+        assert 0 <= row["signals/adam_eps_fraction"] <= 1
+    assert "forward" not in model.__dict__ and callback.tools.signals.probes.running is False

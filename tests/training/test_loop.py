@@ -112,12 +112,13 @@ def test_events_fire_in_order_with_accumulation(tmp_path):
 
     train(out=tmp_path / "run", callbacks=[Recorder()], **tiny_lm(steps=2, gradient_accumulation_steps=2))
     names = [c[0] for c in calls]
-    step0 = [c for c in calls if c[1] == 0 and c[0] not in ("on_log",)]
+    step0 = [c for c in calls if c[1] == 0]
     assert [c[0] for c in step0] == [
         "on_step_start",
         "on_microbatch", "on_before_backward", "on_after_microbatch",
         "on_microbatch", "on_before_backward", "on_after_microbatch",
         "on_after_backward", "on_before_optimizer_step", "on_after_optimizer_step",
+        "on_log_values", "on_log",  # step 0 is logged: values to add to the one read, then the row
     ]
     assert [c[2] for c in step0 if c[0] == "on_microbatch"] == [0, 1]
     assert names[0] == "on_train_start" and names[-1] == "on_train_end"

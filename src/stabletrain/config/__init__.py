@@ -9,6 +9,7 @@ from stabletrain.config.command_line import PYTHON_ONLY, parse_cli_overrides, se
 from stabletrain.config.debugging import (
     DebugArgs,
     GuardArgs,
+    MechanismArgs,
     NaNCaptureArgs,
     OnInstabilityArgs,
     TrendAlertArgs,
@@ -56,6 +57,7 @@ __all__ = [
     "Int",
     "JsonlLoggerArgs",
     "LoggersArgs",
+    "MechanismArgs",
     "MLflowLoggerArgs",
     "ModelArgs",
     "NaNCaptureArgs",

@@ -1,6 +1,8 @@
-"""Settings of the debugging tools: underflow_overflow, nancapture, the guard, on_instability, trend alerts.
+"""Settings of the debugging tools: underflow_overflow, nancapture, the mechanism signals, the guard,
+on_instability, trend alerts.
 
-See docs/underflow_overflow.md, docs/nancapture.md, docs/self_healing.md and docs/trend_alerts.md.
+See docs/underflow_overflow.md, docs/nancapture.md, docs/mechanisms.md, docs/self_healing.md and
+docs/trend_alerts.md.
 """
 
 from __future__ import annotations
@@ -95,13 +97,31 @@ class OnInstabilityArgs(SettingsGroup):
                                              "captures (never during training); the report shows the verdicts.")
 
 
+class MechanismArgs(SettingsGroup):
+    """The mechanism signals (``debug_args.mechanisms.*``): ``signals/...`` keys on logged steps.
+
+    Measured on logged steps only, on the device, and read with the step's one host read: the
+    max attention logit and attention entropy of each attention module, the output logits'
+    log-partition and max |logit|, per parameter group the weight RMS and the relative update,
+    and for Adam-family optimizers the fraction of second moments below eps. See docs/mechanisms.md.
+    """
+
+    enabled: bool = Field(True, description="Measure the signals/... keys on logged steps (docs/mechanisms.md).")
+    updates: bool = Field(
+        True,
+        description=(
+            "Measure signals/update_rms/* and signals/update_rms_max: keeps one copy of the trainable "
+            "parameters (their own dtype, this rank's shard) to compare the weights before and after a logged step."
+        ),
+    )
+
+
 class DebugArgs(SettingsGroup):
-    """On-demand debugging tools (``debug_args.*``)."""
+    """On-demand debugging tools (``debug_args.*``), and the mechanism signals (on by default)."""
 
     underflow_overflow: UnderflowOverflowArgs = Field(default_factory=UnderflowOverflowArgs)
     nancapture: NaNCaptureArgs = Field(default_factory=NaNCaptureArgs)
-
-
+    mechanisms: MechanismArgs = Field(default_factory=MechanismArgs)
 
 
 

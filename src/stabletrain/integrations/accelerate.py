@@ -3,7 +3,8 @@
 :class:`StepMonitor` runs the gradient norm (pre-clip, unscaled without calling ``unscale_``),
 nancapture, underflow_overflow and trend alerts in your own loop, in a few calls:
 ``begin_step``, ``collect_batch``, ``collect_loss``, ``check`` (before clipping; raises on every
-rank) and ``end_step``. See docs/integrations/accelerate.md.
+rank) and ``end_step``; on the steps you log, ``signals()`` after the optimizer step gives the
+mechanism signals. See docs/integrations/accelerate.md.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor, nn
 
-from stabletrain.integrations.common import Settings, StepTools, StepValues
+from stabletrain.integrations.common import Settings, StepTools, StepValues, inner_optimizer
 
 try:
     import accelerate  # noqa: F401
@@ -57,6 +58,8 @@ class StepMonitor:
         warmup_steps: Spikes before this step are tolerated by the trend alerts.
         lr: The learning rate, for concrete next actions.
         clipping: Whether the loop clips gradients (advice).
+        optimizer: The (prepared) optimizer, for the mechanism signals' weight, update and Adam
+            values; default: the one :meth:`check` is given first.
 
     Example::
 
@@ -77,6 +80,7 @@ class StepMonitor:
         warmup_steps: int = 0,
         lr: Optional[float] = None,
         clipping: bool = False,
+        optimizer: Any = None,
     ):
         self.accelerator = accelerator
         self.model = accelerator.unwrap_model(model)
@@ -95,13 +99,15 @@ class StepMonitor:
             warmup_steps=warmup_steps,
             lr=lr,
             clipping=clipping,
+            optimizer=inner_optimizer(optimizer) if optimizer is not None else None,
         )
         #: Every trend alert of the run, as ``{"event": "trend_alert", ...}`` rows.
         self.alerts = self.tools.alerts
 
-    def begin_step(self, step: int) -> None:
-        """Optimizer step ``step`` (numbered from 0) begins: before its first forward pass."""
-        self.tools.begin_step(step)
+    def begin_step(self, step: int, *, log: bool = False) -> None:
+        """Optimizer step ``step`` (numbered from 0) begins: before its first forward pass.
+        ``log``: you will log this step, so measure the mechanism signals (:meth:`signals`)."""
+        self.tools.begin_step(step, log_signals=log)
 
     def collect_batch(self, batch: Any, indices: Any = None) -> None:
         """A microbatch as the model receives it (on the device), just before its forward
@@ -132,7 +138,16 @@ class StepMonitor:
         Raises:
             NaNDetectedError, UnderflowOverflowError: On every rank, when any rank failed.
         """
+        signals = self.tools.signals
+        if optimizer is not None and signals is not None and signals.updates is None:
+            self.tools.set_optimizer(optimizer)  # before its first step: its hooks see the update
         return self.tools.grads_final(optimizer, read=read)
+
+    def signals(self) -> dict[str, float]:
+        """After ``optimizer.step()`` of a step begun with ``log=True``: the mechanism signals
+        (``signals/...``, docs/mechanisms.md) as host floats, one host read; {} on other steps.
+        Log them with your metrics, e.g. ``accelerator.log(monitor.signals(), step=step)``."""
+        return self.tools.read_signals()
 
     def layer_norms(self, values: StepValues) -> dict[str, float]:
         """``gradient_norm/<parameter>`` and ``gradient_norm/<module>`` of a checked step, as host

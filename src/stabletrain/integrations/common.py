@@ -1,9 +1,11 @@
 """What the Lightning, Hugging Face Trainer and Accelerate integrations share.
 
 Each integration maps its framework's hooks onto one :class:`StepTools` (``begin_step``,
-``before_forward``, ``after_forward``, ``before_last_backward``, ``grads_final``, ``end_step``), which
-drives the plain-loop tools as ``stabletrain.train`` does, with one host read per step at most
-(with nancapture on; see ``device_reads``) and every decision a collective all ranks reach.
+``before_forward``, ``after_forward``, ``before_last_backward``, ``grads_final``, ``read_signals``,
+``end_step``), which drives the plain-loop tools as ``stabletrain.train`` does, with one host read
+per step at most (with nancapture on; see ``device_reads``), one more on logged steps for the
+mechanism signals (read after the optimizer step, which the framework's own reads precede), and
+every decision a collective all ranks reach.
 See docs/integrations/.
 """
 
@@ -20,6 +22,7 @@ from torch import Tensor, nn
 
 from stabletrain import (
     GradNorm,
+    MechanismMonitor,
     NaNCaptureMonitor,
     NaNDetectedError,
     TrendDetector,
@@ -93,6 +96,8 @@ class StepTools:
         replay_command: The command the NaN error shows; default: derived from the model.
         warmup_steps: Spikes before this step are tolerated by the trend alerts.
         lr, clipping: For concrete next actions in alerts.
+        optimizer: The torch optimizer, for the mechanism signals' weight, update and Adam values
+            (``debug_args.mechanisms``, on by default); it can be given later (:meth:`set_optimizer`).
     """
 
     def __init__(
@@ -114,6 +119,7 @@ class StepTools:
         warmup_steps: int = 0,
         lr: Optional[float] = None,
         clipping: bool = False,
+        optimizer: Any = None,
     ):
         d_rank, d_world = dist_rank_and_world()
         self.model = model
@@ -145,6 +151,13 @@ class StepTools:
                 trace_batch_nums=uo_args.trace_batch_nums, include_backward=uo_args.include_backward, auto_check=False,
             )
         self.detector = TrendDetector(self.trend_args, warmup_steps=warmup_steps) if self.trend_args.enabled else None
+        mechanisms = self.debug_args.mechanisms
+        #: The mechanism signals (docs/mechanisms.md), armed on the steps ``begin_step`` is told are logged.
+        self.signals: Optional[MechanismMonitor] = None
+        if mechanisms.enabled:
+            self.signals = MechanismMonitor(model, updates=mechanisms.updates, report=self._signals_notice)
+            if optimizer is not None:
+                self.set_optimizer(optimizer)
         #: Every trend alert so far, as the event rows ``stabletrain train`` writes to metrics.jsonl.
         self.alerts: list[dict[str, Any]] = []
         self.step: Optional[int] = None
@@ -160,10 +173,13 @@ class StepTools:
 
     # ------------------------------------------------------------------ per step
 
-    def begin_step(self, step: int) -> None:
-        """Optimizer step ``step`` (numbered from 0) begins; before its first forward pass."""
+    def begin_step(self, step: int, *, log_signals: bool = False) -> None:
+        """Optimizer step ``step`` (numbered from 0) begins; before its first forward pass.
+        ``log_signals``: the step will be logged, so measure the mechanism signals."""
         self.step, self.micro_step, self.in_step, self.decided = int(step), -1, True, False
         self._losses = []
+        if self.signals is not None:
+            self.signals.begin_step(log=log_signals, probe=False)
         if self.nan is not None:
             self.nan.begin_step(step)
         if self.uo is not None:
@@ -179,10 +195,14 @@ class StepTools:
             self.uo.micro_step = self.micro_step
         if self.nan is not None:
             self.nan.collect_batch(batch, indices, step_args=step_args)
+        if self.signals is not None:
+            self.signals.start_probe()  # until after_forward
 
     def after_forward(self, loss: Any) -> None:
         """The loss the step function returned for the last microbatch (before any division
         by the accumulation steps or loss scaling)."""
+        if self.signals is not None:
+            self.signals.stop_probe()
         if not isinstance(loss, Tensor) or loss.numel() != 1:
             return
         loss = loss.detach().reshape(())
@@ -247,6 +267,22 @@ class StepTools:
         stop = self.debug_args.underflow_overflow.abort_after_batch_num
         return self.uo is not None and stop is not None and self.step is not None and self.step >= stop
 
+    def set_optimizer(self, optimizer: Any) -> None:
+        """The step's optimizer (a framework's wrapper is unwrapped), for the mechanism signals."""
+        if self.signals is not None:
+            self.signals.set_optimizer(inner_optimizer(optimizer))
+
+    def read_signals(self) -> dict[str, float]:
+        """After the optimizer step of a step ``begin_step`` was told is logged: the
+        ``signals/...`` values as host floats (one host read); {} on other steps."""
+        if self.signals is None or not self.signals.armed:
+            return {}
+        return self.signals.values()
+
+    def _signals_notice(self, notice: Any) -> None:
+        if self.rank == 0:
+            _log.warning("stabletrain signals: %s.", notice.text)
+
     def layer_norms(self, values: StepValues) -> dict[str, float]:
         """``gradient_norm/<parameter or module>`` of a step, on the host (one read)."""
         names, norms = layer_grad_norms(values.grad_norm)
@@ -299,6 +335,8 @@ class StepTools:
         self._closed = True
         for fn in self._cleanups:
             fn()
+        if self.signals is not None:
+            self.signals.close()
         if self.nan is not None:
             self.nan.close()
         if self.uo is not None:

@@ -2,7 +2,8 @@
 
 ``Trainer(callbacks=[StabletrainCallback(debug_args=...)])`` wraps ``training_step`` for the batch,
 RNG states and loss, decides at ``on_before_optimizer_step`` (before clipping; raises on every
-rank) and logs ``gradient_norm`` to the Trainer's loggers. See docs/integrations/lightning.md.
+rank) and logs ``gradient_norm`` and, after the optimizer step, the mechanism signals
+(``signals/...``) to the Trainer's loggers. See docs/integrations/lightning.md.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from stabletrain import ConfigError, NaNCaptureError
-from stabletrain.integrations.common import Settings, StepTools, parse_tool_settings
+from stabletrain.integrations.common import Settings, StepTools, inner_optimizer, parse_tool_settings
 
 try:
     import lightning.pytorch as pl
@@ -63,13 +64,14 @@ def replay_step(model: nn.Module, batch: Any, *step_args: Any) -> Tensor:
 
 
 class StabletrainCallback(pl.Callback):
-    """stabletrain's gradient norm, underflow_overflow, nancapture and trend alerts in a
-    Lightning ``Trainer``.
+    """stabletrain's gradient norm, mechanism signals, underflow_overflow, nancapture and trend
+    alerts in a Lightning ``Trainer``.
 
     Args:
         debug_args: The ``debug_args`` settings of ``stabletrain train`` (a dict or
             ``stabletrain.config.DebugArgs``): ``{"nancapture": {"enabled": True}}``,
-            ``{"underflow_overflow": {"enabled": True, "trace_batch_nums": [3]}}``.
+            ``{"underflow_overflow": {"enabled": True, "trace_batch_nums": [3]}}``,
+            ``{"mechanisms": {"enabled": False}}`` (the ``signals/...`` keys, on by default).
         trend_alerts: The ``trend_alerts`` settings (a dict or ``TrendAlertArgs``); on by default.
         gradient_norm_per_layer: Also log ``gradient_norm/<parameter>`` and
             ``gradient_norm/<module>`` on logging steps (one host read for all of them).
@@ -139,6 +141,7 @@ class StabletrainCallback(pl.Callback):
             warmup_steps=self.warmup_steps,
             lr=float(lr) if isinstance(lr, (int, float)) else None,
             clipping=bool(trainer.gradient_clip_val),
+            optimizer=inner_optimizer(optimizer) if optimizer is not None else None,
         )
         self.alerts = self.tools.alerts
         self._wrap(trainer, pl_module)
@@ -167,7 +170,7 @@ class StabletrainCallback(pl.Callback):
             step_args = args[1:]
             self._batch_idx = int(step_args[0]) if step_args and isinstance(step_args[0], int) else 0
             if not tools.in_step:
-                tools.begin_step(trainer.global_step)
+                tools.begin_step(trainer.global_step, log_signals=_logging_step(trainer))
             tools.before_forward(batch, step_args=step_args)
             out = original(*args, **kwargs)
             tools.after_forward(out.get("loss") if isinstance(out, Mapping) else out)
@@ -190,6 +193,13 @@ class StabletrainCallback(pl.Callback):
 
     # ------------------------------------------------------------------ the step
 
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        # Before optimizer.step(closure): its step pre-hook (the mechanism signals keep the
+        # weights there) runs before the closure runs training_step.
+        tools = self.tools
+        if tools is not None and not tools.closed and not tools.in_step:
+            tools.begin_step(trainer.global_step, log_signals=_logging_step(trainer))
+
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Tensor) -> None:
         tools = self.tools
         if tools is None or not tools.in_step:
@@ -203,8 +213,7 @@ class StabletrainCallback(pl.Callback):
         tools = self.tools
         if tools is None or not tools.in_step:
             return
-        # Lightning logs on steps where (step + 1) % log_every_n_steps == 0 (step from 0).
-        logging_step = (trainer.global_step + 1) % max(1, trainer.log_every_n_steps) == 0
+        logging_step = _logging_step(trainer)
         values = tools.grads_final(optimizer, read=logging_step)
         if logging_step and values.gradient_norm is not None:
             # Host floats, straight to the loggers (as Lightning's LearningRateMonitor does):
@@ -218,5 +227,18 @@ class StabletrainCallback(pl.Callback):
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         tools = self.tools
-        if tools is not None and tools.in_step and tools.decided and tools.end_step():
+        if tools is None or not tools.in_step or not tools.decided:
+            return
+        # After the optimizer step: the mechanism signals of a logged step, in one read, at the
+        # step gradient_norm was logged at.
+        signals = tools.read_signals()
+        if signals:
+            for logger in trainer.loggers:
+                logger.log_metrics(signals, step=tools.step)
+        if tools.end_step():
             trainer.should_stop = True
+
+
+def _logging_step(trainer: Any) -> bool:
+    """Whether Lightning logs this step: (step + 1) % log_every_n_steps == 0, step from 0."""
+    return (trainer.global_step + 1) % max(1, trainer.log_every_n_steps) == 0

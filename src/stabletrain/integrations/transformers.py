@@ -98,8 +98,14 @@ def _precision(args: Any, model: nn.Module) -> str:
 
 
 class StabletrainCallback(TrainerCallback):
-    """stabletrain's gradient norm, underflow_overflow, nancapture and trend alerts in a
-    Hugging Face ``Trainer`` (see the module docstring for how, given the Trainer's limits).
+    """stabletrain's gradient norm, mechanism signals, underflow_overflow, nancapture and trend
+    alerts in a Hugging Face ``Trainer`` (see the module docstring for how, given the Trainer's limits).
+
+    On each logged step the mechanism signals (``signals/...``, docs/mechanisms.md) are read
+    once after the optimizer step and added to the Trainer's log row in ``on_log``: callbacks
+    after this one and ``state.log_history`` see them. The Trainer calls its ``report_to``
+    callbacks before those you pass; to have the signals in them too, move this callback first:
+    ``trainer.callback_handler.callbacks.insert(0, trainer.pop_callback(StabletrainCallback))``.
 
     Args:
         debug_args: The ``debug_args`` settings of ``stabletrain train`` (a dict or
@@ -125,6 +131,7 @@ class StabletrainCallback(TrainerCallback):
         self._forward_before: Any = None
         self._optimizer: Any = None
         self._bad_loss: Optional[Tensor] = None
+        self._signals: dict[str, float] = {}
 
     # ------------------------------------------------------------------ setup and teardown
 
@@ -159,6 +166,7 @@ class StabletrainCallback(TrainerCallback):
             warmup_steps=args.get_warmup_steps(state.max_steps) if state.max_steps > 0 else 0,
             lr=args.learning_rate,
             clipping=args.max_grad_norm > 0,
+            optimizer=optimizer,  # its torch optimizer, for the mechanism signals
         )
         self.alerts = self.tools.alerts
         self._optimizer = optimizer
@@ -223,7 +231,8 @@ class StabletrainCallback(TrainerCallback):
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.tools is not None and not self.tools.closed:
-            self.tools.begin_step(state.global_step)
+            self._signals = {}
+            self.tools.begin_step(state.global_step, log_signals=_will_log(args, state))
 
     def _end_of_backward(self) -> None:
         """The step's last backward pass has finished (DDP's reduction included); the Trainer
@@ -245,12 +254,24 @@ class StabletrainCallback(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         tools = self.tools
-        if tools is not None and not tools.closed and tools.in_step and tools.end_step():
+        if tools is None or tools.closed or not tools.in_step:
+            return
+        # {} unless on_step_begin foresaw a logged step: decided there, so that this callback
+        # may also run before the Trainer's DefaultFlowCallback (see the class docstring).
+        self._signals = tools.read_signals()
+        if tools.end_step():
             control.should_training_stop = True
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Optional[dict[str, float]] = None,
                **kwargs: Any) -> None:
         tools = self.tools
+        if logs is not None and self._signals and "train_runtime" not in logs:
+            # The step's mechanism signals join the row: callbacks after this one and
+            # state.log_history (trainer_state.json) get them.
+            logs.update(self._signals)
+            if state.log_history and state.log_history[-1].get("step") == state.global_step:
+                state.log_history[-1].update(self._signals)
+            self._signals = {}
         if tools is None or tools.detector is None or not logs or "loss" not in logs or "train_runtime" in logs:
             return
         step = state.global_step - 1  # the Trainer counts completed steps; stabletrain numbers them from 0
@@ -262,6 +283,15 @@ class StabletrainCallback(TrainerCallback):
             self._bad_loss = None
         norm = self.gradient_norms.get(step, logs.get("grad_norm"))
         tools.observe(step, gradient_norm=None if norm is None else float(norm), loss=loss)
+
+
+def _will_log(args: Any, state: Any) -> bool:
+    """Whether the Trainer logs the step that begins now (its DefaultFlowCallback's rule, one step
+    ahead: ``global_step`` counts completed steps)."""
+    after = state.global_step + 1
+    if after == 1 and args.logging_first_step:
+        return True
+    return args.logging_strategy == "steps" and after % max(1, int(state.logging_steps)) == 0
 
 
 def _last_microbatch() -> bool:

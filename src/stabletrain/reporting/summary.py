@@ -143,7 +143,8 @@ def markdown_text(
         md += ["", "## Tolerated", ""]
         md += [f"- {e.describe()}" for e in tolerated]
     md += recovery_section(data.events)
-    others = [ev for ev in data.events if ev.get("event") not in ("trend_alert", "recovery")]
+    # mechanism_signals says what the signals/... keys measure (docs/mechanisms.md), not something that happened.
+    others = [ev for ev in data.events if ev.get("event") not in ("trend_alert", "recovery", "mechanism_signals")]
     if others:
         md += ["", "## Other events recorded during training", ""]
         for ev in others:

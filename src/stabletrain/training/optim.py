@@ -13,7 +13,8 @@ from stabletrain.config import ModelArgs, TrainSettings
 
 def build_optimizer(model: nn.Module, args: ModelArgs) -> torch.optim.Optimizer:
     """The model's own ``configure_optimizer(args)`` when it has one, else AdamW or SGD with weight
-    decay on matrices only; every group records its ``base_lr`` for the schedule."""
+    decay on matrices only (groups ``decay`` and ``no_decay``); every group records its ``base_lr``
+    for the schedule."""
     configure = getattr(model, "configure_optimizer", None)
     if callable(configure):
         optimizer = configure(args)
@@ -23,9 +24,10 @@ def build_optimizer(model: nn.Module, args: ModelArgs) -> torch.optim.Optimizer:
         for p in model.parameters():
             if p.requires_grad:
                 (decay if p.ndim >= 2 else no_decay).append(p)
+        # Named: the names key the per-group signals (signals/weight_rms/decay, docs/mechanisms.md).
         groups = [
-            {"params": decay, "weight_decay": args.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
+            {"params": decay, "weight_decay": args.weight_decay, "name": "decay"},
+            {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
         ]
         groups = [g for g in groups if g["params"]]
         if args.optimizer == "adamw":

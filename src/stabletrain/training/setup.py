@@ -115,6 +115,10 @@ def build_debug_callbacks(trainer: Any) -> list[Any]:
         from stabletrain.debug.trends import TrendAlerts
 
         callbacks.append(TrendAlerts())
+    if debug.mechanisms.enabled:
+        from stabletrain.debug.mechanisms import MechanismSignals
+
+        callbacks.append(MechanismSignals(debug.mechanisms))
     return callbacks
 
 

@@ -1,6 +1,7 @@
 """One logged step: the step's values read back in one sync, turned into the metrics row.
 
-The row's keys are listed in docs/training.md; the guard's verdict rides on the same read.
+The row's keys are listed in docs/training.md; the guard's verdict and the values callbacks add
+in ``on_log_values`` (the ``signals/...`` keys, docs/mechanisms.md) ride on the same read.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def log_step(trainer: Any, step: int, losses: list[torch.Tensor], gn: GradNorm, 
         layer_names, layer_norms = layer_grad_norms(gn)
         flat = torch.cat([flat, layer_norms.to(loss.device).double()])
     flat = torch.cat([flat, task_values.double()])
+    extra_names, extra_values = callback_values(trainer, step, loss.device)
+    flat = torch.cat([flat, extra_values])
     terms = trainer.safety.verdict_terms()
     n_flat = len(flat)
     if terms is not None:
@@ -61,7 +64,9 @@ def log_step(trainer: Any, step: int, losses: list[torch.Tensor], gn: GradNorm, 
     if layer_names:
         offset = len(values)
         metrics.update({f"gradient_norm/{n}": host[offset + i] for i, n in enumerate(layer_names)})
-    metrics.update(zip(task_names, host[n_flat - len(task_names) : n_flat]))
+    n_task = n_flat - len(extra_names)
+    metrics.update(zip(task_names, host[n_task - len(task_names) : n_task]))
+    metrics.update(zip(extra_names, host[n_task:n_flat]))
     if trainer.fabric.device.type == "cuda":
         metrics["max_memory_gb"] = torch.cuda.max_memory_allocated(trainer.fabric.device) / 2**30
     trainer.last_metrics = metrics
@@ -109,3 +114,12 @@ def training_metrics(model: nn.Module, device: torch.device) -> tuple[list[str],
     metrics = read() if callable(read) else {}
     values = [v.detach().float().reshape(()).to(device) for v in metrics.values()]
     return list(metrics), torch.stack(values) if values else torch.zeros(0, device=device)
+
+
+def callback_values(trainer: Any, step: int, device: torch.device) -> tuple[list[str], torch.Tensor]:
+    """The device scalars callbacks add in ``on_log_values`` (e.g. the ``signals/...`` keys), as
+    names and one float64 vector on ``device``, read later with the step's other values."""
+    values: dict[str, torch.Tensor] = {}
+    trainer.callbacks("on_log_values", trainer, step=step, values=values)
+    tensors = [v.detach().reshape(()).to(device, torch.float64) for v in values.values()]
+    return list(values), torch.stack(tensors) if tensors else torch.zeros(0, device=device)
