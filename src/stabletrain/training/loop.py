@@ -34,6 +34,7 @@ from stabletrain.runfiles.checkpoint import (
     newest_healthy,
     save_checkpoint,
 )
+from stabletrain.runfiles.lock import RunLock
 from stabletrain.safety.interrupts import TrainingInterrupted, wait_for_launcher
 from stabletrain.safety.net import SafetyNet
 from stabletrain.tasks import build_task, resolve_task_name
@@ -128,6 +129,8 @@ class Trainer:
         self.sharded = False
         self.loggers: list[Logger] = []
         self.last_metrics: dict[str, float] = {}
+        #: ``out/.lock`` while this process writes the run (:mod:`stabletrain.runfiles.lock`).
+        self.lock: Optional[RunLock] = None
 
     # ----------------------------------------------------------------------------- setup
 
@@ -153,17 +156,23 @@ class Trainer:
         # started by the launcher (rank > 0) skip the out/ checks; rank 0 owns the folder.
         # Without a Fabric no process was launched: this is the first one.
         first = fabric is None or fabric.global_rank == 0
-        problems = checks.setup_problems(
-            self.settings, None if fabric is None else fabric.world_size, is_rank_zero=first,
-            fabric_problems=fabric_problems,
-        )
-        if problems:
-            raise ConfigError(problems)
-        assert fabric is not None  # the checks raised otherwise
-        if first:
-            self._prepare_out_dir()
-        self.fabric = fabric
-        return fabric.launch(self._run)
+        # The run lock comes first: a second writer is refused before it can change out/.
+        self.lock = RunLock(self.out).acquire() if first else None
+        try:
+            problems = checks.setup_problems(
+                self.settings, None if fabric is None else fabric.world_size, is_rank_zero=first,
+                fabric_problems=fabric_problems,
+            )
+            if problems:
+                raise ConfigError(problems)
+            assert fabric is not None  # the checks raised otherwise
+            if first:
+                self._prepare_out_dir()
+            self.fabric = fabric
+            return fabric.launch(self._run)
+        finally:
+            if self.lock is not None:
+                self.lock.release()
 
     def _run(self, fabric: Any = None) -> TrainResult:
         state, source = self._set_up()
@@ -206,6 +215,8 @@ class Trainer:
         if self.is_rank_zero:
             self.out.mkdir(parents=True, exist_ok=True)
             self.console = Console(self.out / "train.log")
+            if self.lock is not None and self.lock.took_over:
+                self.console.info(self.lock.took_over)
         fabric.barrier()
 
         seed_everything(s.seed)
@@ -315,6 +326,8 @@ class Trainer:
             self.train_step()
             self.step += 1
             self.safety.end_of_step()
+            if self.lock is not None:
+                self.lock.heartbeat()
             if self.step % s.checkpoint_every_num_steps == 0 and self.step < s.steps and self.stop_reason is None:
                 self._save_checkpoint(periodic=True)
         if self.stop_reason is not None:

@@ -17,6 +17,7 @@ from stabletrain.data.paths import data_path_problems
 from stabletrain.errors import ConfigError
 from stabletrain.runfiles.checkpoint import checkpoint_dir, fallback_advice, unreadable_reason
 from stabletrain.runfiles.commands import train_command
+from stabletrain.runfiles.lock import LOCK_NAME
 
 __all__ = ["check_without_torch", "out_dir_problems"]
 
@@ -106,7 +107,7 @@ def out_dir_problems(settings: TrainSettings) -> list[str]:
         return _unreadable("resume_interrupted", last, s)
     if out.exists() and not out.is_dir():
         return [f"out: {out} exists and is not a folder"]
-    if out.is_dir() and any(out.iterdir()) and not s.overwrite:
+    if out.is_dir() and any(p.name != LOCK_NAME for p in out.iterdir()) and not s.overwrite:
         return [
             f"out: {out} is not empty; pass overwrite=true to replace its outputs, "
             "resume_interrupted=true to continue its run, or choose another folder"
