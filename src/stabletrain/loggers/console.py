@@ -53,9 +53,18 @@ class Console:
         """Append ``text`` to ``train.log`` without printing it (e.g. the resolved settings)."""
         if self._log is not None and not self._log.closed:
             stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
-            for line in text.splitlines() or [""]:
-                self._log.write(f"{stamp} {line}\n")
-            self._log.flush()
+            try:
+                for line in text.splitlines() or [""]:
+                    self._log.write(f"{stamp} {line}\n")
+                self._log.flush()
+            except OSError:
+                # A full disk: train.log stops here (raised once, so the run stops); printing goes on.
+                log, self._log = self._log, None
+                try:
+                    log.close()
+                except OSError:
+                    pass
+                raise
 
     def close(self) -> None:
         self._end_line()

@@ -8,11 +8,9 @@ keeps the newest healthy one (:mod:`stabletrain.safety.checkpoint_health`). See 
 from __future__ import annotations
 
 import datetime
+import errno
 import json
-import os
 import re
-import shutil
-import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +70,7 @@ def save_checkpoint(state: dict[str, Any], out: Path, periodic: bool, keep: int)
         **state,
     }
     last = folder / "last.ckpt"
+    check_free_space(state, folder, periodic)
     if (state.get("health") or {}).get("healthy") is False:
         _keep_newest_healthy(folder)
     if periodic:
@@ -84,6 +83,40 @@ def save_checkpoint(state: dict[str, Any], out: Path, periodic: bool, keep: int)
     return last
 
 
+class NotEnoughSpaceError(OSError):
+    """Raised before a checkpoint is written when it would not fit (``errno`` ENOSPC).
+
+    Attributes:
+        needed: Bytes the write needs (the checkpoint, twice for a periodic one: ``step_N.ckpt``
+            and its copy as ``last.ckpt``).
+        free: Bytes free on that filesystem.
+    """
+
+    def __init__(self, path: Path, needed: int, free: int):
+        super().__init__(errno.ENOSPC, f"not enough free space for the checkpoint ({needed / 2**20:,.1f} MiB "
+                                       f"needed, {free / 2**20:,.1f} MiB free)", str(path))
+        self.needed, self.free = needed, free
+
+
+def check_free_space(state: dict[str, Any], folder: Path, periodic: bool) -> None:
+    """Raise :class:`NotEnoughSpaceError` when the checkpoint of ``state`` will not fit in
+    ``folder``: its size is taken as the larger of its tensors' bytes and the last checkpoint's
+    size, with a margin; nothing is written, so the previous checkpoint stays intact."""
+    from stabletrain.utils.io import free_bytes, tensor_bytes
+
+    free = free_bytes(folder)
+    if free is None:
+        return
+    last = folder / "last.ckpt"
+    size = max(tensor_bytes(state), last.stat().st_size if last.is_file() else 0)
+    needed = int(size * 1.05) + 2**16
+    if periodic:
+        needed *= 2
+    if free < needed:
+        name = periodic_name(int(state["step"])) if periodic else "last.ckpt"
+        raise NotEnoughSpaceError(folder / name, needed, free)
+
+
 def _keep_newest_healthy(folder: Path) -> None:
     """Before an unhealthy state overwrites last.ckpt: if last.ckpt holds the only copy of the
     newest healthy checkpoint (its step_N.ckpt was rotated away), give it its periodic name."""
@@ -93,14 +126,9 @@ def _keep_newest_healthy(folder: Path) -> None:
 
 
 def _atomic_copy(src: Path, dst: Path) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
-    os.close(fd)
-    try:
-        shutil.copyfile(src, tmp)
-        os.replace(tmp, dst)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    from stabletrain.utils.io import atomic_copy
+
+    atomic_copy(src, dst)
 
 
 def _prune(folder: Path, keep: int) -> None:

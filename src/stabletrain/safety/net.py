@@ -58,7 +58,9 @@ class SafetyNet:
         self.signals = StopSignals()
         self.interrupted: Optional[str] = None
         self._group: Any = None
-        self._agree = np.zeros(3, dtype=np.int64)
+        self._agree = np.zeros(4, dtype=np.int64)
+        #: A write failed on some rank (the trainer's ``write_failure``): every rank stops after this step.
+        self.write_failed = False
         self._agree_t = torch.from_numpy(self._agree)
         self._last: Optional[tuple[list[Tensor], Tensor]] = None
         self.replaying = False
@@ -130,15 +132,17 @@ class SafetyNet:
         host = self.guard.visible() if self.guard is not None else None
         bad_step = int(host[0]) if host is not None and host[0] >= 0 else None
         signal_flag = self.signals.received is not None
+        self.write_failed = getattr(t, "write_failure", None) is not None
         other_step = None
         if t.world_size > 1:
             import torch.distributed as dist
 
-            # A host tensor over NumPy memory: the ranks exchange 24 bytes, nothing waits for a GPU.
+            # A host tensor over NumPy memory: the ranks exchange 32 bytes, nothing waits for a GPU.
             self._agree[:] = (int(signal_flag), int(bad_step is not None),
-                              -(bad_step if bad_step is not None else 2**62))
+                              -(bad_step if bad_step is not None else 2**62), int(self.write_failed))
             dist.all_reduce(self._agree_t, op=dist.ReduceOp.MAX, group=self._group)
-            signal_any, any_bad, neg = (int(x) for x in self._agree)
+            signal_any, any_bad, neg, write_failed = (int(x) for x in self._agree)
+            self.write_failed = bool(write_failed)
             signal_flag = bool(signal_any)
             if any_bad and bad_step is None:
                 host = self.guard.read()  # type: ignore[union-attr]  # the failure path may wait

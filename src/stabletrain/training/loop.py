@@ -37,6 +37,7 @@ from stabletrain.runfiles.checkpoint import (
 from stabletrain.runfiles.lock import RunLock
 from stabletrain.safety.interrupts import TrainingInterrupted, wait_for_launcher
 from stabletrain.safety.net import SafetyNet
+from stabletrain.safety.write_failures import is_write_failure, write_failed_error
 from stabletrain.tasks import build_task, resolve_task_name
 from stabletrain.training import checks, optim
 from stabletrain.training import state as trainer_state
@@ -131,6 +132,8 @@ class Trainer:
         self.last_metrics: dict[str, float] = {}
         #: ``out/.lock`` while this process writes the run (:mod:`stabletrain.runfiles.lock`).
         self.lock: Optional[RunLock] = None
+        #: A failed write on this process (full disk, ...): the run stops after the step, every rank with it.
+        self.write_failure: Optional[OSError] = None
 
     # ----------------------------------------------------------------------------- setup
 
@@ -183,7 +186,12 @@ class Trainer:
             trainer_state.continue_history(self, state, source)
         self.safety.start()
         try:
-            self._loop()
+            try:
+                self._loop()
+            except OSError as exc:
+                if not is_write_failure(exc):
+                    raise
+                raise write_failed_error(self, exc) from None
         except BaseException as exc:
             self.callbacks("on_exception", self, exception=exc)
             self._report_exception(exc)
@@ -288,10 +296,13 @@ class Trainer:
         """Errors that end a run go to train.log too (the console gets them from the CLI)."""
         from stabletrain.safety.stop_messages import keyboard_interrupt_message
 
-        if isinstance(exc, KeyboardInterrupt):
-            self.console.info(keyboard_interrupt_message(self))
-        elif not isinstance(exc, TrainingInterrupted):
-            self.console.log_only(f"ERROR {type(exc).__name__}: {exc}")
+        try:
+            if isinstance(exc, KeyboardInterrupt):
+                self.console.info(keyboard_interrupt_message(self))
+            elif not isinstance(exc, TrainingInterrupted):
+                self.console.log_only(f"ERROR {type(exc).__name__}: {exc}")
+        except OSError:  # train.log on a full disk: the error still reaches the user
+            pass
 
     def resume_advice(self, failing_step: Optional[int] = None) -> str:
         """Where to continue after a failure at ``failing_step``: the newest healthy checkpoint,
@@ -328,6 +339,8 @@ class Trainer:
             self.safety.end_of_step()
             if self.lock is not None:
                 self.lock.heartbeat()
+            if self.safety.write_failed:
+                raise write_failed_error(self, self.write_failure)
             if self.step % s.checkpoint_every_num_steps == 0 and self.step < s.steps and self.stop_reason is None:
                 self._save_checkpoint(periodic=True)
         if self.stop_reason is not None:
@@ -409,7 +422,12 @@ class Trainer:
         return self.optimizer.param_groups[0]["lr"]
 
     def _log_step(self, step: int, losses: list[torch.Tensor], gn: GradNorm, lr: float) -> None:
-        log_step(self, step, losses, gn, lr)
+        try:
+            log_step(self, step, losses, gn, lr)
+        except OSError as exc:  # a full disk under metrics.jsonl: stop after this step, every rank together
+            if not is_write_failure(exc):
+                raise
+            self.write_failure = self.write_failure or exc
 
     def log_event(self, event: dict[str, Any]) -> None:
         """Give every logger an event row (rank 0 only), e.g. ``{"event": "resume", "step": 100}``."""
@@ -457,13 +475,26 @@ class Trainer:
         state["health"] = self.safety.verify(state)
         path = None
         if self.is_rank_zero:
-            path = save_checkpoint(state, self.out, periodic=periodic, keep=self.settings.max_checkpoints_to_keep)
-        self.fabric.barrier()
+            try:
+                path = save_checkpoint(state, self.out, periodic=periodic, keep=self.settings.max_checkpoints_to_keep)
+            except OSError as exc:  # full disk, read-only or vanished folder: nothing was half-written
+                if not is_write_failure(exc):
+                    raise
+                self.write_failure = exc
+        failed = self.write_failure is not None
+        if self.world_size > 1:  # also the barrier: every rank waits for rank 0's write, and stops with it
+            failed = self.max_over_ranks(float(failed)) > 0
+        if failed:
+            raise write_failed_error(self, self.write_failure)
         return path
 
     def _close(self) -> None:
         for logger in self.loggers:
-            logger.close()
+            try:
+                logger.close()
+            except OSError as exc:  # its last flush on a full disk: the run's error says so already
+                if not is_write_failure(exc):
+                    raise
         self.console.close()
 
 
