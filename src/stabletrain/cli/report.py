@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 HELP = "trends and plots of a run: stabletrain report out/my_run"
 
@@ -23,4 +24,14 @@ def run(argv: list[str]) -> int:
     from stabletrain.reporting import report
 
     report(ns.out, plots=not ns.no_plots)
+    _say_skipped(Path(ns.out) / "metrics.jsonl")
     return 0
+
+
+def _say_skipped(metrics: Path) -> None:
+    """Name the lines of metrics.jsonl the report could not read (a torn last line)."""
+    from stabletrain.runfiles.history import read_run
+
+    note = read_run(metrics).skipped_note(metrics) if metrics.is_file() else None
+    if note is not None:
+        print(note)

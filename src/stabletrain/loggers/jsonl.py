@@ -20,7 +20,11 @@ class JsonlLogger(Logger):
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        torn = _ends_torn(self.path)
         self._f = open(self.path, "a", encoding="utf-8")
+        if torn:  # a line cut short by a crash: end it, so that the next row is a line of its own
+            self._f.write("\n")
+            self._f.flush()
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         self._write({"step": step, **metrics})
@@ -39,6 +43,19 @@ class JsonlLogger(Logger):
             self._f.close()
 
 
+def _ends_torn(path: Path) -> bool:
+    """Whether ``path`` ends without a newline (its last write was cut short)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            if f.tell() == 0:
+                return False
+            f.seek(-1, 2)
+            return f.read(1) != b"\n"
+    except OSError:
+        return False
+
+
 def read_metrics(path: str | Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Read a metrics.jsonl file: (metric rows, event rows). A truncated last line is skipped."""
     rows: list[dict[str, Any]] = []
@@ -49,7 +66,7 @@ def read_metrics(path: str | Path) -> tuple[list[dict[str, Any]], list[dict[str,
 
 
 def _iter_lines(path: Path) -> Iterator[dict[str, Any]]:
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
             line = line.strip()
             if not line:

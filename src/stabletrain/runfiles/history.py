@@ -15,36 +15,50 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 
 @dataclass
 class RunHistory:
     """``rows``: one metric row per step, in step order; ``events``: the event rows of the same
     timeline, in file order (those of abandoned steps are in ``abandoned_events``); ``resumes``:
-    the steps runs resumed at, in file order."""
+    the steps runs resumed at, in file order; ``skipped``: the numbers (from 1) of the lines that
+    are not a JSON object, e.g. a last line cut short by a crash or a full disk."""
 
     rows: list[dict[str, Any]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
     resumes: list[int] = field(default_factory=list)
     abandoned_events: list[dict[str, Any]] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)
+
+    def skipped_note(self, path: str | Path) -> Optional[str]:
+        """A sentence saying which lines of ``path`` were skipped; None when none was."""
+        if not self.skipped:
+            return None
+        n = len(self.skipped)
+        shown = ", ".join(str(i) for i in self.skipped[:5]) + (", ..." if n > 5 else "")
+        return (f"{path}: skipped {n} line{'s' if n > 1 else ''} that {'do' if n > 1 else 'does'} not parse "
+                f"(line{'s' if n > 1 else ''} {shown}: cut short by a crash or a full disk); every other line "
+                f"was read ({len(self.rows)} logged steps, {len(self.events)} events).")
 
 
 def read_run(path: str | Path) -> RunHistory:
     """Read ``metrics.jsonl`` with resume semantics (see the module docstring). A line cut
-    short by a crash is skipped."""
+    short by a crash is skipped, and its number recorded in ``skipped``."""
     by_step: dict[int, dict[str, Any]] = {}
     history = RunHistory()
-    with open(path, encoding="utf-8") as f:
-        for line in f:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, start=1):
             line = line.strip()
             if not line:
                 continue
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError:
+                history.skipped.append(number)
                 continue
             if not isinstance(obj, dict):
+                history.skipped.append(number)
                 continue
             if "event" in obj:
                 history.events.append(obj)

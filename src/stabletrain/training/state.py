@@ -90,9 +90,13 @@ def continue_history(trainer: Any, state: dict[str, Any], source: Path) -> None:
         trainer.safety.health.initial_weight_norm = health["initial_weight_norm"]
     metrics = trainer.out / "metrics.jsonl"
     if metrics.is_file():
-        for row in read_run(metrics).rows:
+        history = read_run(metrics)
+        for row in history.rows:
             if row["step"] < trainer.step:
                 trainer.safety.health.observe(row["step"], row)
+        note = history.skipped_note(metrics)
+        if note is not None:
+            trainer.console.info(note)
     verdict = "healthy" if health and health.get("healthy") else "not healthy"
     note = "" if health is None else f" ({verdict}: {health.get('why')})"
     trainer.console.info(f"Resumed from step {trainer.step}: {source}{note}")
