@@ -130,12 +130,14 @@ def test_cheap_examples_exit_as_documented_and_print_what_the_docs_show():
 
 def test_mkdocs_builds_the_site_strictly(tmp_path):
     pytest.importorskip("mkdocs")
+    pytest.importorskip("mkdocstrings")  # the API reference (the docs extra)
     exe = Path(sys.executable).with_name("mkdocs")
     argv = [str(exe)] if exe.exists() else [sys.executable, "-m", "mkdocs"]
     run = subprocess.run([*argv, "build", "--strict", "--site-dir", str(tmp_path / "site")], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
     assert (tmp_path / "site" / "diagnose" / "index.html").exists()
+    assert 'id="stabletrain.training.loop.train"' in (tmp_path / "site" / "api" / "index.html").read_text()
 
 
 # ----------------------------------------------------- the documented plain-loop programs

@@ -51,6 +51,8 @@ _EXPORTS = {
     "RecoveryLimitError": "stabletrain.safety.healing",
     "NonFiniteCheckpointError": "stabletrain.safety.net",
     "TrainingInterrupted": "stabletrain.safety.interrupts",
+    "WriteFailedError": "stabletrain.safety.write_failures",
+    "RunLockedError": "stabletrain.runfiles.lock",
 }
 
 __all__ = ["__version__", *_EXPORTS]

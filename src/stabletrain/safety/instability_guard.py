@@ -92,8 +92,12 @@ class InstabilityGuard:
 
     Args:
         optimizer: The optimizer whose steps are guarded.
-        window, zscore, warmup, max_ratio, min_std: The detector's thresholds
-            (:class:`~stabletrain.safety.spike_detector.SpikeDetector`).
+        window: Good steps in the detector's rolling window (these five are
+            :class:`~stabletrain.safety.spike_detector.SpikeDetector`'s thresholds).
+        zscore: Threshold on ``(log x - mean) / std`` over the window.
+        warmup: Good steps seen before spikes are judged (non-finite values always are).
+        max_ratio: A loss above this many times the largest loss seen is a spike.
+        min_std: Floor of the window's standard deviation of the log values.
         skip: Undo bad steps (False: only detect and record).
         all_reduce: ``fn(tensor) -> tensor``, the mean over ranks, under DDP.
         action: The action recorded in each :class:`Recovery` (the trainer's rollback says so).
