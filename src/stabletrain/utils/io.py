@@ -54,7 +54,7 @@ def atomic_torch_save(obj: Any, path: str | Path) -> Path:
     try:
         with os.fdopen(fd, "wb") as f:
             writes = _Writes(f)
-            torch.save(obj, writes)
+            torch.save(obj, writes)  # type: ignore[arg-type]  # a file-like with write and flush
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
