@@ -59,6 +59,8 @@ def test_resume_and_report_after_torn_line(tmp_path, capsys):
     with open(metrics, "a") as f:
         f.write('{"step": 4, "loss": 5.4')  # a kill in the middle of the next row
     n_lines = len(metrics.read_text().splitlines())
+    leftover = out / "checkpoints" / ".last.ckpt.k1ll3d.tmp"  # a kill during a checkpoint write
+    leftover.write_bytes(b"PK\x03\x04 partial")
     capsys.readouterr()
     train(out=out, resume_interrupted=True, **tiny_lm(steps=6, checkpoint_every_num_steps=2))
     printed = capsys.readouterr().out
@@ -67,5 +69,6 @@ def test_resume_and_report_after_torn_line(tmp_path, capsys):
     assert run.skipped == [n_lines]
     assert [r["step"] for r in run.rows] == [0, 1, 2, 3, 4, 5]
     assert run.rows[:4] == rows_before  # nothing before the torn line lost
+    assert not leftover.exists()
     assert main(["report", str(out), "--no-plots"]) == 0
     assert f"{metrics}: skipped 1 line that does not parse (line {n_lines}:" in capsys.readouterr().out

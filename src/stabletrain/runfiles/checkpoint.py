@@ -117,6 +117,18 @@ def check_free_space(state: dict[str, Any], folder: Path, periodic: bool) -> Non
         raise NotEnoughSpaceError(folder / name, needed, free)
 
 
+def remove_temporaries(out: Path) -> list[Path]:
+    """Remove the temporary files (``.NAME.xxxx.tmp``) that a killed run left in ``out`` and its
+    checkpoint folder; call only while holding the run lock. Returns those removed."""
+    removed = []
+    for folder in (Path(out), checkpoint_dir(out)):
+        if folder.is_dir():
+            for path in folder.glob(".*.tmp"):
+                path.unlink(missing_ok=True)
+                removed.append(path)
+    return removed
+
+
 def _keep_newest_healthy(folder: Path) -> None:
     """Before an unhealthy state overwrites last.ckpt: if last.ckpt holds the only copy of the
     newest healthy checkpoint (its step_N.ckpt was rotated away), give it its periodic name."""

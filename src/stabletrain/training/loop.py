@@ -32,6 +32,7 @@ from stabletrain.runfiles.checkpoint import (
     checkpoint_dir,
     load_checkpoint,
     newest_healthy,
+    remove_temporaries,
     save_checkpoint,
 )
 from stabletrain.runfiles.lock import RunLock
@@ -171,6 +172,7 @@ class Trainer:
             assert fabric is not None  # the checks raised otherwise
             if first:
                 self._prepare_out_dir()
+                remove_temporaries(self.out)  # left by a killed run; the lock says none is writing
             self.fabric = fabric
             return fabric.launch(self._run)
         finally:
