@@ -5,12 +5,15 @@ The failures are injected at the writer (no mount needed)."""
 from __future__ import annotations
 
 import errno
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import stabletrain.utils.io as io_mod
+from conftest import cli_env
 from stabletrain.cli.main import main
 from stabletrain.loggers.jsonl import JsonlLogger
 from stabletrain.runfiles.checkpoint import load_checkpoint
@@ -157,3 +160,65 @@ def test_read_only_or_vanished_folder(tmp_path, monkeypatch, code, words):
               model_args={"n_layers": 1, "n_heads": 2, "dim": 32, "context_length": 16, "warmup_steps": 1})
     assert f": {words}. Training stopped after" in str(err.value)
     assert err.value.errno == code
+
+
+DDP_FULL_DISK = """import errno, sys
+import stabletrain.utils.io as io_mod
+from stabletrain.loggers.jsonl import JsonlLogger
+from stabletrain.cli.main import main
+
+where = sys.argv[1]
+if where == "checkpoint":
+    original = io_mod._Writes.__init__
+    count = [0]
+
+    class Failing:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def flush(self):
+            self.f.flush()
+
+    def init(writes, f):
+        original(writes, f)
+        count[0] += 1
+        if count[0] >= 2:
+            writes.f = Failing(f)
+
+    io_mod._Writes.__init__ = init
+else:
+    original_write = JsonlLogger._write
+
+    def write(self, obj):
+        if obj.get("step") == 3 and "event" not in obj:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+        original_write(self, obj)
+
+    JsonlLogger._write = write
+sys.exit(main(["train", f"out=run_{where}", "devices=2", "strategy=ddp", "accelerator=cpu", "steps=8",
+               "batch_size=8", "log_every_num_steps=1", "checkpoint_every_num_steps=2", "model_args.n_layers=1",
+               "model_args.dim=32", "model_args.n_heads=2", "model_args.context_length=16",
+               "loggers.tensorboard.enabled=false"]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where, target", [("checkpoint", "checkpoints/step_000004.ckpt"), ("metrics", "metrics.jsonl")])
+def test_ddp_every_rank_stops_together_with_one_message(tmp_path, where, target):
+    """Rank 0's write fails (a checkpoint, or metrics.jsonl); both ranks stop after the same
+    step, without a hang, and only the failing rank's message is printed."""
+    (tmp_path / "full.py").write_text(DDP_FULL_DISK)
+    run = subprocess.run([sys.executable, "full.py", where], cwd=tmp_path, env=cli_env(), capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 1
+    messages = [line for line in run.stderr.splitlines() if line.startswith("stabletrain train:")]
+    assert len(messages) == 1, run.stderr[-3000:]
+    assert messages[0].startswith(f"stabletrain train: WriteFailedError: Could not write run_{where}/{target}: "
+                                  "no space left on device (ENOSPC). Training stopped after 4 steps.")
+    assert "resume_interrupted=true" in messages[0]
+    out = tmp_path / f"run_{where}"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["last.ckpt", "step_000002.ckpt"]
+    assert load_checkpoint(out / "checkpoints" / "last.ckpt")["step"] == 2

@@ -49,6 +49,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         # The checkpoint and the command to continue were printed; exit as the signal asks.
         return exc.exit_code
     except StabletrainError as exc:
+        if getattr(exc, "other_rank", False):  # stopped with the rank that failed, which says why
+            return 1
         print(f"stabletrain {ns.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -48,15 +48,19 @@ class WriteFailedError(StabletrainError):
         step: Steps completed when training stopped.
         checkpoint: The newest checkpoint still intact to continue from (None when there is none).
         command: The command that continues the run once the cause is fixed.
+        other_rank: True on the ranks that stopped because another rank's write failed: the
+            command line prints only the failing rank's message.
     """
 
     def __init__(self, message: str, path: Optional[Path], errno: Optional[int], step: int,
-                 checkpoint: Optional[Path], command: str):
+                 checkpoint: Optional[Path], command: str, other_rank: bool = False):
         super().__init__(message)
         self.path, self.errno, self.step, self.checkpoint, self.command = path, errno, step, checkpoint, command
+        self.other_rank = other_rank
 
     def __reduce__(self) -> Any:
-        return (type(self), (str(self), self.path, self.errno, self.step, self.checkpoint, self.command))
+        return (type(self), (str(self), self.path, self.errno, self.step, self.checkpoint, self.command,
+                             self.other_rank))
 
 
 def is_write_failure(exc: BaseException) -> bool:
@@ -73,7 +77,7 @@ def write_failed_error(trainer: Any, exc: Optional[OSError]) -> WriteFailedError
         return WriteFailedError(
             f"Another rank could not write a file of the run (its message says which); training stopped after "
             f"{trainer.step} steps on every rank. {advice}", None, None, trainer.step,
-            None if best is None else best.path, command)
+            None if best is None else best.path, command, other_rank=True)
     path = Path(exc.filename) if exc.filename else None
     folder = path.parent if path is not None else Path(trainer.out)
     why = WRITE_ERRNOS.get(exc.errno or 0, exc.strerror or str(exc))

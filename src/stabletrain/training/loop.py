@@ -160,17 +160,20 @@ class Trainer:
         # started by the launcher (rank > 0) skip the out/ checks; rank 0 owns the folder.
         # Without a Fabric no process was launched: this is the first one.
         first = fabric is None or fabric.global_rank == 0
-        # The run lock comes first: a second writer is refused before it can change out/.
+        problems = checks.setup_problems(
+            self.settings, None if fabric is None else fabric.world_size, is_rank_zero=first,
+            fabric_problems=fabric_problems,
+        )
+        if problems:
+            raise ConfigError(problems)  # before the lock: invalid settings write nothing, not even out/
+        assert fabric is not None  # the checks raised otherwise
+        # The run lock: a second writer is refused before it changes anything in out/.
         self.lock = RunLock(self.out).acquire() if first else None
         try:
-            problems = checks.setup_problems(
-                self.settings, None if fabric is None else fabric.world_size, is_rank_zero=first,
-                fabric_problems=fabric_problems,
-            )
-            if problems:
-                raise ConfigError(problems)
-            assert fabric is not None  # the checks raised otherwise
             if first:
+                again = checks.out_dir_problems(self.settings)  # another run may have finished in between
+                if again:
+                    raise ConfigError(again)
                 self._prepare_out_dir()
                 remove_temporaries(self.out)  # left by a killed run; the lock says none is writing
             self.fabric = fabric
