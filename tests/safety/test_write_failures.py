@@ -222,3 +222,23 @@ def test_ddp_every_rank_stops_together_with_one_message(tmp_path, where, target)
     out = tmp_path / f"run_{where}"
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["last.ckpt", "step_000002.ckpt"]
     assert load_checkpoint(out / "checkpoints" / "last.ckpt")["step"] == 2
+
+
+def test_report_on_a_full_disk_says_what_and_exits_1(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    (out).mkdir()
+    (out / "metrics.jsonl").write_text("".join(f'{{"step": {s}, "loss": 2.0, "gradient_norm": 1.0, "lr": 0.001}}\n'
+                                               for s in range(20)))
+    summary = out / "report" / "summary.md"
+    real = Path.write_text
+
+    def write_text(self, *args, **kwargs):
+        if self == summary:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+    assert main(["report", str(out), "--no-plots"]) == 1
+    err = capsys.readouterr().err
+    assert err == (f"stabletrain report: could not write {summary}: no space left on device (ENOSPC). Free space on "
+                   f"that filesystem (df -h {summary.parent} shows it), then run the command again.\n")

@@ -14,6 +14,7 @@ from stabletrain import __version__
 from stabletrain.cli import diagnose, replay, report, train
 from stabletrain.errors import ConfigError, StabletrainError
 from stabletrain.safety.interrupts import TrainingInterrupted
+from stabletrain.safety.write_failures import is_write_failure, write_failure_text
 
 #: name -> (one-line help, function taking the remaining arguments and returning an exit code)
 COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
@@ -55,3 +56,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except OSError as exc:  # a write outside the training loop (report, settings.json) on a full disk
+        if not is_write_failure(exc):
+            raise
+        print(f"stabletrain {ns.command}: {write_failure_text(exc)}", file=sys.stderr)
+        return 1

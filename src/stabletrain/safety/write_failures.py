@@ -91,3 +91,13 @@ def write_failed_error(trainer: Any, exc: Optional[OSError]) -> WriteFailedError
         f"(a temporary file, removed on failure, then a rename). {fix}, then continue. {advice}"
     )
     return WriteFailedError(message, path, exc.errno, trainer.step, None if best is None else best.path, command)
+
+
+def write_failure_text(exc: OSError) -> str:
+    """One sentence for a failed write outside a training run (``stabletrain report``, ...):
+    what could not be written, why, and what to do."""
+    what = exc.filename or "a file"
+    folder = Path(exc.filename).parent if exc.filename else Path(".")
+    why = WRITE_ERRNOS.get(exc.errno or 0, exc.strerror or str(exc))
+    fix = _FIX.get(exc.errno or 0, "Fix the cause").format(folder=folder)
+    return f"could not write {what}: {why}. {fix}, then run the command again."
