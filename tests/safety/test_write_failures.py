@@ -69,31 +69,31 @@ def _weights(out: Path) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("write_failures") / "reference"
-    assert _train(out, "steps=24", "checkpoint_every_num_steps=8") == 0
+    assert _train(out, "steps=12", "checkpoint_every_num_steps=4") == 0
     return out
 
 
 def test_full_disk_during_checkpoint(tmp_path, monkeypatch, capsys, reference):
     out = tmp_path / "full"
     with monkeypatch.context() as patch:
-        FullDiskAt(patch, k=2)  # step_000008.ckpt is written; step_000016.ckpt meets the full disk
-        code = _train(out, "steps=24", "checkpoint_every_num_steps=8")
+        FullDiskAt(patch, k=2)  # step_000004.ckpt is written; step_000008.ckpt meets the full disk
+        code = _train(out, "steps=12", "checkpoint_every_num_steps=4")
     err = capsys.readouterr().err
     assert code == 1
     assert "Traceback" not in err and "inline_container" not in err
-    target = out / "checkpoints" / "step_000016.ckpt"
+    target = out / "checkpoints" / "step_000008.ckpt"
     assert err.count("\n") == 1  # one message
-    assert f"Could not write {target}: no space left on device (ENOSPC). Training stopped after 16 steps." in err
+    assert f"Could not write {target}: no space left on device (ENOSPC). Training stopped after 8 steps." in err
     last = out / "checkpoints" / "last.ckpt"
-    assert f"{last} holds the healthy state from before step 8" in err
+    assert f"{last} holds the healthy state from before step 4" in err
     assert "Free space on that filesystem (df -h" in err
     assert f"stabletrain train out={out}" in err and "resume_interrupted=true" in err
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["last.ckpt", "step_000008.ckpt"]  # no .tmp
-    assert load_checkpoint(last)["step"] == 8
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["last.ckpt", "step_000004.ckpt"]  # no .tmp
+    assert load_checkpoint(last)["step"] == 4
     assert "WriteFailedError: Could not write" in (out / "train.log").read_text()
 
     # Space freed: the printed resume continues, and ends with the weights of the uninterrupted run.
-    assert _train(out, "steps=24", "checkpoint_every_num_steps=8", "resume_interrupted=true") == 0
+    assert _train(out, "steps=12", "checkpoint_every_num_steps=4", "resume_interrupted=true") == 0
     ref, got = _weights(reference), _weights(out)
     assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
 
