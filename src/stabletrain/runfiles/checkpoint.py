@@ -40,6 +40,7 @@ FROZEN_ON_RESUME = (
     "model_args.dim",
     "model_args.context_length",
     "model_args.tokenizer",
+    "model_args.qk_norm",
     "model_args.cnn_width",
     "model_args.optimizer",
     "world_size",
