@@ -61,3 +61,44 @@ def test_qk_norm_bounds_the_attention_logits_and_lowers_the_loss(run_once):
     assert max(values(normed, "signals/attn_logit_max")) < 50
     assert min(values(normed, "signals/attn_entropy_min")) > 0.1
     assert runs.final_loss(normed) < runs.final_loss(plain) - 0.2, (runs.final_loss(normed), runs.final_loss(plain))
+
+
+# --------------------------------------------------------------------------------------
+# c. the Adam epsilon regime; a lower eps fixes it
+# --------------------------------------------------------------------------------------
+
+
+def test_an_eps_far_above_the_gradients_rms_stalls_adamw(run_once):
+    stalled = run_once(runs.run_adam_eps)  # eps 1
+    healthy = run_once(runs.run_adam_eps, eps=1e-8)
+    assert min(values(stalled, "signals/adam_eps_fraction")) > 0.99
+    # eps 1e-8: only the embedding rows of bytes the text never holds (no gradient, v = 0).
+    assert max(values(healthy, "signals/adam_eps_fraction")) < 0.3
+    # The updates collapse: the first is over 50x smaller, and the weights hardly move at all.
+    update, healthy_update = values(stalled, "signals/update_rms/decay"), values(healthy, "signals/update_rms/decay")
+    assert update[0] < healthy_update[0] / 50
+    weights, healthy_weights = values(stalled, "signals/weight_rms/decay"), values(healthy, "signals/weight_rms/decay")
+    assert weights[-1] < 1.05 * weights[0] and healthy_weights[-1] > 2 * healthy_weights[0]
+    # Training stalls: the loss falls by less than 1 nat where eps 1e-8 falls by nearly 3.
+    first = values(stalled, "loss")[0]
+    assert runs.final_loss(stalled) > first - 1.0
+    assert runs.final_loss(stalled) > runs.final_loss(healthy) + 1.5
+
+
+# --------------------------------------------------------------------------------------
+# d. SGD at too high an lr (the README tour)
+# --------------------------------------------------------------------------------------
+
+
+def test_sgd_at_lr_1_grows_the_weights_then_goes_nan(run_once):
+    rows = run_once(runs.run_sgd_blowup)
+    nan_step = runs.first_nonfinite(rows)
+    assert nan_step is not None and rows[-1]["step"] == nan_step  # the guard stopped the run there
+    weights = runs.series(rows, "signals/weight_rms/decay")
+    finite = [(s, v) for s, v in weights if math.isfinite(v)]
+    assert finite[-1][1] > 1000 * finite[0][1]  # the weights grew by orders of magnitude first
+    grown = runs.first_departure(rows, "signals/weight_rms/decay", factor=2)
+    doubled = runs.first_departure(rows, "loss", factor=2)
+    assert grown is not None and doubled is not None
+    assert grown < doubled < nan_step and nan_step - grown >= 10  # the signal leads the NaN by 10+ steps
+    assert max(values(rows, "signals/update_rms_max")[:nan_step]) > 1  # updates larger than the weights
