@@ -51,8 +51,10 @@ def test_attention_logits_grow_by_orders_of_magnitude_at_a_high_lr(run_once):
 
 def test_the_high_lr_run_ends_far_worse_than_a_good_lr(run_once):
     high = runs.final_loss(run_once(runs.run_attention_growth))
-    good = runs.final_loss(run_once(runs.run_attention_growth, lr=0.01))
+    good_rows = run_once(runs.run_attention_growth, lr=0.01)
+    good = runs.final_loss(good_rows)
     assert high > good + 0.4, (high, good)
+    assert max(values(good_rows, "signals/attn_logit_max")) < 100  # at a good lr the logits stay moderate
 
 
 def test_qk_norm_bounds_the_attention_logits_and_lowers_the_loss(run_once):
