@@ -104,3 +104,11 @@ def test_sgd_at_lr_1_grows_the_weights_then_goes_nan(run_once):
     assert grown is not None and doubled is not None
     assert grown < doubled < nan_step and nan_step - grown >= 10  # the signal leads the NaN by 10+ steps
     assert max(values(rows, "signals/update_rms_max")[:nan_step]) > 1  # updates larger than the weights
+
+
+def test_sgd_at_a_tenth_of_the_lr_trains(run_once):
+    rows = run_once(runs.run_sgd_blowup, lr=0.1)
+    assert runs.first_nonfinite(rows) is None and rows[-1]["step"] == 99
+    weights = values(rows, "signals/weight_rms/decay")
+    assert weights[-1] < 5 * weights[0]  # the weights stay at their scale
+    assert runs.final_loss(rows) < values(rows, "loss")[0] - 2.5
