@@ -65,17 +65,34 @@ def settings_with(base: dict[str, Any], **overrides: Any) -> dict[str, Any]:
     return settings
 
 
-def run_lm(out: Path, **settings: Any) -> list[dict[str, Any]]:
-    """Train :data:`TINY` with ``settings`` into ``out`` (console quiet) and return the metric rows
-    of ``out/metrics.jsonl``. A run the guard stops (NaN) returns the rows logged before it."""
+class Rows(list):
+    """The metric rows of a run (a list of dicts), with ``out`` (the run's folder, for
+    ``stabletrain report`` or ``diagnose``), ``events`` (the ``{"event": ...}`` rows of
+    metrics.jsonl: trend alerts, mechanism_signals, ...), ``console`` (what the run printed) and
+    ``error`` (the exception that stopped it, or None)."""
+
+    out: Path
+    events: list[dict[str, Any]]
+    console: str
+    error: Optional[BaseException]
+
+
+def run_lm(out: Path, **settings: Any) -> Rows:
+    """Train :data:`TINY` with ``settings`` into ``out`` (console captured) and return the metric
+    rows of ``out/metrics.jsonl``. A run the guard stops (NaN) returns the rows logged before it."""
     merged = settings_with(TINY, **settings)
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    captured = io.StringIO()
+    error: Optional[BaseException] = None
+    with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
         try:
             stabletrain.train(out=out, **merged)
-        except StabletrainError:
+        except StabletrainError as exc:
             if not (Path(out) / "metrics.jsonl").exists():
                 raise
-    rows, _ = read_metrics(Path(out) / "metrics.jsonl")
+            error = exc
+    metric_rows, events = read_metrics(Path(out) / "metrics.jsonl")
+    rows = Rows(metric_rows)
+    rows.out, rows.events, rows.console, rows.error = Path(out), events, captured.getvalue(), error
     return rows
 
 
@@ -92,14 +109,14 @@ def _run(
     return run_lm(out, **settings)
 
 
-def run_attention_growth(tmp_path: Path, qk_norm: bool = False, lr: float = 0.1, **overrides: Any) -> list[dict]:
+def run_attention_growth(tmp_path: Path, qk_norm: bool = False, lr: float = 0.1, **overrides: Any) -> Rows:
     """Attention-logit growth: AdamW at peak lr 0.1 (100x the default), no weight decay, no dropout,
     200 steps, cosine schedule, logged every 10 steps."""
     defaults = {"steps": 200, "log_every_num_steps": 10}
     return _run(tmp_path, f"attention_lr{lr:g}_qk{int(qk_norm)}", defaults, {"lr": lr, "qk_norm": qk_norm}, overrides)
 
 
-def run_adam_eps(tmp_path: Path, eps: float = 1.0, lr: float = 0.01, **overrides: Any) -> list[dict]:
+def run_adam_eps(tmp_path: Path, eps: float = 1.0, lr: float = 0.01, **overrides: Any) -> Rows:
     """The Adam epsilon regime: AdamW with eps 1, about 100x the RMS of the tiny model's gradient
     entries (a gradient norm near 1.5 over 30K entries: 0.009), as eps 1e-8 is against the gradients
     of a wide model late in training; lr 0.01 (a good lr at eps 1e-8), 100 steps logged every 10."""
@@ -107,7 +124,7 @@ def run_adam_eps(tmp_path: Path, eps: float = 1.0, lr: float = 0.01, **overrides
     return _run(tmp_path, f"adam_eps{eps:g}", defaults, {"lr": lr, "eps": eps}, overrides)
 
 
-def run_sgd_blowup(tmp_path: Path, lr: float = 1.0, **overrides: Any) -> list[dict]:
+def run_sgd_blowup(tmp_path: Path, lr: float = 1.0, **overrides: Any) -> Rows:
     """The README tour: SGD (momentum 0.9) at lr 1 (the guard stops the run at the first
     non-finite step), up to 100 steps logged every step."""
     defaults = {"steps": 100, "log_every_num_steps": 1}

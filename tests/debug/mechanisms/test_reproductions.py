@@ -47,6 +47,8 @@ def test_attention_logits_grow_by_orders_of_magnitude_at_a_high_lr(run_once):
     growth = runs.first_departure(rows, "signals/attn_logit_max", factor=100)
     assert growth is not None and growth <= 20  # early: within the first 10% of the run
     assert all(math.isfinite(v) for v in values(rows, "loss"))  # silent: no NaN, no Inf
+    assert rows.error is None and "Done: 200 steps" in rows.console
+    assert [e["attention_modules"] for e in rows.events if e["event"] == "mechanism_signals"] == [["blocks.0.attn"]]
 
 
 def test_the_high_lr_run_ends_far_worse_than_a_good_lr(run_once):
@@ -96,6 +98,7 @@ def test_sgd_at_lr_1_grows_the_weights_then_goes_nan(run_once):
     rows = run_once(runs.run_sgd_blowup)
     nan_step = runs.first_nonfinite(rows)
     assert nan_step is not None and rows[-1]["step"] == nan_step  # the guard stopped the run there
+    assert type(rows.error).__name__ == "NonFiniteStepError" and f"step {nan_step}" in str(rows.error)
     weights = runs.series(rows, "signals/weight_rms/decay")
     finite = [(s, v) for s, v in weights if math.isfinite(v)]
     assert finite[-1][1] > 1000 * finite[0][1]  # the weights grew by orders of magnitude first
