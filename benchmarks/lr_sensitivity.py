@@ -4,7 +4,7 @@ instabilities"), on CPU, in a few minutes.
 
 Each point is one run of ``stabletrain.train`` on the built-in language model, small enough for a
 CPU (1 block of width 32, 2 heads, 16 tokens, batch 8; about 30K parameters), AdamW without weight
-decay or dropout, 5 warmup steps then cosine to 0.1 x lr, seed 0. Only ``model_args.lr`` and
+decay or dropout, 5 warmup steps then cosine to 0.1 x lr, seed 0, one torch thread. Only ``model_args.lr`` and
 ``model_args.qk_norm`` change between runs. The final loss is the mean of the last 3 logged losses
 (steps 180, 190, 199; each one batch). The largest attention logit over the run
 (``signals/attn_logit_max``) says which runs had attention-logit growth.
@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import torch
 
 import stabletrain
 from stabletrain.loggers.jsonl import read_metrics
@@ -124,6 +126,9 @@ def main() -> None:
     parser.add_argument("--lrs", default=",".join(f"{lr:g}" for lr in LRS), help="comma-separated peak lrs")
     args = parser.parse_args()
     lrs = [float(x) for x in args.lrs.split(",")]
+    # One torch thread: fastest for a model this small, and the same numbers on any machine's
+    # thread count (the order of float sums depends on it).
+    torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
     start = time.perf_counter()

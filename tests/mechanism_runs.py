@@ -33,6 +33,8 @@ import math
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
+
 import stabletrain
 from stabletrain.errors import StabletrainError
 from stabletrain.loggers.jsonl import read_metrics
@@ -83,6 +85,10 @@ def run_lm(out: Path, **settings: Any) -> Rows:
     merged = settings_with(TINY, **settings)
     captured = io.StringIO()
     error: Optional[BaseException] = None
+    threads = torch.get_num_threads()
+    # One thread: a model this small runs fastest on one, and a second one only contends with
+    # the other test workers for the cores (3-5x slower on a loaded 2-core machine).
+    torch.set_num_threads(1)
     with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
         try:
             stabletrain.train(out=out, **merged)
@@ -90,6 +96,8 @@ def run_lm(out: Path, **settings: Any) -> Rows:
             if not (Path(out) / "metrics.jsonl").exists():
                 raise
             error = exc
+        finally:
+            torch.set_num_threads(threads)
     metric_rows, events = read_metrics(Path(out) / "metrics.jsonl")
     rows = Rows(metric_rows)
     rows.out, rows.events, rows.console, rows.error = Path(out), events, captured.getvalue(), error
