@@ -134,6 +134,9 @@ RUNS: dict[str, Run] = {
     "fsdp": Run(("stabletrain train out=out/fsdp strategy=fsdp devices=2 accelerator=cpu steps=40 "
                  "model_args.warmup_steps=4",)),
     "mechanisms-plain": Run(("python example.py",), files={"example.py": Example("mechanisms")}, cheap=True),
+    # The benchmark as the repository has it, run from the workspace (its default --out is out/lr_sensitivity).
+    "lr-sensitivity": Run(("python benchmarks/lr_sensitivity.py",),
+                          files={"benchmarks/lr_sensitivity.py": (ROOT / "benchmarks/lr_sensitivity.py").read_text()}),
 }
 
 
@@ -302,6 +305,21 @@ def metrics_row(run: str, path: str, where: Callable[[dict], bool], command: boo
     return Block((run,), render)
 
 
+def console_then_markdown(run: str) -> Block:
+    """The run's command and the lines of its output that are not a markdown table as a console
+    block, then the table (lines starting with ``|``) as markdown."""
+
+    def render(ws: "Workspace") -> str:
+        (command, output), = ws.outputs[run]
+        lines = output.splitlines()
+        text = [line for line in lines if not line.startswith("|")]
+        table = [line for line in lines if line.startswith("|")]
+        shown = fence("console", [f"$ {command}", *_rstrip([t for t in text if t.strip()])])
+        return shown + "\n" + "\n".join(table) + "\n"
+
+    return Block((run,), render)
+
+
 def _rstrip(lines: list[str]) -> list[str]:
     """Without trailing blank lines."""
     while lines and not lines[-1].strip():
@@ -384,6 +402,8 @@ BLOCKS: dict[str, Block] = {
     "mechanisms-row": metrics_row("demo", "out/demo/metrics.jsonl", lambda r: r.get("step") == 0 and "loss" in r,
                                   keys=MECHANISM_KEYS, digits=3),
     "mechanisms-plain": console("mechanisms-plain"),
+    "lr-sensitivity": Block(("lr-sensitivity",), console_then_markdown("lr-sensitivity").render,
+                            copy={"out/lr_sensitivity/lr_sensitivity.png": "docs/img/lr_sensitivity.png"}),
 }
 
 
@@ -438,6 +458,7 @@ class Workspace:
                 if content.name not in self.examples:
                     raise GenError(f"run {name}: no <!-- example:{content.name} --> python block in the docs")
                 content = self.examples[content.name]
+            (self.root / file).parent.mkdir(parents=True, exist_ok=True)
             (self.root / file).write_text(content)
 
     def _env(self, spec: Run) -> dict[str, str]:

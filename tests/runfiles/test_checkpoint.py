@@ -182,7 +182,11 @@ class OptimizerGroups:
 
 @pytest.mark.parametrize(
     "optimizer, before, after",
-    [("sgd", {"momentum": 0.9}, {"momentum": 0.5}), ("adamw", {"betas": (0.9, 0.95)}, {"betas": (0.8, 0.9)})],
+    [
+        ("sgd", {"momentum": 0.9}, {"momentum": 0.5}),
+        ("adamw", {"betas": (0.9, 0.95)}, {"betas": (0.8, 0.9)}),
+        ("adamw", {"eps": 1e-8}, {"eps": 1e-3}),
+    ],
 )
 def test_resume_uses_the_new_optimizer_hyperparameters(tmp_path, optimizer, before, after):
     """model_args.momentum and betas changed on resume take effect (they were silently
@@ -207,12 +211,24 @@ def test_resume_refuses_changed_frozen_settings(tmp_path):
     out = tmp_path / "run"
     train(out=out, **tiny_lm(steps=2))
     with pytest.raises(ConfigError) as info:
-        train(out=out, resume_interrupted=True, **tiny_lm(steps=4, batch_size=16, model_args={"dim": 64}))
+        train(out=out, resume_interrupted=True, **tiny_lm(steps=4, batch_size=16, model_args={"dim": 64, "qk_norm": True}))
     text = str(info.value)
+    assert "model_args.qk_norm: the checkpoint was trained with false, now true" in text
     assert "batch_size: the checkpoint was trained with 8, now 16" in text
     assert "model_args.dim: the checkpoint was trained with 32, now 64" in text
     with pytest.raises(ConfigError, match="the checkpoint already holds 2 steps"):
         train(out=out, resume_interrupted=True, **tiny_lm(steps=2))
+
+
+def test_a_checkpoint_from_before_qk_norm_existed_resumes_without_it():
+    from stabletrain.runfiles.checkpoint import resume_conflicts
+
+    old = {"model_args": {"dim": 32}}  # settings saved before model_args.qk_norm existed
+    assert resume_conflicts(old, {"model_args": {"dim": 32, "qk_norm": False}}) == []
+    assert resume_conflicts(old, {"model_args": {"dim": 32, "qk_norm": True}}) == [
+        "model_args.qk_norm: the checkpoint was trained with false, now true; this setting cannot change on resume "
+        "(start a new run in another out folder instead)"
+    ]
 
 
 def test_checkpoint_loads_safely_and_rejects_bad_files(tmp_path):

@@ -233,3 +233,110 @@ def test_num_samples_is_the_built_datasets_length(tmp_path: Path):
     counts = [language_model.num_samples(s) for s in cases]
     assert counts == [len(language_model.build(s).dataset) for s in cases]
     assert counts[3] != counts[4]
+
+
+# --------------------------------------------------------------------------------------
+# The mitigations: qk_norm, z_loss (docs/mechanisms.md)
+# --------------------------------------------------------------------------------------
+
+
+def _layer_norm64(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    mean = x.mean(-1, keepdim=True)
+    var = ((x - mean) ** 2).mean(-1, keepdim=True)
+    return (x - mean) / torch.sqrt(var + 1e-5) * weight + bias
+
+
+def _reference_logits(model: torch.nn.Module, ids: torch.Tensor, qk_norm: bool) -> torch.Tensor:
+    """The language model's forward pass written out in float64 from its state dict."""
+    w = {k: v.double() for k, v in model.state_dict().items()}
+    n_heads = model.blocks[0].attn.n_heads  # type: ignore[index,union-attr]
+    B, T = ids.shape
+    x = w["tok_emb.weight"][ids] + w["pos_emb.weight"][:T]
+    for i in range(len(model.blocks)):  # type: ignore[arg-type]
+        p = f"blocks.{i}."
+        h = _layer_norm64(x, w[p + "ln1.weight"], w[p + "ln1.bias"])
+        qkv = h @ w[p + "attn.qkv.weight"].T + w[p + "attn.qkv.bias"]
+        C = x.shape[-1]
+        hd = C // n_heads
+        q, k, v = (qkv[..., j * C:(j + 1) * C].reshape(B, T, n_heads, hd).transpose(1, 2) for j in range(3))
+        if qk_norm:
+            q = _layer_norm64(q, w[p + "attn.q_norm.weight"], w[p + "attn.q_norm.bias"])
+            k = _layer_norm64(k, w[p + "attn.k_norm.weight"], w[p + "attn.k_norm.bias"])
+        scores = q @ k.transpose(-2, -1) / math.sqrt(hd)
+        scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), -math.inf)
+        att = (scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, C)
+        x = x + att @ w[p + "attn.proj.weight"].T + w[p + "attn.proj.bias"]
+        h = _layer_norm64(x, w[p + "ln2.weight"], w[p + "ln2.bias"])
+        h = torch.nn.functional.gelu(h @ w[p + "mlp.fc1.weight"].T + w[p + "mlp.fc1.bias"])
+        x = x + h @ w[p + "mlp.fc2.weight"].T + w[p + "mlp.fc2.bias"]
+    return _layer_norm64(x, w["ln_f.weight"], w["ln_f.bias"]) @ w["head.weight"].T
+
+
+def test_qk_norm_normalises_queries_and_keys_as_a_float64_reference_does(tmp_path: Path):
+    plain = language_model.build_model(settings(tmp_path, seed=3), {"vocab_size": 256})
+    normed = language_model.build_model(settings(tmp_path, seed=3, model_args={"qk_norm": True}), {"vocab_size": 256})
+    names = dict(normed.named_parameters())
+    assert {"blocks.0.attn.q_norm.weight", "blocks.0.attn.k_norm.bias"} <= names.keys()
+    assert names["blocks.0.attn.q_norm.weight"].shape == (16,)  # head_dim = 32 / 2: one LayerNorm over each head
+    assert not any("q_norm" in n or "k_norm" in n for n, _ in plain.named_parameters())  # default: no new weights
+    # Large qkv weights (the growth qk_norm is for) and gains that are not the identity.
+    with torch.no_grad():
+        for model in (plain, normed):
+            model.blocks[0].attn.qkv.weight.mul_(30)  # type: ignore[index,union-attr,operator]
+        for name, p in names.items():
+            if "q_norm" in name or "k_norm" in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
+    ids = torch.randint(256, (3, 16), generator=torch.Generator().manual_seed(0))
+    got = normed(ids).double()
+    torch.testing.assert_close(got, _reference_logits(normed, ids, qk_norm=True), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(plain(ids).double(), _reference_logits(plain, ids, qk_norm=False), rtol=1e-4, atol=1e-4)
+    # The shared weights are the same (same seed), yet the logits differ: the norm is in the path.
+    assert (got - _reference_logits(normed, ids, qk_norm=False)).abs().max() > 0.1
+
+
+def test_z_loss_adds_exactly_its_term(tmp_path: Path):
+    task = language_model.build(settings(tmp_path, seed=2))
+    batch = default_collate([task.dataset[i] for i in range(4)])
+    with_z = language_model.build_model(settings(tmp_path, seed=2, model_args={"z_loss": 0.05}), task.model_meta)
+    with torch.no_grad():  # logits far from normalised, so the term is large
+        for model in (task.model, with_z):
+            model.head.weight.add_(0.3)  # type: ignore[union-attr,operator]
+    plain_loss = task.model.training_step(batch)
+    z_loss = with_z.training_step(batch)
+    logits = _reference_logits(with_z, batch["input_ids"], qk_norm=False).flatten(0, 1)
+    ce = torch.nn.functional.cross_entropy(logits, batch["labels"].flatten())
+    term = 0.05 * torch.logsumexp(logits, -1).square().mean()
+    assert term > 1.0
+    torch.testing.assert_close(plain_loss.double(), ce, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(z_loss.double(), ce + term, rtol=1e-5, atol=1e-5)
+    z_loss.backward()  # the term is differentiable: it reaches the output layer's gradient
+    assert with_z.head.weight.grad is not None  # type: ignore[union-attr]
+
+
+def test_eps_and_betas_reach_adamw(tmp_path: Path):
+    from stabletrain.training.optim import build_optimizer
+
+    default = build_optimizer(torch.nn.Linear(2, 2), settings(tmp_path).model_args)
+    assert all(g["eps"] == 1e-8 and g["betas"] == (0.9, 0.95) for g in default.param_groups)
+    s = settings(tmp_path, model_args={"eps": 1e-3, "betas": (0.8, 0.9)})
+    opt = build_optimizer(torch.nn.Linear(2, 2), s.model_args)
+    assert [(g["name"], g["eps"], tuple(g["betas"])) for g in opt.param_groups] == [
+        ("decay", 1e-3, (0.8, 0.9)),
+        ("no_decay", 1e-3, (0.8, 0.9)),
+    ]
+
+
+def test_qk_norm_and_z_loss_belong_to_the_language_model(tmp_path: Path):
+    from pydantic import ValidationError
+
+    image = TrainSettings(out=tmp_path / "o", task="image_classification", model_args={"qk_norm": True, "z_loss": 1e-4})
+    assert check_task(image) == [
+        "model_args.qk_norm: not used by the image_classification task (got True)",
+        "model_args.z_loss: not used by the image_classification task (got 0.0001)",
+    ]
+    try:
+        TrainSettings(out=tmp_path / "o", model_args={"z_loss": -1})
+    except ValidationError as exc:
+        assert "z_loss" in str(exc)
+    else:
+        raise AssertionError("expected a negative z_loss to be refused")

@@ -23,6 +23,14 @@ class ModelArgs(SettingsGroup):
     min_lr_ratio: Float = Field(0.1, ge=0, le=1, description="Final learning rate as a fraction of lr.")
     optimizer: Literal["adamw", "sgd"] = Field("adamw", description="Optimizer.")
     betas: tuple[Float, Float] = Field((0.9, 0.95), description="AdamW betas.")
+    eps: Float = Field(
+        1e-8,
+        gt=0,
+        description=(
+            "AdamW eps, added to sqrt(v_hat) in the update's denominator. Too large against the gradients' RMS "
+            "and AdamW's updates shrink toward lr * m / eps (signals/adam_eps_fraction near 1)."
+        ),
+    )
     momentum: Float = Field(0.9, ge=0, lt=1, description="SGD momentum.")
     # Language model architecture.
     n_layers: Int = Field(2, ge=1, description="Language model: transformer blocks.")
@@ -31,6 +39,21 @@ class ModelArgs(SettingsGroup):
     context_length: Int = Field(64, ge=2, description="Language model: tokens per training sample.")
     tokenizer: Literal["byte", "char"] = Field(
         "byte", description="Language model: byte-level (256 symbols) or character-level vocabulary."
+    )
+    qk_norm: bool = Field(
+        False,
+        description=(
+            "Language model: LayerNorm of each head's queries and keys (over head_dim) before their dot product, "
+            "against attention-logit growth (Dehghani et al. 2023; Wortsman et al. 2023)."
+        ),
+    )
+    z_loss: Float = Field(
+        0.0,
+        ge=0,
+        description=(
+            "Language model: adds z_loss * mean(logsumexp(logits)^2) to the loss (PaLM's z-loss, e.g. 1e-4), "
+            "against output-logit divergence; the logged loss includes it."
+        ),
     )
     dropout: Float = Field(0.1, ge=0, lt=1, description="Dropout probability (language model and built-in CNN).")
     # Image classification architecture.
@@ -45,7 +68,7 @@ class ModelArgs(SettingsGroup):
 
 
 #: model_args fields that only make sense for one built-in task; setting them for another is an error.
-LANGUAGE_MODEL_ARGS = ("n_layers", "n_heads", "dim", "context_length", "tokenizer")
+LANGUAGE_MODEL_ARGS = ("n_layers", "n_heads", "dim", "context_length", "tokenizer", "qk_norm", "z_loss")
 IMAGE_MODEL_ARGS = ("cnn_width",)
 
 

@@ -38,10 +38,15 @@ FROZEN_ON_RESUME = (
     "model_args.dim",
     "model_args.context_length",
     "model_args.tokenizer",
+    "model_args.qk_norm",
     "model_args.cnn_width",
     "model_args.optimizer",
     "world_size",
 )
+
+#: Frozen settings added after checkpoints were first written: the value a checkpoint whose
+#: settings lack one was trained with.
+FROZEN_SINCE_ADDED = {"model_args.qk_norm": False}
 
 _PERIODIC = re.compile(r"^step_(\d+)\.ckpt$")
 
@@ -273,6 +278,8 @@ def resume_conflicts(saved: dict[str, Any], current: dict[str, Any]) -> list[str
     problems = []
     for key in FROZEN_ON_RESUME:
         a, b = _get(saved, key), _get(current, key)
+        if a is None:
+            a = FROZEN_SINCE_ADDED.get(key)
         if a != b:
             problems.append(
                 f"{key}: the checkpoint was trained with {json.dumps(a)}, now {json.dumps(b)}; "

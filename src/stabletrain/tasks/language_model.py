@@ -53,7 +53,7 @@ class CausalSelfAttention(nn.Module):
     into one op; spelled out, op-level debugging tools see (and can blame) each step.
     """
 
-    def __init__(self, dim: int, n_heads: int, context_length: int, dropout: float):
+    def __init__(self, dim: int, n_heads: int, context_length: int, dropout: float, qk_norm: bool = False):
         super().__init__()
         if dim % n_heads:
             raise ValueError(f"dim ({dim}) must be a multiple of n_heads ({n_heads})")
@@ -61,6 +61,10 @@ class CausalSelfAttention(nn.Module):
         self.head_dim = dim // n_heads
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self.qkv = nn.Linear(dim, 3 * dim)
+        # qk-layernorm (Dehghani et al. 2023): each head's q and k normalised over head_dim, so
+        # that q.k / sqrt(head_dim) stays bounded by the gains however large the qkv weights grow.
+        self.q_norm = nn.LayerNorm(self.head_dim) if qk_norm else None
+        self.k_norm = nn.LayerNorm(self.head_dim) if qk_norm else None
         self.attn_drop = nn.Dropout(dropout)
         self.proj = nn.Linear(dim, dim)
         self.resid_drop = nn.Dropout(dropout)
@@ -72,6 +76,8 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         scores = (q @ k.transpose(-2, -1)) * self.scale
         # The most negative finite value rather than -inf: softmax gives the same zeros, and
         # tools that flag non-finite activations do not fire on the mask itself.
@@ -98,10 +104,10 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``."""
 
-    def __init__(self, dim: int, n_heads: int, context_length: int, dropout: float):
+    def __init__(self, dim: int, n_heads: int, context_length: int, dropout: float, qk_norm: bool = False):
         super().__init__()
         self.ln1 = nn.LayerNorm(dim)
-        self.attn = CausalSelfAttention(dim, n_heads, context_length, dropout)
+        self.attn = CausalSelfAttention(dim, n_heads, context_length, dropout, qk_norm)
         self.ln2 = nn.LayerNorm(dim)
         self.mlp = MLP(dim, dropout)
 
@@ -120,6 +126,8 @@ class TransformerLM(nn.Module):
         dim: Embedding width.
         context_length: Longest sequence the position embedding covers.
         dropout: Dropout after the embeddings, on attention weights and on residual branches.
+        qk_norm: LayerNorm of each head's queries and keys before their dot product.
+        z_loss: Weight of PaLM's z-loss, ``z_loss * mean(logsumexp(logits)**2)``, added to the loss.
 
     Example::
 
@@ -129,15 +137,26 @@ class TransformerLM(nn.Module):
     """
 
     def __init__(
-        self, vocab_size: int, n_layers: int, n_heads: int, dim: int, context_length: int, dropout: float = 0.0
+        self,
+        vocab_size: int,
+        n_layers: int,
+        n_heads: int,
+        dim: int,
+        context_length: int,
+        dropout: float = 0.0,
+        qk_norm: bool = False,
+        z_loss: float = 0.0,
     ):
         super().__init__()
+        if z_loss < 0:
+            raise ValueError(f"z_loss must be >= 0, got {z_loss} (0 turns it off; PaLM used 1e-4)")
         self.vocab_size = vocab_size
         self.context_length = context_length
+        self.z_loss = z_loss
         self.tok_emb = nn.Embedding(vocab_size, dim)
         self.pos_emb = nn.Embedding(context_length, dim)
         self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(dim, n_heads, context_length, dropout) for _ in range(n_layers))
+        self.blocks = nn.ModuleList(Block(dim, n_heads, context_length, dropout, qk_norm) for _ in range(n_layers))
         self.ln_f = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab_size, bias=False)
         self._init_weights(n_layers)
@@ -167,11 +186,17 @@ class TransformerLM(nn.Module):
         return self.head(self.ln_f(x))
 
     def training_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Mean next-token cross-entropy of ``{"input_ids": (B, T), "labels": (B, T)}``."""
+        """Mean next-token cross-entropy of ``{"input_ids": (B, T), "labels": (B, T)}``, plus
+        ``z_loss * mean(logsumexp(logits)**2)`` over the same positions when ``z_loss`` > 0."""
         logits = self(batch["input_ids"])
         # The loss in fp32 whatever the precision: a bf16/fp16 log-softmax over the
         # vocabulary loses most of its digits, an instability of its own.
-        return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
+        flat = logits.flatten(0, 1).float()
+        loss = F.cross_entropy(flat, batch["labels"].flatten())
+        if self.z_loss:
+            # PaLM's z-loss pulls the log-partition toward 0, so the logits cannot drift together.
+            loss = loss + self.z_loss * torch.logsumexp(flat, dim=-1).square().mean()
+        return loss
 
 
 # --------------------------------------------------------------------------------------
@@ -339,4 +364,6 @@ def build_model(settings: TrainSettings, model_meta: dict[str, Any]) -> nn.Modul
             dim=args.dim,
             context_length=args.context_length,
             dropout=args.dropout,
+            qk_norm=args.qk_norm,
+            z_loss=args.z_loss,
         )

@@ -31,7 +31,7 @@ def build_optimizer(model: nn.Module, args: ModelArgs) -> torch.optim.Optimizer:
         ]
         groups = [g for g in groups if g["params"]]
         if args.optimizer == "adamw":
-            optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=args.betas)
+            optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=args.betas, eps=args.eps)
         else:
             optimizer = torch.optim.SGD(groups, lr=args.lr, momentum=args.momentum)
     for group in optimizer.param_groups:

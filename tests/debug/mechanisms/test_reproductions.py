@@ -1,0 +1,117 @@
+"""Real, unplanted reproductions of the silent instabilities (tests/mechanism_runs.py): the
+built-in trainer, settings only, and the signals the run logs show each mechanism and its fix.
+
+The numbers asserted are those of the runs (docs/mechanisms.md#reproductions), with margins:
+each reproduction is compared with the same run at a good setting, not with a fixed constant
+alone."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import mechanism_runs as runs
+import pytest
+
+
+@pytest.fixture(scope="module")
+def run_once(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., list[dict[str, Any]]]:
+    """Each distinct run once per module: several tests read the same rows."""
+    cache: dict[tuple, list[dict[str, Any]]] = {}
+
+    def get(fn: Callable[..., list[dict[str, Any]]], **kw: Any) -> list[dict[str, Any]]:
+        key = (fn.__name__, tuple(sorted(kw.items())))
+        if key not in cache:
+            cache[key] = fn(tmp_path_factory.mktemp(fn.__name__), **kw)
+        return cache[key]
+
+    return get
+
+
+def values(rows: list[dict], key: str) -> list[float]:
+    return [v for _, v in runs.series(rows, key)]
+
+
+# --------------------------------------------------------------------------------------
+# a. attention-logit growth at a high lr; qk_norm removes it
+# --------------------------------------------------------------------------------------
+
+
+def test_attention_logits_grow_by_orders_of_magnitude_at_a_high_lr(run_once):
+    rows = run_once(runs.run_attention_growth)  # AdamW, lr 0.1, no weight decay, no dropout
+    logit_max = values(rows, "signals/attn_logit_max")
+    entropy = values(rows, "signals/attn_entropy_min")
+    assert logit_max[0] < 1 and entropy[0] > 1.5  # nearly uniform attention at initialisation
+    assert max(logit_max) > 1000 * logit_max[0] and max(logit_max) > 100
+    assert min(entropy) < 0.05  # one-hot attention: about one key per query
+    growth = runs.first_departure(rows, "signals/attn_logit_max", factor=100)
+    assert growth is not None and growth <= 20  # early: within the first 10% of the run
+    assert all(math.isfinite(v) for v in values(rows, "loss"))  # silent: no NaN, no Inf
+    assert rows.error is None and "Done: 200 steps" in rows.console
+    assert [e["attention_modules"] for e in rows.events if e["event"] == "mechanism_signals"] == [["blocks.0.attn"]]
+
+
+def test_the_high_lr_run_ends_far_worse_than_a_good_lr(run_once):
+    high = runs.final_loss(run_once(runs.run_attention_growth))
+    good_rows = run_once(runs.run_attention_growth, lr=0.01)
+    good = runs.final_loss(good_rows)
+    assert high > good + 0.4, (high, good)
+    assert max(values(good_rows, "signals/attn_logit_max")) < 100  # at a good lr the logits stay moderate
+
+
+def test_qk_norm_bounds_the_attention_logits_and_lowers_the_loss(run_once):
+    plain = run_once(runs.run_attention_growth)
+    normed = run_once(runs.run_attention_growth, qk_norm=True)
+    assert max(values(normed, "signals/attn_logit_max")) < 50
+    assert min(values(normed, "signals/attn_entropy_min")) > 0.1
+    assert runs.final_loss(normed) < runs.final_loss(plain) - 0.2, (runs.final_loss(normed), runs.final_loss(plain))
+
+
+# --------------------------------------------------------------------------------------
+# c. the Adam epsilon regime; a lower eps fixes it
+# --------------------------------------------------------------------------------------
+
+
+def test_an_eps_far_above_the_gradients_rms_stalls_adamw(run_once):
+    stalled = run_once(runs.run_adam_eps)  # eps 1
+    healthy = run_once(runs.run_adam_eps, eps=1e-8)
+    assert min(values(stalled, "signals/adam_eps_fraction")) > 0.99
+    # eps 1e-8: only the embedding rows of bytes the text never holds (no gradient, v = 0).
+    assert max(values(healthy, "signals/adam_eps_fraction")) < 0.3
+    # The updates collapse: the first is over 50x smaller, and the weights hardly move at all.
+    update, healthy_update = values(stalled, "signals/update_rms/decay"), values(healthy, "signals/update_rms/decay")
+    assert update[0] < healthy_update[0] / 50
+    weights, healthy_weights = values(stalled, "signals/weight_rms/decay"), values(healthy, "signals/weight_rms/decay")
+    assert weights[-1] < 1.05 * weights[0] and healthy_weights[-1] > 2 * healthy_weights[0]
+    # Training stalls: the loss falls by less than 1 nat where eps 1e-8 falls by nearly 3.
+    first = values(stalled, "loss")[0]
+    assert runs.final_loss(stalled) > first - 1.0
+    assert runs.final_loss(stalled) > runs.final_loss(healthy) + 1.5
+
+
+# --------------------------------------------------------------------------------------
+# d. SGD at too high an lr (the README tour)
+# --------------------------------------------------------------------------------------
+
+
+def test_sgd_at_lr_1_grows_the_weights_then_goes_nan(run_once):
+    rows = run_once(runs.run_sgd_blowup)
+    nan_step = runs.first_nonfinite(rows)
+    assert nan_step is not None and rows[-1]["step"] == nan_step  # the guard stopped the run there
+    assert type(rows.error).__name__ == "NonFiniteStepError" and f"step {nan_step}" in str(rows.error)
+    weights = runs.series(rows, "signals/weight_rms/decay")
+    finite = [(s, v) for s, v in weights if math.isfinite(v)]
+    assert finite[-1][1] > 1000 * finite[0][1]  # the weights grew by orders of magnitude first
+    grown = runs.first_departure(rows, "signals/weight_rms/decay", factor=2)
+    doubled = runs.first_departure(rows, "loss", factor=2)
+    assert grown is not None and doubled is not None
+    assert grown < doubled < nan_step and nan_step - grown >= 10  # the signal leads the NaN by 10+ steps
+    assert max(values(rows, "signals/update_rms_max")[:nan_step]) > 1  # updates larger than the weights
+
+
+def test_sgd_at_a_tenth_of_the_lr_trains(run_once):
+    rows = run_once(runs.run_sgd_blowup, lr=0.1)
+    assert runs.first_nonfinite(rows) is None and rows[-1]["step"] == 99
+    weights = values(rows, "signals/weight_rms/decay")
+    assert weights[-1] < 5 * weights[0]  # the weights stay at their scale
+    assert runs.final_loss(rows) < values(rows, "loss")[0] - 2.5
