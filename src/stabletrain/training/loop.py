@@ -317,7 +317,8 @@ class Trainer:
             self.safety.end_of_step()
             if self.step % s.checkpoint_every_num_steps == 0 and self.step < s.steps and self.stop_reason is None:
                 self._save_checkpoint(periodic=True)
-        if self.stop_reason is not None:
+        if self.stop_reason is not None and self.safety.interrupted is None:
+            # A signal's stop is said once, by interrupt_message below, with the checkpoint and command.
             self.console.info(f"Stopped after step {self.step - 1}: {self.stop_reason}")
         path = self._save_checkpoint(periodic=False)
         self.callbacks("on_train_end", self)
