@@ -115,7 +115,8 @@ def done_line(first: int, end: int, steps: int, seconds: float) -> str:
     if ran <= 0:
         return f"Done: no step run in {took} (resumed at step {first} of {steps})"
     which = f"step {first}" if ran == 1 else f"steps {first}-{end - 1}"
-    return f"Done: {which} of {steps} in {took} ({ran} step{'s' if ran != 1 else ''} in this run, resumed from step {first})"
+    this_run = f"{ran} step{'s' if ran != 1 else ''} in this run"
+    return f"Done: {which} of {steps} in {took} ({this_run}, resumed from step {first})"
 
 
 class Trainer:
