@@ -134,6 +134,7 @@ RUNS: dict[str, Run] = {
     "fsdp": Run(("stabletrain train out=out/fsdp strategy=fsdp devices=2 accelerator=cpu steps=40 "
                  "model_args.warmup_steps=4",)),
     "mechanisms-plain": Run(("python example.py",), files={"example.py": Example("mechanisms")}, cheap=True),
+    "heal": Run(("python heal.py",), files={"heal.py": Example("heal")}),
 }
 
 
@@ -384,6 +385,8 @@ BLOCKS: dict[str, Block] = {
     "mechanisms-row": metrics_row("demo", "out/demo/metrics.jsonl", lambda r: r.get("step") == 0 and "loss" in r,
                                   keys=MECHANISM_KEYS, digits=3),
     "mechanisms-plain": console("mechanisms-plain"),
+    # docs/self_healing.md
+    "heal": console("heal", trim=pick(r"^Recovered step ", r"^Diagnosis of the recovery at step 6:", r"^Done")),
 }
 
 
