@@ -561,6 +561,23 @@ def test_replay_and_diagnose_answer_a_wrong_path_before_torch_is_imported(tmp_pa
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize(
+    "path, expected",
+    [
+        ("nowhere", "StabletrainError: nowhere: no such folder; pass the out folder of a training run"),
+        ("run/metrics.jsonl", "StabletrainError: run/metrics.jsonl: a file, not a folder; pass the out folder"),
+        ("run/checkpoints", "StabletrainError: no metrics.jsonl in run/checkpoints: pass the out folder"),
+    ],
+    ids=["missing", "file", "no-metrics"],
+)
+def test_report_answers_a_wrong_folder_before_torch_is_imported(tmp_path, path, expected):
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 0, "loss": 2.7}\n')
+    result = _cli_without_torch(tmp_path, "report", path)
+    assert result.stdout.strip().endswith("LOADED [] EXIT 1"), result.stdout + result.stderr
+    assert "stabletrain report: " + expected in result.stderr, result.stderr
+
+
 @pytest.mark.parametrize("command", ["replay", "diagnose"])
 def test_a_folder_holding_a_capture_file_goes_on_to_the_loader(tmp_path, command):
     # Deep down (a recovery's capture) and damaged: the check before torch lets it through, and

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from stabletrain.errors import StabletrainError
+from stabletrain.runfiles.history import run_folder_problem
+
 HELP = "trends and plots of a run: stabletrain report out/my_run"
 
 
@@ -20,6 +23,9 @@ def run(argv: list[str]) -> int:
     parser.add_argument("out", help="a training run's output folder, e.g. out/my_run")
     parser.add_argument("--no-plots", action="store_true", help="write the summary only")
     ns = parser.parse_args(argv)
+    problem = run_folder_problem(ns.out)  # before torch: a wrong path is answered at once
+    if problem is not None:
+        raise StabletrainError(problem)
     from stabletrain.reporting import report
 
     report(ns.out, plots=not ns.no_plots)
