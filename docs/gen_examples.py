@@ -137,6 +137,7 @@ RUNS: dict[str, Run] = {
     # The benchmark as the repository has it, run from the workspace (its default --out is out/lr_sensitivity).
     "lr-sensitivity": Run(("python benchmarks/lr_sensitivity.py",),
                           files={"benchmarks/lr_sensitivity.py": (ROOT / "benchmarks/lr_sensitivity.py").read_text()}),
+    "heal": Run(("python heal.py",), files={"heal.py": Example("heal")}),
 }
 
 
@@ -156,11 +157,11 @@ def head_tail(head: int, tail: int) -> Trim:
     return trim
 
 
-def pick(*patterns: str, sections: tuple[str, ...] = (), last: tuple[str, ...] = (), before: int = 0,
-         after: int = 0) -> Trim:
-    """Lines matching a pattern (with ``before``/``after`` lines around them), the last line matching
-    each of ``last``, and every line of the Markdown sections whose heading matches one of
-    ``sections``; ``...`` where lines were left out."""
+def pick(*patterns: str, sections: tuple[str, ...] = (), last: tuple[str, ...] = (), first: tuple[str, ...] = (),
+         before: int = 0, after: int = 0) -> Trim:
+    """Lines matching a pattern (with ``before``/``after`` lines around them), the first line matching
+    each of ``first``, the last line matching each of ``last``, and every line of the Markdown
+    sections whose heading matches one of ``sections``; ``...`` where lines were left out."""
 
     def trim(lines: list[str]) -> list[str]:
         keep: set[int] = set()
@@ -172,6 +173,8 @@ def pick(*patterns: str, sections: tuple[str, ...] = (), last: tuple[str, ...] =
                 keep.update(range(max(0, i - before), min(len(lines), i + after + 1)))
         for p in last:
             keep.update([i for i, line in enumerate(lines) if re.search(p, line)][-1:])
+        for p in first:
+            keep.update([i for i, line in enumerate(lines) if re.search(p, line)][:1])
         out: list[str] = []
         for i, line in enumerate(lines):
             if i in keep:
@@ -364,7 +367,8 @@ BLOCKS: dict[str, Block] = {
                                     keys=DEMO_KEYS),
     "settings-errors": console("settings-errors", "settings-errors-2", exact=True),
     "settings-small-data": console("settings-small-data", exact=True),
-    "own-model": output_only("own-model", trim=head_tail(3, 2)),
+    "own-model": output_only("own-model", trim=pick(r"^stabletrain ", r"^task ", r"^Done", first=(r"^step ",),
+                                                    last=(r".",))),
     # docs/gradient_norm.md
     "layers-row": metrics_row("layers", "out/layers/metrics.jsonl", lambda r: r.get("step") == 0 and "loss" in r,
                               keys=LAYER_KEYS, digits=4, command=True),
@@ -395,7 +399,7 @@ BLOCKS: dict[str, Block] = {
     "diagnose-boom": console("diagnose"),
     "diagnose-plain": console("diagnose-plain"),
     # docs/checkpoints.md
-    "resume": console("resume", trim=head_tail(4, 1)),
+    "resume": console("resume", trim=pick(r"^stabletrain ", r"^task ", r"^Resumed from", r"^Done", first=(r"^step ",))),
     # docs/distributed.md
     "fsdp-run": output_only("fsdp", trim=pick(r"^All distributed", r"^task ", r"^step ", r"^Done")),
     # docs/mechanisms.md
@@ -404,6 +408,8 @@ BLOCKS: dict[str, Block] = {
     "mechanisms-plain": console("mechanisms-plain"),
     "lr-sensitivity": Block(("lr-sensitivity",), console_then_markdown("lr-sensitivity").render,
                             copy={"out/lr_sensitivity/lr_sensitivity.png": "docs/img/lr_sensitivity.png"}),
+    # docs/self_healing.md
+    "heal": console("heal", trim=pick(r"^Recovered step ", r"^Diagnosis of the recovery at step 6:", r"^Done")),
 }
 
 

@@ -540,6 +540,56 @@ def test_settings_errors_and_help_come_before_torch_is_imported(tmp_path, args, 
     assert expected in result.stdout + result.stderr
 
 
+@pytest.mark.parametrize("command", ["replay", "diagnose"])
+@pytest.mark.parametrize(
+    "path, expected",
+    [
+        ("nowhere", "NaNCaptureError: no such file or folder: nowhere"),
+        ("run/metrics.jsonl", "NaNCaptureError: run/metrics.jsonl is not a stabletrain NaN capture (a capture is a "
+                              "file torch.save wrote, and this one is not); give the capture's folder, e.g. "
+                              "stabletrain {command} out/boom/debug/nan_capture/rank0, or the run folder"),
+        ("run", "NaNCaptureError: no NaN capture in run: no nan_capture.pt in it or in its subfolders"),
+    ],
+    ids=["missing", "plain-file", "run-without-capture"],
+)
+def test_replay_and_diagnose_answer_a_wrong_path_before_torch_is_imported(tmp_path, command, path, expected):
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 0, "loss": 2.7}\n')
+    result = _cli_without_torch(tmp_path, command, path)
+    assert result.stdout.strip().endswith("LOADED [] EXIT 1"), result.stdout + result.stderr
+    assert f"stabletrain {command}: " + expected.format(command=command) in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "path, expected",
+    [
+        ("nowhere", "StabletrainError: nowhere: no such folder; pass the out folder of a training run"),
+        ("run/metrics.jsonl", "StabletrainError: run/metrics.jsonl: a file, not a folder; pass the out folder"),
+        ("run/checkpoints", "StabletrainError: no metrics.jsonl in run/checkpoints: pass the out folder"),
+    ],
+    ids=["missing", "file", "no-metrics"],
+)
+def test_report_answers_a_wrong_folder_before_torch_is_imported(tmp_path, path, expected):
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 0, "loss": 2.7}\n')
+    result = _cli_without_torch(tmp_path, "report", path)
+    assert result.stdout.strip().endswith("LOADED [] EXIT 1"), result.stdout + result.stderr
+    assert "stabletrain report: " + expected in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("command", ["replay", "diagnose"])
+def test_a_folder_holding_a_capture_file_goes_on_to_the_loader(tmp_path, command):
+    # Deep down (a recovery's capture) and damaged: the check before torch lets it through, and
+    # the loader, with torch, says what is wrong with it.
+    damaged = tmp_path / "run" / "debug" / "recoveries" / "step12" / "rank0" / "nan_capture.pt"
+    damaged.parent.mkdir(parents=True)
+    damaged.write_bytes(b"not a zip")
+    result = _cli_without_torch(tmp_path, command, "run/debug/recoveries/step12")
+    assert "'torch'" in result.stdout and result.stdout.strip().endswith("EXIT 1"), result.stdout
+    assert "the file is truncated or corrupt" in result.stderr, result.stderr
+
+
 def test_importing_stabletrain_and_its_settings_does_not_import_torch(tmp_path):
     code = ("import sys, stabletrain, stabletrain.config, stabletrain.training.preflight, stabletrain.cli; "
             "print(sorted(m for m in ('torch', 'lightning_fabric', 'PIL') if m in sys.modules))")

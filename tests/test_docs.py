@@ -112,6 +112,7 @@ def test_trims_keep_what_the_docs_promise():
     assert gen_examples.pick(r"^a$", sections=(r"^## Next",))(md) == ["...", "a", "## Next actions", "1. x", "",
                                                                        "2. y", "..."]
     assert gen_examples.pick(r"^x", last=(r"^line",))(["line 1", "line 2", "x"]) == ["...", "line 2", "x"]
+    assert gen_examples.pick(r"^x", first=(r"^line",))(["line 1", "line 2", "x"]) == ["line 1", "...", "x"]
     row = {"step": 0, "loss": 5.56461, "lr": 2e-05, "x": 1}
     assert gen_examples.json_line(row, keys=["step", "lr"], digits=2) == '{"step": 0, ..., "lr": 2e-05, ...}'
     report = ["columns: abs min and abs max", "=== step 1 ===", "culprit: m", "", "      abs min     abs max  tensor",

@@ -7,6 +7,9 @@ what to do.
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any, Optional
+
 
 class StabletrainError(Exception):
     """Base class for errors whose message is meant for the user, not for a debugger."""
@@ -27,3 +30,21 @@ class ConfigError(StabletrainError, ValueError):
         n = len(self.problems)
         head = "Invalid setting:" if n == 1 else f"Invalid settings ({n} problems):"
         super().__init__(head + "".join(f"\n  - {p}" for p in self.problems))
+
+
+class NaNCaptureError(StabletrainError):
+    """A capture cannot be written, found, read or replayed; the message says why.
+
+    Defined here, without torch, so that ``stabletrain replay`` and ``diagnose`` can refuse a
+    wrong path before loading torch; :mod:`stabletrain.debug.nan_capture` exports it.
+
+    Attributes:
+        path: The file or folder concerned, when there is one.
+    """
+
+    def __init__(self, message: str, path: Optional[str | Path] = None):
+        super().__init__(message)
+        self.path = None if path is None else Path(path)
+
+    def __reduce__(self) -> Any:
+        return (type(self), (str(self), self.path))

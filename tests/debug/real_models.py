@@ -444,7 +444,9 @@ def render_markdown() -> str:
         "mask; when one of them is non-finite it blames, in execution order, the first module output that "
         "was not neutralised (a later module that took it returned finite values), or where a NaN/Inf it "
         "passed on entered: the model's input (the data) or the own ops of the calling module. A NaN a module "
-        "made from an Inf it was given (a masked softmax) is that module's.",
+        "made from an Inf it was given is that module's when the Inf can be an attention mask it takes (a -inf "
+        "from the data, or reaching a softmax or attention module: a masked softmax); an Inf that the calling "
+        "module's own ops made and handed to any other module (a Linear) is the caller's.",
         "",
         "## The table",
         "",

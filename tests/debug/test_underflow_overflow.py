@@ -195,6 +195,37 @@ def test_functional_op_between_modules_is_blamed_on_the_parent(tmp_path):
     assert "frames:  the last 2 in execution order" in report
 
 
+def test_inf_made_by_the_parent_between_its_children_names_the_parent_not_the_next_child(tmp_path):
+    class Stage(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+        def forward(self, x):
+            h = self.a(x)
+            h = h / torch.zeros_like(h)  # the parent's own op makes Inf; b makes NaN of it
+            return self.b(h)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stage = Stage()
+
+        def forward(self, x):
+            return self.stage(x)
+
+    torch.manual_seed(0)
+    model = Net()
+    with pytest.raises(UnderflowOverflowError) as info, UnderflowOverflowMonitor(model, out_dir=tmp_path):
+        model(torch.randn(3, 4)).sum().backward()
+    exc = info.value
+    assert (exc.module, exc.module_type, exc.tensor, exc.value) == ("stage", "Stage", "stage.b input[0]", "inf")
+    assert "an operation in the own forward of module stage (Stage), between its child modules" in str(exc)
+    assert "attention mask" not in str(exc)
+    assert last_frame((tmp_path / "underflow_overflow_rank0.log").read_text()).startswith(
+        "[forward] step 0  stage (Stage) own ops  <-- culprit")
+
+
 def test_nonfinite_data_is_blamed_on_the_input_of_the_model(tmp_path):
     class Regressor(nn.Module):
         def __init__(self):

@@ -118,7 +118,8 @@ def test_cli_and_python_api(boom, tmp_path):
 
     missing = run_cli("report", str(tmp_path / "nothing"), cwd=tmp_path)
     assert missing.returncode == 1
-    assert "no metrics.jsonl in" in missing.stderr and "stabletrain report out/my_run" in missing.stderr
+    assert f"{tmp_path / 'nothing'}: no such folder; pass the out folder of a training run" in missing.stderr
+    assert "stabletrain report out/my_run" in missing.stderr
 
 
 def test_summary_without_matplotlib(boom, monkeypatch):

@@ -10,7 +10,8 @@ from PIL import Image
 
 import stabletrain
 from stabletrain.debug.trends import detect_trends
-from stabletrain.reporting import RunData
+from stabletrain.reporting import RunData, signal_figure
+from stabletrain.reporting.plots import broken_at
 
 
 def _write(out, lines):
@@ -65,3 +66,22 @@ def test_a_resumed_run_is_one_timeline_with_resumes_and_skipped_steps_marked(tmp
     assert _count_near(plot, (0x8C, 0x56, 0x4B), tol=30) > 30, "skipped steps are brown ticks"
     assert "resume" in (tmp_path / "report" / "summary.md").read_text()
     assert r.verdict != "exploding", "the abandoned timeline's alert does not count"
+
+
+def test_the_lr_line_is_not_drawn_across_a_resume(tmp_path):
+    """Resumed at step 4 with a tenth of the lr: no line from (3, 1e-2) to (4, 1e-3) claims a decay."""
+    first = [{"step": s, "loss": 3.0, "gradient_norm": 1.0, "lr": 1e-2} for s in range(4)]
+    second = [{"step": s, "loss": 2.5, "gradient_norm": 1.0, "lr": 1e-3} for s in range(4, 8)]
+    _write(tmp_path, [*first, {"event": "resume", "step": 4, "checkpoint": "x"}, *second])
+    fig = signal_figure(RunData(tmp_path), "loss", "stable", [])
+    x, y = fig.axes[1].lines[0].get_xydata().T
+    drawn = [(x[i], x[i + 1]) for i in range(len(x) - 1) if np.isfinite(y[i]) and np.isfinite(y[i + 1])]
+    assert (3.0, 4.0) not in drawn and (0.0, 1.0) in drawn and (6.0, 7.0) in drawn
+    assert list(y[np.isfinite(y)]) == [1e-2] * 4 + [1e-3] * 4, "every logged lr is still drawn"
+
+
+def test_broken_at_puts_a_gap_before_each_break_inside_the_steps():
+    steps, values = np.array([0, 10, 20, 30]), np.array([1.0, 2.0, 3.0, 4.0])
+    x, y = broken_at(steps, values, [20, 0, 40, 20])
+    assert list(x) == [0, 10, 15, 20, 30] and np.isnan(y[2]) and list(np.delete(y, 2)) == [1, 2, 3, 4]
+    assert list(broken_at(steps, values, [])[0]) == [0, 10, 20, 30]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from conftest import LinearData, cli_env, tiny_lm
 from stabletrain.errors import ConfigError
 from stabletrain.loggers.jsonl import read_metrics
 from stabletrain.runfiles.checkpoint import CheckpointError, load_checkpoint
-from stabletrain.training.loop import train
+from stabletrain.training.loop import done_line, train
 
 # Dropout on and accumulation 2, so that RNG and data position both matter.
 RESUME = tiny_lm(
@@ -173,6 +174,28 @@ def test_resume_with_lower_lr_and_more_steps(tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5, 6]
     assert [r["lr"] for r in rows] == [0.01] * 4 + [0.001] * 3
     assert load_checkpoint(out / "checkpoints" / "last.ckpt")["step"] == 7
+
+
+def test_a_resumed_run_says_which_steps_it_ran_and_how_long_they_took(tmp_path, capsys):
+    out = tmp_path / "run"
+    train(out=out, **tiny_lm(steps=4))
+    fresh = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Done: ")]
+    assert len(fresh) == 1 and re.match(r"Done: 4 steps in \d+\.\d+ s, final loss ", fresh[0]), fresh
+    train(out=out, resume_interrupted=True, **tiny_lm(steps=7))
+    done = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Done: ")]
+    # Not "Done: 7 steps in 0:00:00": 3 steps ran here, from step 4, in a time measured to 0.1 s.
+    assert len(done) == 1 and re.match(
+        r"Done: steps 4-6 of 7 in \d+\.\d+ s \(3 steps in this run, resumed from step 4\), final loss ", done[0]
+    ), done
+
+
+def test_done_line_counts_and_times():
+    assert done_line(0, 500, 500, 190.4) == "Done: 500 steps in 0:03:10"
+    assert done_line(0, 12, 12, 0.04) == "Done: 12 steps in 0.04 s"
+    assert done_line(20, 100, 100, 35.2) == (
+        "Done: steps 20-99 of 100 in 0:00:35 (80 steps in this run, resumed from step 20)")
+    assert done_line(11, 12, 12, 3.14) == "Done: step 11 of 12 in 3.1 s (1 step in this run, resumed from step 11)"
+    assert done_line(12, 12, 20, 0.1) == "Done: no step run in 0.10 s (resumed at step 12 of 20)"
 
 
 class OptimizerGroups:

@@ -106,6 +106,26 @@ def test_a_signal_finishes_the_step_checkpoints_and_the_printed_command_continue
     _check_resumed_bitwise(reference, out, steps)
 
 
+def test_a_signal_stop_is_said_once(tmp_path, capsys):
+    """SIGINT sent to this process between steps (in-process): one message says the run stopped."""
+    from stabletrain.safety.interrupts import TrainingInterrupted
+
+    class Signal:
+        def on_step_start(self, trainer, *, step):
+            if step == 2:
+                os.kill(os.getpid(), signal.SIGINT)
+
+    out = tmp_path / "run"
+    with pytest.raises(TrainingInterrupted):
+        train(out=out, callbacks=[Signal()], **tiny_lm(steps=5))
+    printed = capsys.readouterr().out
+    assert f"SIGINT: stopped after step 2; checkpoint {out / 'checkpoints' / 'last.ckpt'} holds 3 steps." in printed
+    stops = [line for line in printed.splitlines() if "stopped after step" in line.lower()]
+    assert len(stops) == 1, stops
+    log = (out / "train.log").read_text()
+    assert log.lower().count("stopped after step") == 1, log[-2000:]
+
+
 def test_interrupted_before_any_checkpoint_suggests_overwrite(tmp_path, capsys):
     """A KeyboardInterrupt in the middle of a step (not a signal between steps: no checkpoint)."""
 

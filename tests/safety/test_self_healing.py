@@ -21,6 +21,7 @@ from conftest import cli_env
 from stabletrain import ConfigError, InstabilityGuard, NonFiniteStepError, RecoveryLimitError, load_nan_capture
 from stabletrain.config import load_settings, parse_cli_overrides
 from stabletrain.runfiles.history import read_run
+from stabletrain.safety.healing import _few
 from stabletrain.utils.sync import CountSyncs
 
 
@@ -102,6 +103,24 @@ def test_skip_step_in_train_records_exactly_the_planted_steps_and_samples(tmp_pa
     assert f"| {NAN_STEP} | nonfinite_loss | skip_step | {', '.join(map(str, nan_samples))} |" in md
     assert f"| {SPIKE_STEP} | loss_spike (z=" in md and "bad data: batch['x'] of sample" in md
     assert marked and all(m == [NAN_STEP, SPIKE_STEP] for m in marked), marked
+
+
+def test_a_recovery_line_names_the_sample_with_bad_data_first_in_a_long_list(tmp_path, capsys):
+    # Batch 32: the list shows 16 samples and "(16 more)"; the NaN sample is the batch's last.
+    from nan_models import PoisonData, PoisonNet, samples_of_step
+
+    batch = samples_of_step(3, n=128, batch_size=32)
+    victim = batch[-1]
+    stabletrain.train(out=tmp_path / "run", model=PoisonNet(), data=PoisonData(n=128, input_poison={victim: math.nan}),
+                      steps=5, batch_size=32, num_workers=0, model_args={"warmup_steps": 0},
+                      trend_alerts={"enabled": False}, on_instability={"policy": "skip_step", "diagnose": False})
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("Recovered step 3:")]
+    shown = [str(i) for i in batch[:-1]][:15]
+    assert f"samples [{victim} (NaN/Inf in its data), {', '.join(shown)}, ... (16 more)]" in line, line
+    # A spike in clean data marks nobody: the list is the batch in order.
+    assert "NaN/Inf in its data" not in _few([5, 6, 7], first=[])
+    assert _few(list(range(20)), first=[19, 3]) == (
+        "[19 (NaN/Inf in its data), 3 (NaN/Inf in its data), 0, 1, 2, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, ... (4 more)]")
 
 
 def test_the_default_stop_policy_ends_at_the_first_fault(tmp_path):

@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import TensorDataset, default_collate
@@ -165,6 +166,18 @@ def test_check_accepts_defaults_and_a_good_file(tmp_path: Path):
 def test_check_unknown_model_lists_valid_names(tmp_path: Path):
     (problem,) = language_model.check(settings(tmp_path, model="gpt", task="language_model"))
     assert problem.startswith("model: unknown language model 'gpt'") and "'transformer'" in problem
+
+
+@pytest.mark.parametrize("task", [None, "language_model", "image_classification"])
+@pytest.mark.parametrize("model, cls", [("own.py:MLP", "MLP"), ("pkg.models:Net", "Net"), ("own.py", "MyModel")])
+def test_a_model_named_by_its_code_is_sent_to_python_not_to_another_task(tmp_path: Path, model, cls, task):
+    # (the tiny language-model args are foreign to the image task: those lines are not looked at here)
+    (problem,) = [p for p in check_task(settings(tmp_path, model=model, task=task)) if p.startswith("model:")]
+    assert problem.startswith(f"model: {model!r} names your own code, but model= takes a built-in model's name")
+    assert f"stabletrain.train(out=..., model={cls}(), data=<your map-style Dataset>)" in problem
+    assert "image_classification" not in problem and "unknown" not in problem
+    # Built-in names are not taken for code.
+    assert check_task(settings(tmp_path, model="transformer")) == []
 
 
 def test_check_dim_not_multiple_of_heads(tmp_path: Path):

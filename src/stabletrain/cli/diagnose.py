@@ -11,15 +11,13 @@ import argparse
 import json
 
 from stabletrain.cli import user_code
+from stabletrain.cli.paths import check_capture_path
 
 HELP = "which op, module and sample made a captured step NaN, and why: stabletrain diagnose PATH [--json]"
 
 
 def run(argv: list[str]) -> int:
     """``stabletrain diagnose PATH [--json] [--device D] [--model SPEC] [--step-fn SPEC] [--no-write]``."""
-    from stabletrain.debug.diagnose import diagnose
-    from stabletrain.debug.nan_capture import NaNCaptureError
-
     parser = argparse.ArgumentParser(
         prog="stabletrain diagnose",
         description="From a NaN capture to a verdict: the op where the harmful NaN/Inf was born (module, phase, dtype, "
@@ -41,6 +39,10 @@ def run(argv: list[str]) -> int:
     user_code.add_options(parser)
     parser.add_argument("--no-write", action="store_true", help="do not write diagnosis.md and diagnosis.json")
     ns = parser.parse_args(argv)
+    check_capture_path(ns.path, "diagnose")  # before torch: a wrong path is answered at once
+    from stabletrain.debug.diagnose import diagnose
+    from stabletrain.debug.nan_capture import NaNCaptureError
+
     model, step_fn = user_code.load(ns)
     try:
         result = diagnose(ns.path, model=model, step_fn=step_fn, device=ns.device, write=not ns.no_write)

@@ -10,14 +10,14 @@ import argparse
 import json
 
 from stabletrain.cli import user_code
+from stabletrain.cli.paths import check_capture_path
+from stabletrain.config.types import REPLAY_PRECISIONS
 
 HELP = "rerun a captured NaN step offline: stabletrain replay PATH [--json]"
 
 
 def run(argv: list[str]) -> int:
     """``stabletrain replay PATH [--json] [--precision P] [--device D] [--model SPEC] [--step-fn SPEC]``."""
-    from stabletrain.debug.replay import REPLAY_PRECISIONS, load_nan_capture
-
     parser = argparse.ArgumentParser(
         prog="stabletrain replay",
         description="Rerun a captured failing step offline (forward and backward, no optimizer step) and say "
@@ -39,6 +39,9 @@ def run(argv: list[str]) -> int:
     parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: the captured device type when available)")
     user_code.add_options(parser)
     ns = parser.parse_args(argv)
+    check_capture_path(ns.path, "replay")  # before torch: a wrong path is answered at once
+    from stabletrain.debug.replay import load_nan_capture
+
     model, step_fn = user_code.load(ns)
     cap = load_nan_capture(ns.path, model=model, step_fn=step_fn)
     result = cap.replay(precision=ns.precision, device=ns.device)

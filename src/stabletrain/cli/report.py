@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from stabletrain.errors import StabletrainError
+from stabletrain.runfiles.history import run_folder_problem
+
 HELP = "trends and plots of a run: stabletrain report out/my_run"
 
 
@@ -21,6 +24,9 @@ def run(argv: list[str]) -> int:
     parser.add_argument("out", help="a training run's output folder, e.g. out/my_run")
     parser.add_argument("--no-plots", action="store_true", help="write the summary only")
     ns = parser.parse_args(argv)
+    problem = run_folder_problem(ns.out)  # before torch: a wrong path is answered at once
+    if problem is not None:
+        raise StabletrainError(problem)
     from stabletrain.reporting import report
 
     report(ns.out, plots=not ns.no_plots)

@@ -24,6 +24,8 @@ def load(ns: argparse.Namespace) -> tuple[Optional[Any], Optional[Callable[..., 
     Raises:
         NaNCaptureError: A name that cannot be loaded, or a ``--model`` that builds no ``nn.Module``.
     """
+    if not ns.model and not ns.step_fn:
+        return None, None
     from torch import nn
 
     from stabletrain.debug.nan_capture import NaNCaptureError

@@ -13,6 +13,9 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict
 
 PRECISIONS = ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true")
 Precision = Literal["auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true"]
+#: Precisions a replay can run in (Lightning Fabric's names): every one but "auto". Defined here,
+#: without torch, for ``stabletrain replay --precision``'s choices.
+REPLAY_PRECISIONS = ("32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 
 
 def _refuse_booleans(what: str) -> BeforeValidator:

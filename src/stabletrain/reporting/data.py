@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from stabletrain.errors import StabletrainError
-from stabletrain.runfiles.history import read_run
+from stabletrain.runfiles.history import read_run, run_folder_problem
 
 
 class RunData:
@@ -22,11 +22,9 @@ class RunData:
     def __init__(self, out: Path):
         self.out = out
         path = out / "metrics.jsonl"
-        if not path.exists():
-            raise StabletrainError(
-                f"no metrics.jsonl in {out}: pass the out folder of a training run "
-                "(stabletrain report out/my_run), trained with loggers.jsonl.enabled=true"
-            )
+        problem = run_folder_problem(out)
+        if problem is not None:
+            raise StabletrainError(problem)
         history = read_run(path)
         self.events = history.events
         self.resumes = history.resumes

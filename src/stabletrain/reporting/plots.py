@@ -149,7 +149,8 @@ def signal_figure(data: RunData, signal: str, status: str, episodes: Sequence[Ep
     handles, labels = ax.get_legend_handles_labels()
     if np.isfinite(lr).any():
         ax2 = ax.twinx()
-        ax2.plot(steps, lr, color="#7f7f7f", lw=1.0, ls="--", label="lr (right axis)")
+        # Each run's lr is its own: the line is not drawn across a resume (its lr may differ).
+        ax2.plot(*broken_at(steps, lr, data.resumes), color="#7f7f7f", lw=1.0, ls="--", label="lr (right axis)")
         ax2.set_ylabel("lr", color="#7f7f7f")
         ax2.tick_params(axis="y", colors="#7f7f7f")
         ax2.set_ylim(bottom=0)
@@ -159,6 +160,16 @@ def signal_figure(data: RunData, signal: str, status: str, episodes: Sequence[Ep
               fontsize=8, frameon=False)
     fig.tight_layout()
     return fig
+
+
+def broken_at(steps: np.ndarray, values: np.ndarray, breaks: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """``(x, y)`` to plot ``values`` against ``steps`` with no line between the last step before
+    each of ``breaks`` and the first step at or after it: a NaN point is put between them."""
+    cut = sorted({int(np.searchsorted(steps, b)) for b in breaks} - {0} - {len(steps)})
+    if not cut:
+        return steps.astype(np.float64), values
+    x = np.insert(steps.astype(np.float64), cut, [(steps[i - 1] + steps[i]) / 2 for i in cut])
+    return x, np.insert(values.astype(np.float64), cut, np.nan)
 
 
 def _mark_run_events(ax: Any, data: RunData) -> None:

@@ -42,6 +42,20 @@ class RunHistory:
                 f"was read ({len(self.rows)} logged steps, {len(self.events)} events).")
 
 
+def run_folder_problem(out: str | Path) -> str | None:
+    """Why ``out`` is not a training run's folder with a ``metrics.jsonl`` to read, or None.
+    Needs no torch: ``stabletrain report`` asks it before loading anything."""
+    folder = Path(out)
+    if not folder.is_dir():
+        kind = "a file, not a folder" if folder.exists() else "no such folder"
+        return (f"{folder}: {kind}; pass the out folder of a training run (stabletrain report out/my_run), "
+                "trained with loggers.jsonl.enabled=true")
+    if not (folder / "metrics.jsonl").is_file():
+        return (f"no metrics.jsonl in {folder}: pass the out folder of a training run "
+                "(stabletrain report out/my_run), trained with loggers.jsonl.enabled=true")
+    return None
+
+
 def read_run(path: str | Path) -> RunHistory:
     """Read ``metrics.jsonl`` with resume semantics (see the module docstring). A line cut
     short by a crash is skipped, and its number recorded in ``skipped``."""

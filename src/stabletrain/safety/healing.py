@@ -10,7 +10,7 @@ See docs/self_healing.md.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -206,7 +206,7 @@ class Healer:
         self.recoveries.append(row)
         t.log_event(row)
         where = f"; capture: {capture}" if capture is not None else ""
-        samples = _few(row["skipped_samples"])
+        samples = _few(row["skipped_samples"], first=self._bad_data_samples(rec))
         if over:
             text = (f"Step {rec.step}: {rec.description}, after {self.args.max_recoveries} recoveries "
                     f"(on_instability.max_recoveries): stopping{where}. Skipped samples: {samples}.")
@@ -216,6 +216,14 @@ class Healer:
         what = ("update skipped" if self.policy == "skip_step"
                 else f"rolled back to step {row['rolled_back_to']}, {skipped} step(s) of data skipped")
         t.console.info(f"Recovered step {rec.step}: {rec.description}; {what}; samples {samples}{where}")
+
+    def _bad_data_samples(self, rec: Recovery) -> list[int]:
+        """The samples of the step whose data holds a NaN or an Inf, when its batches are still held."""
+        m = self.monitor
+        if m is None or m.step != rec.step:
+            return []
+        found = m.nonfinite_samples()
+        return self._gather(found) if self.trainer.world_size > 1 else found
 
     def _gather(self, samples: list[int]) -> list[int]:
         import torch.distributed as dist
@@ -295,6 +303,13 @@ def _flat(indices: list[Any]) -> list[int]:
     return out
 
 
-def _few(items: list[int], limit: int = 16) -> str:
-    text = ", ".join(str(i) for i in items[:limit])
-    return f"[{text}{f', ... ({len(items) - limit} more)' if len(items) > limit else ''}]"
+def _few(items: list[int], limit: int = 16, first: Sequence[int] = ()) -> str:
+    """Up to ``limit`` samples; those in ``first`` (whose data holds NaN/Inf) named first, and
+    marked, so that a long list never hides them."""
+    present = set(items)
+    bad = list(dict.fromkeys(i for i in first if i in present))
+    marked = set(bad)
+    order = bad + [i for i in items if i not in marked]
+    shown = [f"{i} (NaN/Inf in its data)" if i in marked else str(i) for i in order[:max(limit, len(bad))]]
+    rest = len(order) - len(shown)
+    return f"[{', '.join(shown)}{f', ... ({rest} more)' if rest > 0 else ''}]"

@@ -37,6 +37,25 @@ def _module(name: str) -> Any:
     return image_classification
 
 
+def names_user_code(model: str) -> bool:
+    """Whether the model name given is a reference to code (``own.py:MLP``, ``pkg.models:Net``,
+    ``own.py``), which no built-in model name is."""
+    return ":" in model or model.endswith(".py")
+
+
+def own_model_problem(model: str) -> str:
+    """What to do instead of naming your own model's code in ``model``."""
+    cls = model.rpartition(":")[2] or "MyModel"
+    if cls.endswith(".py"):
+        cls = "MyModel"
+    return (
+        f"model: {model!r} names your own code, but model= takes a built-in model's name ('transformer', the "
+        f"default; 'cnn'; 'torchvision/<name>') or an nn.Module instance; train your own model from Python: "
+        f"stabletrain.train(out=..., model={cls}(), data=<your map-style Dataset>), the model having a "
+        "training_step(batch) -> loss method (docs/training.md, Your own model)"
+    )
+
+
 def check_task(settings: TrainSettings) -> list[str]:
     """Every problem with the task-related settings, as one line each; [] when all is well."""
     name = resolve_task_name(settings)
@@ -75,6 +94,9 @@ def check_task(settings: TrainSettings) -> list[str]:
         return problems
     if settings.model is not None and not isinstance(settings.model, str):
         problems.append(f"model: expected a model name or an nn.Module (got {type(settings.model).__name__})")
+        return problems
+    if isinstance(settings.model, str) and names_user_code(settings.model):
+        problems.append(own_model_problem(settings.model))
         return problems
     problems.extend(_module(name).check(settings))
     return problems

@@ -107,6 +107,21 @@ class _TrainingStep(nn.Module):
         return self.model.training_step(batch)  # type: ignore[operator]
 
 
+def done_line(first: int, end: int, steps: int, seconds: float) -> str:
+    """``Done: 500 steps in 0:03:10``; for a resumed run the steps of this run, where it began and
+    the total: ``Done: steps 20-99 of 100 in 0:00:35 (80 steps in this run, resumed from step 20)``.
+    Under 10 s the time has decimals: a short run did not take ``0:00:00``."""
+    took = f"{seconds:.2f} s" if seconds < 1 else f"{seconds:.1f} s" if seconds < 10 else format_duration(seconds)
+    if first == 0:
+        return f"Done: {end} steps in {took}"
+    ran = end - first
+    if ran <= 0:
+        return f"Done: no step run in {took} (resumed at step {first} of {steps})"
+    which = f"step {first}" if ran == 1 else f"steps {first}-{end - 1}"
+    this_run = f"{ran} step{'s' if ran != 1 else ''} in this run"
+    return f"Done: {which} of {steps} in {took} ({this_run}, resumed from step {first})"
+
+
 class Trainer:
     """Runs one training job; see :mod:`stabletrain.events` for the loop it runs.
 
@@ -338,6 +353,7 @@ class Trainer:
         s = self.settings
         self.callbacks("on_train_start", self)
         self.clock = StepClock(steps_at_last=self.step)
+        first = self.step  # above 0 when resumed
         while self.step < s.steps and self.stop_reason is None:
             self.train_step()
             self.step += 1
@@ -348,7 +364,8 @@ class Trainer:
                 raise write_failed_error(self, self.write_failure)
             if self.step % s.checkpoint_every_num_steps == 0 and self.step < s.steps and self.stop_reason is None:
                 self._save_checkpoint(periodic=True)
-        if self.stop_reason is not None:
+        if self.stop_reason is not None and self.safety.interrupted is None:
+            # A signal's stop is said once, by interrupt_message below, with the checkpoint and command.
             self.console.info(f"Stopped after step {self.step - 1}: {self.stop_reason}")
         path = self._save_checkpoint(periodic=False)
         self.callbacks("on_train_end", self)
@@ -361,11 +378,10 @@ class Trainer:
             raise TrainingInterrupted(text, signal_name=self.safety.interrupted, step=self.step,
                                       checkpoint=checkpoint_dir(self.out) / "last.ckpt", command=command)
         if self.is_rank_zero:
-            elapsed = time.perf_counter() - self.clock.start
             loss = self.last_metrics.get("loss", float("nan"))
             self.console.info(
-                f"Done: {self.step} steps in {format_duration(elapsed)}, final loss {loss:.4f}. "
-                f"Checkpoint: {checkpoint_dir(self.out) / 'last.ckpt'}"
+                f"{done_line(first, self.step, s.steps, time.perf_counter() - self.clock.start)}, "
+                f"final loss {loss:.4f}. Checkpoint: {checkpoint_dir(self.out) / 'last.ckpt'}"
             )
 
     def train_step(self) -> None:

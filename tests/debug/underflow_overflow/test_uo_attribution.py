@@ -85,6 +85,51 @@ def test_a_nan_made_from_an_inf_input_is_the_calls_own_a_fully_masked_softmax():
     assert blame(events[2], 0, "Net").explanation != culprit.explanation, "plain blame does not know the Inf input"
 
 
+def inf_between_children_events(consumer_cls: str, made: torch.Tensor) -> tuple[list[Event], dict]:
+    """The model's own forward makes ``made`` (holding Inf) between its children and hands it
+    to ``b`` (of class ``consumer_cls``), which returns NaN, and so does the model."""
+    c = calls()
+    c["b"].cls = consumer_cls
+    events = [
+        fwd("enter", c[""], row("input[0]", "input", 0.1, 1.0, "x", data=False)),
+        fwd("enter", c["a"], row("input[0]", "input", 0.1, 1.0, "x")),
+        fwd("exit", c["a"], row("output[0]", "output", 0.1, 1.0, "h")),
+        fwd("enter", c["b"], row("input[0]", "input", 0.0, INF, tensor=made)),
+        fwd("exit", c["b"], row("output[0]", "output", NAN, NAN, "y")),
+        fwd("exit", c[""], row("output[0]", "output", NAN, NAN, "y")),
+    ]
+    return events, c
+
+
+def test_an_inf_the_caller_made_between_children_is_the_callers_not_the_next_modules():
+    # h = self.a(x); h = h / torch.zeros_like(h); return self.b(h): b (a Linear) made NaN from
+    # an Inf that no module returned; the op that made the Inf is the caller's own.
+    made = torch.full((5, 4), INF)
+    made[0] = -INF
+    events, _ = inf_between_children_events("Linear", made)
+    found = culprit_of(events)
+    assert found == Culprit(3, 0), "b's input, where the Inf was first seen"
+    assert explain(events, found, "Net") == (
+        "", "Net", "b input[0]",
+        "No module returned it: an operation in the own forward of the model itself (Net), between its child "
+        "modules, made the input[0] of b.",
+    )
+    # The same tensor reaching a softmax: +inf is no attention mask either.
+    assert culprit_of(inf_between_children_events("Softmax", made)[0]) == Culprit(3, 0)
+
+
+def test_an_additive_mask_the_caller_made_reaching_a_softmax_or_attention_is_still_tolerated():
+    mask = torch.zeros(5, 4)
+    mask[2] = -INF  # a row masked everywhere
+    for cls in ("Softmax", "MultiheadAttention", "LlamaAttention", "CausalSelfAttention"):
+        events, _ = inf_between_children_events(cls, mask)
+        found = culprit_of(events)
+        assert found == Culprit(4, 0, "input[0]"), cls
+        assert explain(events, found, "Net").explanation.startswith("Its input[0] held Inf (an attention mask, say)")
+    # A Linear given the same -inf is not taking a mask: the caller made it.
+    assert culprit_of(inf_between_children_events("Linear", mask)[0]) == Culprit(3, 0)
+
+
 def test_non_finite_data_is_blamed_unless_it_is_a_mask():
     c = calls()
     data = [fwd("enter", c[""], row("input[0]", "input", 0.0, INF, "x", data=True))]

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
+from stabletrain.errors import NaNCaptureError as NaNCaptureError  # defined without torch; exported here
 from stabletrain.errors import StabletrainError
 
 #: Why a capture was taken: the ``reason`` entry of a capture file and ``NaNDetectedError.reason``.
@@ -13,21 +14,6 @@ REASON_LOSS = "nonfinite_loss"
 REASON_SKIPPED = "skipped_steps"
 REASON_OTHER_RANK = "other_rank"
 REASON_NORM_OVERFLOW = "gradient_norm_overflow"
-
-
-class NaNCaptureError(StabletrainError):
-    """A capture cannot be written, found, read or replayed; the message says why.
-
-    Attributes:
-        path: The file or folder concerned, when there is one.
-    """
-
-    def __init__(self, message: str, path: Optional[str | Path] = None):
-        super().__init__(message)
-        self.path = None if path is None else Path(path)
-
-    def __reduce__(self) -> Any:
-        return (type(self), (str(self), self.path))
 
 
 class NaNDetectedError(StabletrainError):

@@ -21,7 +21,7 @@ from stabletrain.utils.dist import any_rank as dist_any_rank
 from stabletrain.utils.dist import rank_and_world_size
 from stabletrain.utils.rng import raw_rng_state
 from stabletrain.utils.text import MEASURED_DIGITS, fmt_list, fmt_number
-from stabletrain.utils.tree import detached_copy
+from stabletrain.utils.tree import detached_copy, leading_size, named_tensors
 
 from .commands import default_replay_command, is_replay_template, no_replay_command_reason, qualified_name
 from .errors import (
@@ -243,6 +243,29 @@ class NaNCaptureMonitor:
             extra: More entries for the file (tensors, numbers, strings, lists, dicts only).
         """
         return self._write(list(nan_param_names), reason, 0, [], params=params, extra=extra)
+
+    def nonfinite_samples(self) -> list[int]:
+        """Dataset indices of the samples of this step, among the microbatches held, whose data
+        holds a NaN or an Inf (a tensor of only 0 and -inf, an additive mask, is not counted);
+        samples of a microbatch collected without indices are left out. One host read per
+        floating-point tensor: call it on a failure path, not every step."""
+        found: list[int] = []
+        for batch, ix in zip(self._batches, self._indices):
+            n = leading_size(batch)
+            if ix is None or n is None:
+                continue
+            index = ix.reshape(-1).tolist() if isinstance(ix, Tensor) else list(ix)
+            bad = torch.zeros(n, dtype=torch.bool)
+            for _, t in named_tensors(batch):
+                if not t.is_floating_point() or t.ndim == 0 or t.shape[0] != n or not t.numel():
+                    continue
+                with torch.no_grad():
+                    finite = torch.isfinite(t)
+                    if bool(finite.all()) or bool(((t == 0) | torch.isneginf(t)).all()):
+                        continue
+                    bad |= ~finite.reshape(n, -1).all(1).cpu()
+            found.extend(int(index[row]) for row in torch.nonzero(bad).flatten().tolist() if row < len(index))
+        return found
 
     def close(self) -> None:
         """Let go of everything held and remove the monitor's hook (idempotent)."""

@@ -7,8 +7,8 @@ from typing import Any, Optional
 
 import torch
 
-#: Precisions a replay can run in (Lightning Fabric's names).
-REPLAY_PRECISIONS = ("32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+from stabletrain.config.types import REPLAY_PRECISIONS
+
 _ALIASES = {
     "32": "32-true", "64": "64-true", "16": "16-mixed", "bf16": "bf16-mixed", "half": "16-true", "double": "64-true"
 }

@@ -9,7 +9,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .records import Event, GradSite, Role, StatsRow, Values, module_label
+from .records import Call, Event, GradSite, Role, StatsRow, Values, module_label
 from .stats import value_kind
 
 __all__ = [
@@ -28,6 +28,10 @@ __all__ = [
 
 #: A non-finite value in these rows does harm wherever it is.
 _ALWAYS_HARMFUL = ("weight", "loss", "grad")
+
+#: Modules whose class name holds one of these take additive attention masks (-inf on purpose):
+#: nn.Softmax, nn.MultiheadAttention, Hugging Face's *Attention, a CausalSelfAttention.
+_MASK_TAKERS = ("softmax", "attention", "attn")
 
 
 class Culprit(NamedTuple):
@@ -135,8 +139,36 @@ class _Provenance:
         if same:
             return Culprit(*self._first_seen(*same[0]))
         if self.kind(i, j) == "nan" and ins:
+            first = self._first_seen(*ins[0])
+            if self._made_by_caller(first) and not self._mask_reaching_softmax(ev.call, ins):
+                return Culprit(*first)  # the caller's own op made the Inf; this call only made NaN of it
             return Culprit(i, j, self.events[ins[0][0]].lines[ins[0][1]].label)
         return Culprit(i, j)
+
+    def _made_by_caller(self, at: tuple[int, int]) -> bool:
+        """Whether the input row ``at`` (where a tensor was first seen) was made by the own ops of
+        the calling module: no module returned it and it is not the model's own input."""
+        call = self.events[at[0]].call
+        if call is None or call.parent is None:
+            return False
+        key = identity(self.events[at[0]].lines[at[1]])
+        return not any(line.role == "output" and identity(line) == key
+                       for ev in self.events[self.start: at[0]] for line in ev.lines)
+
+    def _mask_reaching_softmax(self, call: Optional[Call], ins: list[tuple[int, int]]) -> bool:
+        """Whether the Inf inputs can be an additive attention mask that this call was built to
+        take: a softmax or attention module, given Inf of the sign a mask holds (-inf; a held
+        tensor with a +inf is no mask). A Linear's input is never an attention mask."""
+        if call is None or not any(word in call.cls.lower() for word in _MASK_TAKERS):
+            return False
+        for a, b in ins:
+            line = self.events[a].lines[b]
+            t = line.ref() if line.ref is not None else None
+            if t is not None and (line.key is None or t._version == line.key[1]):
+                with torch.no_grad():
+                    if bool(torch.isposinf(t.detach()).any()):
+                        return False
+        return True
 
 
 def find_culprit(events: list[Event], values: Values, start: int) -> Optional[Culprit]:
