@@ -254,7 +254,7 @@ def anchored_lr(lr: float, rows: Sequence[Mapping[str, Any]] = (), unstable_from
     if stable and max(stable)[0] < lr:
         value, step = max(stable)
         return float(setting_value(value)), f"the highest lr that trained stably, from step {step}"
-    if optimizer_family(optimizer) != "adam":
+    if optimizer_family(optimizer) != "adam" and lr / LR_DECREASE > default:
         return float(setting_value(lr / LR_DECREASE)), (
             f"the run's lr x{1 / LR_DECREASE:g}, not verified: no logged stretch trained stably at a lower lr")
     if lr / LR_DECREASE > default:

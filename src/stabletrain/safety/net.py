@@ -61,6 +61,7 @@ class SafetyNet:
         self._agree = np.zeros(3, dtype=np.int64)
         self._agree_t = torch.from_numpy(self._agree)
         self._last: Optional[tuple[list[Tensor], Tensor]] = None
+        self.step_batches: Optional[tuple[int, list[Any], list[Tensor]]] = None
         self.replaying = False
         #: The self-healing of ``on_instability`` (a trainer callback too), None under ``stop``.
         self.healer: Any = next((c for c in trainer.callbacks.callbacks if getattr(c, "is_healer", False)), None)
@@ -104,8 +105,12 @@ class SafetyNet:
 
     # ------------------------------------------------------------------ every step
 
-    def check_gradients(self, step: int, losses: list[Tensor], grad_norm: Tensor) -> None:
+    def check_gradients(self, step: int, losses: list[Tensor], grad_norm: Tensor,
+                        batches: Optional[list[Any]] = None) -> None:
         self._last = (losses, grad_norm)
+        #: This step's microbatches as (dataset indices, batch) and their device losses: a stop's
+        #: message names the samples of the microbatch whose loss went non-finite (read on failure only).
+        self.step_batches = (step, batches or [], losses)
         if self.replaying:
             return
         skip = self.healer.check(step, losses, grad_norm) if self.healer is not None else None

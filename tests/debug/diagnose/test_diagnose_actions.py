@@ -72,6 +72,8 @@ def capture(settings: Optional[dict[str, Any]] = None, **raw: Any) -> SimpleName
 RUN = {"model_args": {"lr": 0.01, "optimizer": "adamw"}, "gradient_clip_val": 0, "precision": "32-true"}
 LR = "model_args.lr=0.001 or lower (was 0.01)"
 CLIP = "gradient_clip_val=1.0 (clipping is off)"
+#: AdamW's update is about lr whatever the gradient: clipping is not offered as what bounds it.
+NO_CLIP = "Clipping gradients would not keep single steps small: AdamW's update is about lr in size whatever"
 REPLAY_ACTION = f"Replay the step yourself: {REPLAY}"
 
 
@@ -107,12 +109,12 @@ CASES: dict[str, tuple[Evidence, Optional[dict[str, Any]], dict[str, Any], bool,
         ["Resume from before the damage: the newest checkpoint with healthy weights is step 2 (|w| up to 0.5); "
          "rerun your training command with resume_from=/runs/boom/checkpoints/step_000002.ckpt "
          f"and {LR}.",
-         f"Keep single steps from blowing the weights up: {CLIP}.", REPLAY_ACTION],
+         NO_CLIP, REPLAY_ACTION],
     ),
     "huge-weights-no-healthy-checkpoint": (
         evidence(weights=damaged("huge", checkpoints(False, False), nonfinite=False)), RUN, {}, True,
         [f"No checkpoint of this run has healthy weights (the newest, step 2: |w| up to 2e+03, huge from 1e+03): "
-         f"start again with overwrite=true and {LR}.", "Keep single steps from blowing the weights up", REPLAY_ACTION],
+         f"start again with overwrite=true and {LR}.", NO_CLIP, REPLAY_ACTION],
     ),
     "nonfinite-weights-16-true-adamw": (
         evidence(precision="16-true", weights=damaged("nonfinite", []), origin="weights",
@@ -120,7 +122,7 @@ CASES: dict[str, tuple[Evidence, Optional[dict[str, Any]], dict[str, Any], bool,
         [f"No checkpoint of this run was found under /runs/boom/checkpoints (written before step 3): start again with "
          f"overwrite=true and {LR}.",
          "With precision=16-true the optimizer runs in float16 too: AdamW's second moment",
-         "Keep single steps from blowing the weights up", REPLAY_ACTION],
+         NO_CLIP, REPLAY_ACTION],
     ),
     "nonfinite-weights-outside-a-run": (
         evidence(weights=damaged("nonfinite", [])), {**RUN, "model_args": {"lr": 0.01, "optimizer": "sgd"}}, {}, False,

@@ -106,7 +106,7 @@ def lr_text(settings: Optional[dict[str, Any]], rows: Sequence[dict[str, Any]] =
     lr = advice.positive(model_args.get("lr")) if isinstance(model_args, dict) else None
     if lr is None:
         return f"a {advice.LR_DECREASE}x lower learning rate (model_args.lr)"
-    value, why = advice.anchored_lr(lr, rows, unstable_from)
+    value, why = advice.anchored_lr(lr, rows, unstable_from, optimizer=model_args.get("optimizer"))
     why = f"; {why}" if why else ""
     return f"model_args.lr={advice.setting_value(value)} or lower (was {advice.setting_value(lr)}{why})"
 
@@ -171,8 +171,10 @@ def damaged_before_the_step(ev: Evidence, ctx: RunContext) -> list[str]:
             "into the weights. Train with precision=16-mixed or precision=bf16-mixed (float32 master weights and "
             "optimizer state) or precision=32-true."
         )
-    if w.nonfinite or w.status == "huge":
+    if (w.nonfinite or w.status == "huge") and (advice.clipping_helps(optimizer) or optimizer is None):
         actions.append(f"Keep single steps from blowing the weights up: {ctx.clip}.")
+    elif w.nonfinite or w.status == "huge":
+        actions.append(f"Clipping gradients would not keep single steps small: {advice.update_size(optimizer)}.")
     else:
         # Buffers are not trained by the optimizer: clipping gradients does not protect them.
         actions.append(

@@ -198,6 +198,13 @@ class NaNCaptureMonitor:
         self._step_args.append(list(step_args))
         self._rng.append(raw_rng_state())
 
+    @property
+    def loss_nonfinite(self) -> Optional[bool]:
+        """Whether a loss of the step collected so far is non-finite (a host read; None: no loss)."""
+        if not self._losses:
+            return None
+        return not all(bool(torch.isfinite(x).all()) for x in self._losses)
+
     def collect_loss(self, loss: Tensor) -> None:
         """Record the loss the model returned for the last collected microbatch (before any
         division by the accumulation steps or loss scaling). Kept on the device."""

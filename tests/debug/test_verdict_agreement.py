@@ -1,0 +1,121 @@
+"""What the guard says, what the capture records, what replay and diagnose conclude: they agree,
+for each kind of capture, and the advice fits the optimizer that ran (issue 25)."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import stabletrain
+from conftest import tiny_lm
+from stabletrain.debug import advice
+from stabletrain.debug.grad_norm import compute_grad_norm
+from stabletrain.safety.guard import NonFiniteStepError, StepGuard
+from stabletrain.training.loop import train
+
+NUMBER = r"([0-9.]+e[+-]?[0-9]+|[0-9.]+)"
+
+
+def _optimizer_capture(out, optimizer: str, lr: float) -> NonFiniteStepError:
+    with pytest.raises(NonFiniteStepError) as info:
+        train(out=out, debug_args={"nancapture": {"enabled": True}},
+              **tiny_lm(steps=3, model_args={"lr": lr, "optimizer": optimizer, "warmup_steps": 0}))
+    return info.value
+
+
+@pytest.fixture(scope="module")
+def adamw_huge(tmp_path_factory):
+    """AdamW at lr=1e30: step 0's update leaves every weight finite, ~1e30, beyond the range the
+    guard's float32 norm check accepts."""
+    out = tmp_path_factory.mktemp("agree") / "adamw"
+    err = _optimizer_capture(out, "adamw", 1e30)
+    return out, err
+
+
+def test_huge_but_finite_update_guard_diagnose_and_replay_agree(adamw_huge):
+    out, err = adamw_huge
+    assert (err.step, err.origin, err.param_names, err.state_entries) == (0, "optimizer_step", [], [])
+    message = str(err)
+    m = re.search(r"\|w\| reaches " + NUMBER + r" in (\S+) \(", message)
+    assert m, message
+    value, name = m.group(1), m.group(2)
+    model_max = max(float(t.abs().max()) for t in torch.load(err.capture_path, weights_only=True)["params"].values())
+    assert model_max < 1e20, "the premise: the capture holds the weights from before the step"
+    assert "overflows once values pass about 1.8e+19" in message, "the check's threshold is stated"
+
+    d = stabletrain.diagnose(err.capture_path, write=False)
+    assert d.reproduced and d.finite_overflow and not d.nonfinite_params
+    assert "NaN/Inf" not in d.verdict, "every value is finite: the verdict must not say NaN/Inf"
+    assert (f"left the range the checks accept, with finite values (|w| reaches {value} in {name})" in d.verdict)
+    md = d.to_markdown()
+    assert "reproduces the failure: every value stays finite, but " + name in md
+    assert "every parameter stays finite" not in md
+
+    result = stabletrain.load_nan_capture(err.capture_path).replay()
+    text = result.to_text()
+    assert result.reproduced and result.optimizer_step is not None, text
+    assert result.optimizer_step.trips[0].name == name
+    assert "reproduced: YES - the optimizer step (torch.optim.AdamW)" in text
+    assert "hardware" not in text and "Suspects" not in text, text
+
+
+def test_adam_update_size_is_not_fixed_by_clipping(adamw_huge):
+    out, err = adamw_huge
+    d = stabletrain.diagnose(err.capture_path, write=False)
+    actions = "\n".join(d.next_actions)
+    assert "clip" not in actions.replace("clipping gradients does not bound it", ""), actions
+    assert "model_args.lr=0.001 (now 1e+30; AdamW's default" in actions
+    assert "clip gradients" not in str(err), "the guard's message, too"
+
+
+def test_sgd_is_never_told_adamws_default_lr(tmp_path):
+    err = _optimizer_capture(tmp_path / "sgd", "sgd", 1e30)
+    assert err.origin == "optimizer_step"
+    d = stabletrain.diagnose(err.capture_path, write=False)
+    actions = "\n".join(d.next_actions)
+    assert "0.001" not in actions and "default" not in actions, actions
+    assert "model_args.lr=1e+29 (now 1e+30; the run's lr x0.1, not verified" in actions
+    assert "clip gradients (gradient_clip_val=1.0)" in actions, "SGD's update is lr x the gradient: clipping bounds it"
+    assert "0.001" not in str(err) and "not verified" in str(err)
+
+
+def test_anchored_lr_depends_on_the_optimizer():
+    assert advice.anchored_lr(1.0, optimizer="adamw")[0] == 0.001
+    value, why = advice.anchored_lr(1.0, optimizer="sgd")
+    assert value == 0.1 and "not verified" in why
+    value, why = advice.anchored_lr(1.0, optimizer="mypkg.Lion")
+    assert value == 0.1 and "not verified" in why
+    assert advice.optimizer_family("torch.optim.AdamW") == "adam" and advice.optimizer_family("mypkg.Adam") == "other"
+    assert not advice.clipping_helps("torch.optim.AdamW") and advice.clipping_helps("sgd")
+    assert "unknown" in advice.update_size("mypkg.Lion")
+
+
+def test_optimizer_state_overflow_is_not_blamed_on_the_weights():
+    """Exploding but finite gradients (1e13 each): AdamW's second moment holds ~1e23, whose float32
+    norm overflows, while its update stays ~lr. The message names the state entry and its value."""
+    torch.manual_seed(0)
+    model = nn.Linear(64, 1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = StepGuard(model, optimizer)
+    loss = model(torch.randn(8, 64)).pow(2).mean()
+    loss.backward()
+    for p in model.parameters():
+        p.grad.fill_(1e13)
+    guard.check_gradients(0, compute_grad_norm(model.named_parameters()).total, losses=[loss])
+    optimizer.step()
+    guard.check_update(0)
+    with pytest.raises(NonFiniteStepError) as info:
+        guard.raise_if_failed()
+    text = str(info.value)
+    assert info.value.failure.nonfinite == ["optimizer_state"]
+    v = float(optimizer.state[model.weight]["exp_avg_sq"].max())
+    assert math.isfinite(v) and v > 1e19
+    assert f"weight: exp_avg_sq reaches {v:.4g}" in text, text
+    assert "made the weights so large" not in text
+    largest = max(float(p.detach().abs().max()) for p in model.parameters())
+    assert largest < 1 and f"|w| up to {largest:.4g}" in text
+    assert "the gradients are exploding, not the weights" in text
