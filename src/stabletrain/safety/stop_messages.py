@@ -95,6 +95,11 @@ def failure_remedy(trainer: Any, step: int, failure: Optional[GuardFailure] = No
     """
     s = trainer.settings
     rows = logged_rows(trainer)
+    if failure is not None and failure.previous_step >= 0 and all(r.get("step") != failure.previous_step
+                                                                    for r in rows):
+        # The guard knows the last finite step even when it was not logged.
+        rows = sorted([*rows, {"step": failure.previous_step, "loss": failure.previous_loss,
+                               "gradient_norm": failure.previous_gradient_norm}], key=lambda r: r.get("step", -1))
     unstable = _instability_start(trainer, step)
     optimizer = run_optimizer(trainer)
     if loss_nonfinite is None:
@@ -121,8 +126,8 @@ def failure_remedy(trainer: Any, step: int, failure: Optional[GuardFailure] = No
     if value >= lr:
         return Remedy("lr")
     text = (f"It carries model_args.lr={advice.setting_value(value)} instead of {advice.setting_value(lr)} "
-            f"({why or f'{advice.LR_DECREASE}x lower'}): the same settings fail again at the same step; the new lr is "
-            "not verified to train stably.")
+            f"({why or f'{advice.LR_DECREASE}x lower'}): unchanged, the same settings from the same state fail the same way."
+            + ("" if "not verified" in why else " The new lr is not verified to train stably."))
     return Remedy("lr", {"model_args.lr": value}, text)
 
 
@@ -188,9 +193,9 @@ def resume_advice(trainer: Any, failing_step: Optional[int], extra: Optional[dic
     text, best, command = _resume_advice(trainer, failing_step, extra)
     if note:
         cut = text.find(" It holds the state right before")
-        text = text + " " + note if cut < 0 else text[:cut] + " " + note + text[cut:]
+        text = text + "\n" + note if cut < 0 else text[:cut] + "\n" + note + text[cut:]
     elif failing_step is not None and not extra:
-        text += (" As printed, it repeats the settings that failed, and a resumed run is bitwise exact: change "
+        text += ("\nAs printed, it repeats the settings that failed, and a resumed run is bitwise exact: change "
                  "a setting first (see Next).")
     return text, best, command
 
@@ -280,8 +285,8 @@ def guard_message(
         nexts.append(f"capture the optimizer step for stabletrain diagnose (debug_args.nancapture.enabled=true): {cap}")
     else:
         cap = _capture_command(trainer, best, step)
-        what = "isolate the culprit sample" if remedy.cause == "data" else "a capture of that step"
-        nexts.append(f"turn on debug_args.nancapture.enabled=true to {what} (stabletrain diagnose): {cap}")
+        what = "to isolate the culprit sample" if remedy.cause == "data" else "for a capture of that step"
+        nexts.append(f"turn on debug_args.nancapture.enabled=true {what}: {cap}")
     if remedy.cause == "data":
         nexts.append("or skip such steps: on_instability.policy=skip_step (see docs/self_healing.md); the learning "
                      "rate is not what the evidence points at")
