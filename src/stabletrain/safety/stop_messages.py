@@ -126,7 +126,8 @@ def failure_remedy(trainer: Any, step: int, failure: Optional[GuardFailure] = No
     if value >= lr:
         return Remedy("lr")
     text = (f"It carries model_args.lr={advice.setting_value(value)} instead of {advice.setting_value(lr)} "
-            f"({why or f'{advice.LR_DECREASE}x lower'}): unchanged, the same settings from the same state fail the same way."
+            f"({why or f'{advice.LR_DECREASE}x lower'}): unchanged, the same settings from the same state fail the "
+            "same way."
             + ("" if "not verified" in why else " The new lr is not verified to train stably."))
     return Remedy("lr", {"model_args.lr": value}, text)
 
