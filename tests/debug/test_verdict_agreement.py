@@ -119,3 +119,50 @@ def test_optimizer_state_overflow_is_not_blamed_on_the_weights():
     largest = max(float(p.detach().abs().max()) for p in model.parameters())
     assert largest < 1 and f"|w| up to {largest:.4g}" in text
     assert "the gradients are exploding, not the weights" in text
+
+
+class _Poisoned(torch.utils.data.Dataset):
+    """64 regression samples; sample 37 holds a NaN."""
+
+    def __init__(self):
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(64, 4, generator=g)
+        self.y = self.x.sum(1, keepdim=True)
+        self.x[37, 2] = math.nan
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "y": self.y[i]}
+
+
+class _Regression(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def training_step(self, batch):
+        return nn.functional.mse_loss(self.body(batch["x"]), batch["y"])
+
+
+def test_bad_sample_stop_capture_replay_and_diagnose_agree(tmp_path):
+    """A NaN in sample 37: the stop points at the data (not the lr), the capture says a non-finite
+    loss, replay reproduces it, and diagnose names the sample."""
+    from stabletrain.debug.nan_capture import NaNDetectedError
+
+    with pytest.raises(NaNDetectedError) as info:
+        train(out=tmp_path / "data", model=_Regression(), data=_Poisoned(), steps=20, batch_size=8,
+              log_every_num_steps=1, checkpoint_every_num_steps=2, debug_args={"nancapture": {"enabled": True}},
+              model_args={"lr": 0.01, "warmup_steps": 0})
+    err = info.value
+    text = str(err)
+    assert err.reason == "nonfinite_loss" and text.startswith(f"Non-finite loss at step {err.step}")
+    assert "on_instability.policy" in text and "skip_step" in text and "It carries model_args.lr" not in text, text
+    cap = stabletrain.load_nan_capture(err.capture_path, model=_Regression())
+    result = cap.replay()
+    assert result.reproduced and any(37 in (ix or []) for ix in result.sample_indices)
+    d = stabletrain.diagnose(err.capture_path, model=_Regression(), write=False)
+    assert d.data.status == "isolated" and 37 in d.data.dataset_indices, d.data
+    assert "learning rate" not in d.verdict, d.verdict
