@@ -166,3 +166,21 @@ def test_bad_sample_stop_capture_replay_and_diagnose_agree(tmp_path):
     d = stabletrain.diagnose(err.capture_path, model=_Regression(), write=False)
     assert d.data.status == "isolated" and 37 in d.data.dataset_indices, d.data
     assert "learning rate" not in d.verdict, d.verdict
+
+
+def test_a_cpu_replay_that_does_not_reproduce_does_not_suspect_gpus_or_hardware():
+    from stabletrain.debug.replay import ReplayResult
+
+    def result(captured_device: str) -> str:
+        return ReplayResult(
+            reproduced=False, nan_param_names=[], losses=[1.0], step=3, precision="32-true",
+            captured_precision="32-true", device="cpu", captured_losses=[math.nan], losses_bitwise_equal=False,
+            captured_nan_param_names=["fc.weight"], gradient_norm=1.0, microbatches=[(0, 0)], ranks=[0],
+            world_size=1, missing_ranks=[], reason="nonfinite_loss", per_rank=[], path="out/x/rank0",
+            captured_device=captured_device).to_text()
+
+    on_cpu = result("cpu")
+    assert "reproduced: NO" in on_cpu and "on the CPU it ran on" in on_cpu
+    assert "GPU" not in on_cpu and "hardware" not in on_cpu, on_cpu
+    assert "stabletrain diagnose " in on_cpu
+    assert "nondeterministic GPU kernels or hardware faults" in result("cuda"), "a GPU run may still be the device"

@@ -370,6 +370,7 @@ class NaNCapture:
             reproduced = reproduced and outcome.rebuilt
         return ReplayResult(
             optimizer_step=outcome,
+            captured_device=str(self.ranks[0].device),
             reproduced=reproduced,
             nan_param_names=full.nonfinite_param_names,
             losses=full.loss_values,

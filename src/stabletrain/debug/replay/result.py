@@ -78,6 +78,8 @@ class ReplayResult:
     gradient_norm_overflow: bool = False
     largest_gradients: list[tuple[str, float]] = field(default_factory=list)
     optimizer_step: Optional[OptimizerStepOutcome] = None
+    #: The device type the run trained on (``"cpu"``, ``"cuda"``), as captured.
+    captured_device: str = ""
 
     @property
     def ranks_reproducing_alone(self) -> list[int]:
@@ -248,6 +250,14 @@ class ReplayResult:
             return [
                 f"  In {self.precision} this step is finite: the failure comes from the range or rounding of "
                 f"{self.captured_precision} arithmetic (replay without --precision to see it fail)."
+            ]
+        if self.captured_device == "cpu" and self.device.startswith("cpu"):
+            # Replayed where it ran, from the same state and data: no GPU kernel or device to suspect.
+            return [
+                "  The captured state and data do not produce the failure here, on the CPU it ran on: the forward "
+                "and backward of these inputs are finite. Suspects: an effect outside them (a callback or hook that "
+                "changed gradients or weights, code run between steps, state the capture does not hold); "
+                f"stabletrain diagnose {shell_path(self.path)} compares the capture with the run."
             ]
         return [
             "  The captured state and data do not produce the failure here. Suspects: nondeterministic GPU kernels "
