@@ -120,6 +120,8 @@ class GuardFailure:
     #: With every value finite: the tensors whose float32 norm overflowed and tripped the check
     #: (:class:`stabletrain.debug.optimizer_damage.RangeTrip`).
     trips: list[Any] = field(default_factory=list)
+    #: fp16 loss scaling: the GradScaler's scale when training stopped.
+    loss_scale: Optional[float] = None
 
     def _describe_trips(self, where: str, given: str) -> str:
         """Every value finite, but a norm the guard checks overflowed: name the tensor and its value."""
@@ -162,8 +164,10 @@ class GuardFailure:
                 parts.append(self.explanation)
             return " ".join(parts)
         if self.origin == ORIGIN_SKIPPED:
+            scale = f" (now {_fmt(self.loss_scale)})" if self.loss_scale is not None else ""
             return (f"fp16 loss scaling skipped {self.skipped_in_a_row} steps in a row up to {where} "
-                    "(debug_args.nancapture.max_skipped_steps): the loss scale cannot recover.")
+                    "(debug_args.nancapture.max_skipped_steps): each time the scaled gradients held Inf/NaN, and "
+                    f"the loss scale{scale} cannot recover.")
         what = []
         if "loss" in self.nonfinite:
             what.append(f"the loss is {_fmt(self.loss)}")
@@ -429,6 +433,10 @@ class StepGuard:
         )
         if step < 0:
             return failure
+        if origin == ORIGIN_SKIPPED and self.scaler is not None:
+            from stabletrain.utils.amp import scale_value
+
+            failure.loss_scale = scale_value(self.scaler)
         if origin == ORIGIN_OPTIMIZER:
             from stabletrain.debug.optimizer_damage import describe_optimizer_damage
 

@@ -16,7 +16,7 @@ from typing import Any, Optional
 from stabletrain.debug import advice
 from stabletrain.runfiles.checkpoint import CheckpointInfo, checkpoint_dir, list_checkpoints, newest_healthy
 from stabletrain.runfiles.commands import train_command
-from stabletrain.safety.guard import ORIGIN_GRADIENTS, ORIGIN_OPTIMIZER, GuardFailure
+from stabletrain.safety.guard import ORIGIN_GRADIENTS, ORIGIN_OPTIMIZER, ORIGIN_SKIPPED, GuardFailure
 from stabletrain.utils.text import shell_path
 
 
@@ -114,6 +114,12 @@ def failure_remedy(trainer: Any, step: int, failure: Optional[GuardFailure] = No
                 f"value ({normal[1]:.4g} at step {normal[0]}) with finite weights, so a sample is likelier to blame "
                 "than the learning rate; skip_step skips such a step's update (not verified to reach the end)."),
                 samples, culprits)
+    if origin == ORIGIN_SKIPPED:
+        # fp16's range: the scaled gradients overflowed step after step. bfloat16 has float32's range.
+        return Remedy("precision", {"precision": "bf16-mixed"}, (
+            "It carries precision=bf16-mixed: float32's range in the forward and backward passes, where float16's "
+            "scaled gradients overflowed step after step (not verified to train stably; precision=32-true is the "
+            "other way)."))
     if failure is not None and origin == ORIGIN_OPTIMIZER and "+ eps" in failure.explanation:
         mixed = {"16-true": "16-mixed", "bf16-true": "bf16-mixed"}.get(str(getattr(trainer, "precision", "")))
         if mixed is None:
