@@ -235,12 +235,13 @@ class SafetyNet:
                                   weight_norm=host[3])
 
     def _refuse(self, state: dict[str, Any]) -> None:
-        from stabletrain.safety.stop_messages import resume_advice
+        from stabletrain.safety.stop_messages import failure_remedy, resume_advice
 
         t = self.trainer
         names = [n for n, _ in t.model.named_parameters()]
         entries = nonfinite_entries(state, names)
-        advice, _, _ = resume_advice(t, t.step)
+        remedy = failure_remedy(t, t.step)  # the command must not repeat the failure unchanged
+        advice, _, _ = resume_advice(t, t.step, extra=remedy.change or None, note=remedy.why)
         kept = checkpoint_dir(t.out) / "last.ckpt"
         message = (
             f"Refused to write the checkpoint after step {t.step - 1}: the state holds NaN/Inf in "

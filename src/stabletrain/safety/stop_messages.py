@@ -202,8 +202,8 @@ def resume_advice(trainer: Any, failing_step: Optional[int], extra: Optional[dic
         cut = text.find(" It holds the state right before")
         text = text + "\n" + note if cut < 0 else text[:cut] + "\n" + note + text[cut:]
     elif failing_step is not None and not extra:
-        text += ("\nAs printed, it repeats the settings that failed, and a resumed run is bitwise exact: change "
-                 "a setting first (see Next).")
+        text += ("\nAs printed, it repeats the settings that failed (a resumed run is bitwise exact): change a "
+                 "setting first.")
     return text, best, command
 
 
