@@ -163,7 +163,9 @@ def _alone_nonfinite(trainer: Any, batch: Any, indices: list[int]) -> list[int]:
 
     model: Any = getattr(trainer, "model", None)
     step_fn = getattr(model, "training_step", None)
-    if not callable(step_fn) or len(indices) > 256:
+    # Several processes: a forward may hold collectives (FSDP2 gathers) that the other ranks would
+    # not join; the microbatch is named instead.
+    if not callable(step_fn) or len(indices) > 256 or getattr(trainer, "world_size", 1) > 1:
         return []
 
     def one(x: Any, i: int) -> Any:
