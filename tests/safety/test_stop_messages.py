@@ -72,3 +72,26 @@ def test_a_nan_sample_is_named_and_the_lr_is_not_blamed(tmp_path):
     assert "check the data: sample(s) 37 give a non-finite loss alone" in text, text
     assert "the microbatch held 37, " in text
     assert "turn on debug_args.nancapture.enabled=true to isolate the culprit sample" in text
+
+
+class _LogScale(_Regression):
+    """loss = log(a) + mse: d loss / d a = 1/a = 1 at a=1, so one SGD step at lr=2 takes a to -1
+    and every sample's loss is NaN at step 1, from a normal loss at step 0: the lr, not the data."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Parameter(torch.ones(()))
+
+    def training_step(self, batch):
+        return torch.log(self.a) + super().training_step(batch)
+
+
+def test_a_sudden_nan_that_every_sample_gives_alone_is_not_blamed_on_the_data(tmp_path):
+    with pytest.raises(NonFiniteStepError) as info:
+        train(out=tmp_path / "lr", model=_LogScale(), data=LinearData(), steps=20, batch_size=8, log_every_num_steps=1,
+              checkpoint_every_num_steps=2, model_args={"lr": 2.0, "warmup_steps": 0, "optimizer": "sgd"})
+    err = info.value
+    text = str(err)
+    assert (err.step, err.origin) == (1, "forward_backward") and "loss" in err.nonfinite
+    assert "check the data" not in text and "skip_step" not in err.command, text
+    assert "model_args.lr=0.2" in err.command and "It carries model_args.lr=0.2 instead of 2" in text

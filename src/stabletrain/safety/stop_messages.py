@@ -107,8 +107,11 @@ def failure_remedy(trainer: Any, step: int, failure: Optional[GuardFailure] = No
     origin = failure.origin if failure is not None else ORIGIN_GRADIENTS
     if origin == ORIGIN_GRADIENTS and loss_nonfinite and unstable == step:
         normal = _sudden(rows, step)
-        if normal is not None and s.on_instability.policy == "stop":
-            samples, culprits = _step_samples(trainer, failure, step)
+        samples, culprits, measured = _step_samples(trainer, failure, step) if normal is not None else ([], [], False)
+        # Measured: some samples alone fail and the others do not. Not measurable: the sudden
+        # jump from a normal loss is the evidence. Every sample failing alone is the weights'.
+        singled_out = bool(culprits) and len(culprits) < len(samples)
+        if normal is not None and s.on_instability.policy == "stop" and (singled_out or not measured):
             return Remedy("data", {"on_instability.policy": "skip_step"}, (
                 f"It carries on_instability.policy=skip_step: the loss went non-finite in one step from a normal "
                 f"value ({normal[1]:.4g} at step {normal[0]}) with finite weights, so a sample is likelier to blame "
@@ -138,27 +141,32 @@ def failure_remedy(trainer: Any, step: int, failure: Optional[GuardFailure] = No
     return Remedy("lr", {"model_args.lr": value}, text)
 
 
-def _step_samples(trainer: Any, failure: Optional[GuardFailure], step: int) -> tuple[list[int], list[int]]:
-    """The dataset indices of the step's microbatches whose loss is non-finite, and those of
-    them whose loss alone is non-finite (each sample forwarded alone in eval mode, no gradient).
-    Empty when the step's batches are no longer at hand."""
+def _step_samples(trainer: Any, failure: Optional[GuardFailure], step: int) -> tuple[list[int], list[int], bool]:
+    """The dataset indices of the step's microbatches whose loss is non-finite (the ones measured
+    non-finite alone first), those whose loss alone is non-finite (each sample forwarded alone
+    in eval mode, no gradient), and whether that was measured. Empty when the step's batches are
+    no longer at hand."""
     safety = getattr(trainer, "safety", None)
     seen = getattr(safety, "step_batches", None)
     if not seen or seen[0] != step or (failure is not None and failure.stopped_at != step):
-        return [], []
+        return [], [], False
     _, batches, losses = seen
     samples: list[int] = []
     culprits: list[int] = []
+    measured = True
     for (indices, batch), loss in zip(batches, losses):
         if math.isfinite(float(loss)):  # the failure path: host reads are fine
             continue
         ix = [int(i) for i in indices]
         samples += ix
-        culprits += _alone_nonfinite(trainer, batch, ix)
-    return [*culprits, *[i for i in samples if i not in culprits]], culprits
+        alone = _alone_nonfinite(trainer, batch, ix)
+        measured = measured and alone is not None
+        culprits += alone or []
+    return [*culprits, *[i for i in samples if i not in culprits]], culprits, measured and bool(samples)
 
 
-def _alone_nonfinite(trainer: Any, batch: Any, indices: list[int]) -> list[int]:
+def _alone_nonfinite(trainer: Any, batch: Any, indices: list[int]) -> Optional[list[int]]:
+    """The samples of ``batch`` whose loss alone is non-finite; None when it cannot be measured."""
     import torch
 
     model: Any = getattr(trainer, "model", None)
@@ -166,7 +174,7 @@ def _alone_nonfinite(trainer: Any, batch: Any, indices: list[int]) -> list[int]:
     # Several processes: a forward may hold collectives (FSDP2 gathers) that the other ranks would
     # not join; the microbatch is named instead.
     if not callable(step_fn) or len(indices) > 256 or getattr(trainer, "world_size", 1) > 1:
-        return []
+        return None
 
     def one(x: Any, i: int) -> Any:
         if isinstance(x, torch.Tensor) and x.ndim and x.shape[0] == len(indices):
@@ -187,7 +195,7 @@ def _alone_nonfinite(trainer: Any, batch: Any, indices: list[int]) -> list[int]:
                 if isinstance(loss, torch.Tensor) and not bool(torch.isfinite(loss.detach()).all()):
                     bad.append(ix)
     except Exception:  # a batch that cannot be cut into samples: the microbatch is named instead
-        return []
+        return None
     finally:
         model.train(was)
     return bad
