@@ -184,3 +184,29 @@ def test_a_cpu_replay_that_does_not_reproduce_does_not_suspect_gpus_or_hardware(
     assert "GPU" not in on_cpu and "hardware" not in on_cpu, on_cpu
     assert "stabletrain diagnose " in on_cpu
     assert "nondeterministic GPU kernels or hardware faults" in result("cuda"), "a GPU run may still be the device"
+
+
+def test_skipped_fp16_steps_stop_capture_and_diagnose_agree(tmp_path):
+    """fp16 loss scaling at scale 2**20 skips every step for a while: with max_skipped_steps=3 the
+    stop, the capture's reason and diagnose all say skipped steps, and the command carries the
+    precision change (not a new lr)."""
+    from lightning_fabric import Fabric
+    from lightning_fabric.plugins import MixedPrecision
+
+    from stabletrain.config import load_settings
+    from stabletrain.debug.nan_capture import NaNDetectedError
+    from stabletrain.training.loop import Trainer
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20)
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    debug = {"nancapture": {"enabled": True, "max_skipped_steps": 3}}
+    settings = load_settings({"out": tmp_path / "fp16", "debug_args": debug, **tiny_lm(steps=20)})
+    with pytest.raises(NaNDetectedError) as info:
+        Trainer(settings, fabric=fabric).fit()
+    err = info.value
+    text = str(err)
+    assert err.reason == "skipped_steps" and err.step == 2
+    assert "It carries precision=bf16-mixed" in text and "It carries model_args.lr" not in text, text
+    d = stabletrain.diagnose(err.capture_path, write=False)
+    assert d.reason == "skipped_steps" and "learning rate too high" not in d.verdict, d.verdict
+    assert "skip" in d.verdict or "scale" in d.verdict, d.verdict

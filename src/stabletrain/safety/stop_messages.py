@@ -86,12 +86,13 @@ def _sudden(rows: list[dict[str, Any]], step: int) -> Optional[tuple[int, float]
 
 
 def failure_remedy(trainer: Any, step: int, failure: Optional[GuardFailure] = None,
-                   loss_nonfinite: Optional[bool] = None) -> Remedy:
+                   loss_nonfinite: Optional[bool] = None, skipped_steps: bool = False) -> Remedy:
     """What to change after a failure at ``step``, from the evidence at hand (see :class:`Remedy`).
 
     Args:
         failure: The guard's finding, when the guard stopped the run.
         loss_nonfinite: Whether the loss itself went non-finite (None: read from ``failure``).
+        skipped_steps: fp16 loss scaling skipped too many steps in a row (nancapture's stop).
     """
     s = trainer.settings
     rows = logged_rows(trainer)
@@ -104,7 +105,7 @@ def failure_remedy(trainer: Any, step: int, failure: Optional[GuardFailure] = No
     optimizer = run_optimizer(trainer)
     if loss_nonfinite is None:
         loss_nonfinite = failure is not None and "loss" in failure.nonfinite
-    origin = failure.origin if failure is not None else ORIGIN_GRADIENTS
+    origin = failure.origin if failure is not None else (ORIGIN_SKIPPED if skipped_steps else ORIGIN_GRADIENTS)
     if origin == ORIGIN_GRADIENTS and loss_nonfinite and unstable == step:
         normal = _sudden(rows, step)
         samples, culprits, measured = _step_samples(trainer, failure, step) if normal is not None else ([], [], False)

@@ -282,7 +282,8 @@ class Trainer:
         elif not isinstance(exc, TrainingInterrupted):
             self.console.log_only(f"ERROR {type(exc).__name__}: {exc}")
 
-    def resume_advice(self, failing_step: Optional[int] = None, loss_nonfinite: Optional[bool] = None) -> str:
+    def resume_advice(self, failing_step: Optional[int] = None, loss_nonfinite: Optional[bool] = None,
+                      reason: str = "") -> str:
         """Where to continue after a failure at ``failing_step``: the newest healthy checkpoint,
         why, and the command to paste (or ``overwrite=true`` when there is none)."""
         from stabletrain.safety.stop_messages import failure_remedy, resume_advice
@@ -290,7 +291,8 @@ class Trainer:
         if failing_step is None:
             return resume_advice(self, None)[0]
         # A failure: the command carries what to change (the same settings fail again), and says so.
-        remedy = failure_remedy(self, failing_step, loss_nonfinite=bool(loss_nonfinite))
+        remedy = failure_remedy(self, failing_step, loss_nonfinite=bool(loss_nonfinite),
+                                skipped_steps=reason == "skipped_steps")
         return resume_advice(self, failing_step, extra=remedy.change or None, note=remedy.why)[0]
 
     def healthy_checkpoint(self, before_step: Optional[int] = None) -> Optional[CheckpointInfo]:

@@ -137,6 +137,8 @@ class NaNCaptureMonitor:
         )
         #: Extra advice appended to the error message (the trainer adds where to resume from).
         self.advice: Optional[Callable[[int], str]] = None
+        #: The reason of the capture whose message is being written (for :attr:`advice`).
+        self.last_reason = ""
         self.step: Optional[int] = None
         self._batches: list[Any] = []
         self._indices: list[Any] = []
@@ -427,6 +429,7 @@ class NaNCaptureMonitor:
             lines.append("Replay it offline:")
             lines.append(f"    {self.replay_command}")
         if self.advice is not None:
+            self.last_reason = reason  # the advice depends on why (skipped fp16 steps: the precision)
             lines.append(self.advice(int(self.step)))  # type: ignore[arg-type]
         return "\n".join(lines)
 
