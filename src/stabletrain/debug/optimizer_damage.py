@@ -109,18 +109,24 @@ def describe_optimizer_damage(failure: Any, model: nn.Module, optimizer: Any) ->
     failure.explanation = explain_optimizer_damage(model, optimizer, set(counts))
     lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
     if not counts and not entries:
-        failure.explanation = explain_trips(failure.trips, lr, failure.gradient_norm)
+        failure.explanation = explain_trips(failure.trips, lr, failure.gradient_norm, failure.optimizer)
 
 
-def explain_trips(trips: list[RangeTrip], lr: Any, gradient_norm: float) -> str:
+def explain_trips(trips: list[RangeTrip], lr: Any, gradient_norm: float, optimizer: str = "") -> str:
     """Why a norm overflowed with every value finite: the weights (the update's size, lr) or the
     optimizer state (a second moment holds squared gradients: the gradients are exploding)."""
     weights = [t for t in trips if t.kind == "parameter"]
     state = [t for t in trips if t.kind == "optimizer state"]
     parts = []
     if weights and isinstance(lr, (int, float)):
-        parts.append(f"The learning rate is {lr:g}: one step moves a weight by up to about lr (Adam) "
-                     "or lr x its gradient (SGD).")
+        from stabletrain.debug import advice
+
+        family = advice.optimizer_family(optimizer)
+        label = advice.optimizer_label(optimizer)
+        how = {"adam": f"{label} moves a weight by about lr per step, whatever the gradient",
+               "sgd": f"{label} moves a weight by lr x its gradient"}.get(
+            family, "one step moves a weight by up to about lr (Adam) or lr x its gradient (SGD)")
+        parts.append(f"The learning rate is {lr:g}: {how}.")
     if state:
         t = state[0]
         if t.name.endswith("exp_avg_sq"):

@@ -216,7 +216,7 @@ def diagnose_optimizer_step(
         reproduced = not outcome.nonfinite and bool(outcome.trips)
         explanation = entry.get("failure", {}).get("explanation", "") or explain_trips(
             outcome.trips, entry["state_dict"]["param_groups"][0].get("lr") if entry["state_dict"].get(
-                "param_groups") else None, float(entry.get("gradient_norm", math.nan)))
+                "param_groups") else None, float(entry.get("gradient_norm", math.nan)), entry["optimizer"])
     float32_finite: Optional[bool] = None
     dtypes = {t.dtype for t in part.params.values() if t.is_floating_point()}
     if outcome.rebuilt and dtypes & {torch.float16, torch.bfloat16}:
