@@ -155,6 +155,8 @@ def huge_from_start(cap: NaNCapture, weights: WeightsReport, rows: list[dict[str
         return ""
     top = weights.largest[0]
     step = cap.step
+    if any(c.get("healthy") or c.get("abs_max", math.inf) < weights.threshold for c in weights.checkpoints):
+        return ""  # an earlier checkpoint of the run held them below the threshold: they grew in training
     if step == 0:
         return "the step is step 0: no optimizer step had run, so the initialisation or the loaded weights hold them"
     settings = cap.settings or {}
