@@ -73,12 +73,12 @@ def test_report_of_an_exploding_run(boom, capsys):
     assert f"stabletrain report: {boom} (steps 0-15, 16 logged points (every step))" in printed
     exploding = next(e for e in r.episodes if e.kind == "exploding" and e.signal == "gradient_norm")
     assert f"gradient_norm: non-finite - exploding at steps {exploding.start_step}-{exploding.end_step}" in printed
-    assert "verdict: non-finite" in printed and "model_args.lr=0.001 (now 10; the default" in printed
+    assert "verdict: non-finite" in printed and "model_args.lr=1 (now 10; the run's lr x0.1, not verified" in printed
 
     md = (boom / "report" / "summary.md").read_text()
     assert "**Verdict: non-finite**" in md
     assert f"### gradient_norm: exploding, steps {exploding.start_step}-{exploding.end_step}" in md
-    assert "- lower the learning rate: model_args.lr=0.001 (now 10; the default" in md
+    assert "- lower the learning rate: model_args.lr=1 (now 10; the run's lr x0.1, not verified" in md
     assert "![gradient_norm](gradient_norm.png)" in md and "![gradient_norm_layers](gradient_norm_layers.png)" in md
     # The same episodes the live alerts recorded during training.
     _, events = RunData(boom).rows, RunData(boom).events

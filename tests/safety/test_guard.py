@@ -261,6 +261,10 @@ def test_fp16_skipped_steps_are_normal_until_too_many_in_a_row(tmp_path, max_ski
             trainer.fit()
         assert (info.value.step, info.value.origin) == (2, "skipped_steps")
         assert "fp16 loss scaling skipped 3 steps in a row up to step 2" in str(info.value)
+        # It names what tripped (the scaled gradients, the scale now) and the change its command carries.
+        scale = info.value.failure.loss_scale
+        assert scale is not None and scale < 2.0**20 and f"the loss scale (now {scale:.4g})" in str(info.value)
+        assert "It carries precision=bf16-mixed" in str(info.value)
         return
     trainer.fit()
     rows, _ = read_metrics(tmp_path / "10" / "metrics.jsonl")

@@ -31,6 +31,10 @@ __all__ = [
     "anchored_lower_lr",
     "DEFAULT_LR",
     "FRAMEWORK_TERMS",
+    "optimizer_family",
+    "optimizer_label",
+    "clipping_helps",
+    "update_size",
 ]
 
 #: A diverging run: lower the learning rate this many times.
@@ -41,6 +45,11 @@ LR_INCREASE = 3
 CLIP_VALUE = 1.0
 #: ``model_args.lr``'s default (:class:`stabletrain.config.ModelArgs`).
 DEFAULT_LR = 1e-3
+#: Optimizers whose update is about lr in size whatever the gradient (Adam's m / sqrt(v)).
+ADAM_FAMILY = ("adam", "adamw", "nadam", "radam", "adamax")
+#: Optimizers whose update is lr x the gradient (with momentum: a running sum of gradients).
+SGD_FAMILY = ("sgd",)
+
 #: Logged steps that must follow an lr, all before the instability, for it to count as stable.
 STABLE_AFTER = 3
 #: A rise over the lowest value before it that ends the stable stretch (trend_alerts' defaults).
@@ -149,6 +158,48 @@ def switch_precision(precision: Optional[str]) -> Optional[str]:
     return " or ".join(f"precision={p}" for p in choices) or None
 
 
+def optimizer_family(optimizer: Optional[str]) -> str:
+    """``"adam"``, ``"sgd"`` or ``"other"`` (unknown or a user's own optimizer) for a name as
+    ``model_args.optimizer`` (``"adamw"``) or a capture (``"torch.optim.AdamW"``) spells it."""
+    if not optimizer:
+        return "other"
+    name = str(optimizer).rsplit(".", 1)[-1].lower()
+    if not str(optimizer).startswith("torch.optim.") and "." in str(optimizer):
+        return "other"  # a user's class that happens to be called Adam: its update is unknown
+    if name in ADAM_FAMILY:
+        return "adam"
+    if name in SGD_FAMILY:
+        return "sgd"
+    return "other"
+
+
+def optimizer_label(optimizer: Optional[str]) -> str:
+    """How a message names the optimizer: ``AdamW``, ``SGD``, or the user's class name."""
+    if not optimizer:
+        return "the optimizer"
+    name = str(optimizer).rsplit(".", 1)[-1]
+    return {"adamw": "AdamW", "sgd": "SGD"}.get(name, name)
+
+
+def clipping_helps(optimizer: Optional[str]) -> bool:
+    """Whether clipping the gradient norm bounds the update: true for SGD (lr x gradient), false
+    for Adam-type optimizers (their update is about lr in size whatever the gradient's scale) and
+    for optimizers whose rule is unknown."""
+    return optimizer_family(optimizer) == "sgd"
+
+
+def update_size(optimizer: Optional[str]) -> str:
+    """One clause on what bounds one update of ``optimizer``, for messages."""
+    family = optimizer_family(optimizer)
+    label = optimizer_label(optimizer)
+    if family == "adam":
+        return (f"{label}'s update is about lr in size whatever the gradient (m / sqrt(v)), so clipping gradients "
+                "does not bound it; only the learning rate does")
+    if family == "sgd":
+        return f"{label}'s update is lr x the gradient (with momentum, a running sum of them)"
+    return f"{label} is not an optimizer stabletrain knows: how its update depends on lr and the gradient is unknown"
+
+
 def _finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
@@ -173,7 +224,7 @@ def _stable_prefix(rows: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]
 
 
 def anchored_lr(lr: float, rows: Sequence[Mapping[str, Any]] = (), unstable_from: Optional[int] = None,
-                default: float = DEFAULT_LR) -> tuple[float, str]:
+                default: float = DEFAULT_LR, optimizer: Optional[str] = "adamw") -> tuple[float, str]:
     """The peak lr to suggest after an instability, and why (see the module docstring).
 
     Args:
@@ -181,7 +232,10 @@ def anchored_lr(lr: float, rows: Sequence[Mapping[str, Any]] = (), unstable_from
         rows: Logged rows (``step``, ``lr``, ``loss``, ``gradient_norm``).
         unstable_from: The first step of the instability (an episode's start, the first
             non-finite step); rows from there on do not count as stable.
-        default: The default ``model_args.lr``.
+        default: The default ``model_args.lr`` (AdamW's): proposed only to an Adam-type
+            optimizer, never to SGD or a user's optimizer, whose lr lives on another scale.
+        optimizer: ``model_args.optimizer`` or the optimizer's class name (see
+            :func:`optimizer_family`).
 
     Returns:
         ``(value, why)``; ``why`` is empty for a plain :data:`LR_DECREASE` times lower.
@@ -189,7 +243,9 @@ def anchored_lr(lr: float, rows: Sequence[Mapping[str, Any]] = (), unstable_from
     Example::
 
         anchored_lr(1000.0, rows=[{"step": 0, "lr": 20.0, "loss": 5.5}], unstable_from=10)
-        # (0.001, 'the default: no logged stretch trained stably at a lower lr')
+        # (0.001, "AdamW's default: no logged stretch trained stably at a lower lr")
+        anchored_lr(1.0, optimizer="sgd")
+        # (0.1, "the run's lr x0.1, not verified: no logged stretch trained stably at a lower lr")
     """
     ordered = sorted((r for r in rows if isinstance(r.get("step"), int)), key=lambda r: r["step"])
     limit = unstable_from if unstable_from is not None else math.inf
@@ -198,12 +254,16 @@ def anchored_lr(lr: float, rows: Sequence[Mapping[str, Any]] = (), unstable_from
     if stable and max(stable)[0] < lr:
         value, step = max(stable)
         return float(setting_value(value)), f"the highest lr that trained stably, from step {step}"
+    if optimizer_family(optimizer) != "adam" and lr / LR_DECREASE > default:
+        return float(setting_value(lr / LR_DECREASE)), (
+            f"the run's lr x{1 / LR_DECREASE:g}, not verified: no logged stretch trained stably at a lower lr")
     if lr / LR_DECREASE > default:
-        return default, "the default: no logged stretch trained stably at a lower lr"
+        return default, f"{optimizer_label(optimizer)}'s default: no logged stretch trained stably at a lower lr"
     return float(setting_value(lr / LR_DECREASE)), ""
 
 
-def anchored_lower_lr(lr: float, rows: Sequence[Mapping[str, Any]] = (), unstable_from: Optional[int] = None) -> str:
-    """``model_args.lr=0.001 (now 1000; the default: ...)``; ``model_args.lr=0.0003 (now 0.003)``."""
-    value, why = anchored_lr(lr, rows, unstable_from)
+def anchored_lower_lr(lr: float, rows: Sequence[Mapping[str, Any]] = (), unstable_from: Optional[int] = None,
+                      optimizer: Optional[str] = "adamw") -> str:
+    """``model_args.lr=0.001 (now 1000; AdamW's default: ...)``; ``model_args.lr=0.0003 (now 0.003)``."""
+    value, why = anchored_lr(lr, rows, unstable_from, optimizer=optimizer)
     return f"model_args.lr={setting_value(value)} (now {setting_value(lr)}{'; ' + why if why else ''})"

@@ -8,14 +8,65 @@ which turn the update into x / 0.
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
 
 import torch
 from torch import Tensor, nn
 
 from stabletrain.distributed.norms import local_tensor
 
-__all__ = ["describe_optimizer_damage", "explain_optimizer_damage", "optimizer_name", "smallest_positive"]
+__all__ = ["describe_optimizer_damage", "explain_optimizer_damage", "optimizer_name", "smallest_positive",
+           "RangeTrip", "range_trips", "explain_trips", "NORM_OVERFLOW_AT"]
+
+#: The guard's check after an optimizer step (``stabletrain.safety.guard.finite_norms``) takes the
+#: float32 L2 norm of all parameters, and of all optimizer state: finite values beyond about
+#: sqrt(float32's largest value) overflow its squares, and the check fails as if a value were Inf.
+NORM_OVERFLOW_AT = math.sqrt(float(torch.finfo(torch.float32).max))
+
+
+@dataclass
+class RangeTrip:
+    """A tensor, every value finite, that makes the guard's norm check fail.
+
+    Attributes:
+        name: ``head.weight`` (a parameter) or ``head.weight: exp_avg_sq`` (an optimizer state entry).
+        kind: ``"parameter"`` or ``"optimizer state"``.
+        abs_max: Its largest ``|value|``.
+        alone: Its own float32 L2 norm overflows (False: only the total over all tensors does).
+    """
+
+    name: str
+    kind: str
+    abs_max: float
+    alone: bool = True
+
+    def describe(self) -> str:
+        """``head.weight: exp_avg_sq (optimizer state) reaches |v| 3.1e+21``."""
+        what = "|w|" if self.kind == "parameter" else "|v|"
+        return f"{self.name} ({self.kind}) reaches {what} {self.abs_max:.4g}"
+
+
+def range_trips(named: Mapping[str, Tensor], kind: str) -> list[RangeTrip]:
+    """The tensors of ``named`` (finite) whose float32 L2 norm overflows; when none does alone
+    but the norm over all of them does (what the guard checks), the largest one."""
+    norms, sizes = {}, {}
+    for n, t in named.items():
+        local = local_tensor(t.detach())
+        if not local.is_floating_point() or not local.numel():
+            continue
+        norms[n] = torch.linalg.vector_norm(local.float())
+        sizes[n] = float(local.abs().max())
+    if not norms:
+        return []
+    alone = [RangeTrip(n, kind, sizes[n]) for n, v in norms.items() if not math.isfinite(float(v))]
+    if alone:
+        return sorted(alone, key=lambda t: -t.abs_max)
+    if math.isfinite(float(torch.linalg.vector_norm(torch.stack(list(norms.values()))))):
+        return []
+    top = max(sizes, key=lambda n: sizes[n])
+    return [RangeTrip(top, kind, sizes[top], alone=False)]
 
 _DTYPE_NAMES = {
     torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float64: "float64",
@@ -33,28 +84,58 @@ def describe_optimizer_damage(failure: Any, model: nn.Module, optimizer: Any) ->
             counts[n] = bad
     failure.param_names = list(counts)
     failure.param_counts = counts
-    if not counts:
-        # Nothing non-finite: the guard's norm overflowed. Name the largest weight instead.
-        sizes = {n: float(local_tensor(p.detach()).abs().max()) for n, p in model.named_parameters()
-                 if local_tensor(p).numel()}
-        if sizes:
-            failure.largest_name = max(sizes, key=lambda n: sizes[n])
-            failure.largest_abs = sizes[failure.largest_name]
+    sizes = {n: float(local_tensor(p.detach()).abs().max()) for n, p in model.named_parameters()
+             if local_tensor(p).numel()}
+    if sizes:
+        failure.largest_name = max(sizes, key=lambda n: sizes[n])
+        failure.largest_abs = sizes[failure.largest_name]
+    state = {}
+    if optimizer is not None:
+        state = {f"{names.get(id(p), '?')}: {key}": v for p, st in optimizer.state.items() for key, v in st.items()
+                 if isinstance(v, Tensor) and v.is_floating_point() and v.numel()}
+    entries = [k for k, v in state.items() if not bool(torch.isfinite(local_tensor(v)).all())]
+    if not counts and not entries:
+        # Nothing non-finite: a norm the guard checks overflowed. Name the tensors that made it.
+        trips = []
+        if "parameters" in failure.nonfinite:
+            trips += range_trips(dict(model.named_parameters()), "parameter")
+        if "optimizer_state" in failure.nonfinite:
+            trips += range_trips(state, "optimizer state")
+        failure.trips = trips
     if optimizer is None:
         return
     failure.optimizer = optimizer_name(optimizer)
-    entries = []
-    for p, st in optimizer.state.items():
-        for key, v in st.items():
-            if (isinstance(v, Tensor) and v.is_floating_point() and v.numel()
-                    and not bool(torch.isfinite(local_tensor(v)).all())):
-                entries.append(f"{names.get(id(p), '?')}: {key}")
     failure.state_entries = entries
     failure.explanation = explain_optimizer_damage(model, optimizer, set(counts))
     lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
-    if not counts and not entries and isinstance(lr, (int, float)):
-        failure.explanation = (f"The learning rate is {lr:g}: one step moves a weight by up to about lr (Adam) "
-                               "or lr x its gradient (SGD).")
+    if not counts and not entries:
+        failure.explanation = explain_trips(failure.trips, lr, failure.gradient_norm, failure.optimizer)
+
+
+def explain_trips(trips: list[RangeTrip], lr: Any, gradient_norm: float, optimizer: str = "") -> str:
+    """Why a norm overflowed with every value finite: the weights (the update's size, lr) or the
+    optimizer state (a second moment holds squared gradients: the gradients are exploding)."""
+    weights = [t for t in trips if t.kind == "parameter"]
+    state = [t for t in trips if t.kind == "optimizer state"]
+    parts = []
+    if weights and isinstance(lr, (int, float)):
+        from stabletrain.debug import advice
+
+        family = advice.optimizer_family(optimizer)
+        label = advice.optimizer_label(optimizer)
+        how = {"adam": f"{label} moves a weight by about lr per step, whatever the gradient",
+               "sgd": f"{label} moves a weight by lr x its gradient"}.get(
+            family, "one step moves a weight by up to about lr (Adam) or lr x its gradient (SGD)")
+        parts.append(f"The learning rate is {lr:g}: {how}.")
+    if state:
+        t = state[0]
+        if t.name.endswith("exp_avg_sq"):
+            parts.append(f"{t.name.split(': ')[-1]} holds squared gradients: {t.abs_max:.3g} is a gradient of "
+                         f"about {math.sqrt(t.abs_max):.3g} (gradient norm {gradient_norm:.4g}): the gradients are "
+                         "exploding, not the weights.")
+        else:
+            parts.append(f"{t.name} grew beyond what its float32 norm holds (gradient norm {gradient_norm:.4g}).")
+    return " ".join(parts)
 
 
 def optimizer_name(optimizer: Any) -> str:

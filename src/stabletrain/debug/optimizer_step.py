@@ -15,9 +15,15 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from torch import Tensor, nn
 
-from stabletrain.debug.optimizer_damage import explain_optimizer_damage, smallest_positive
+from stabletrain.debug import advice
+from stabletrain.debug.optimizer_damage import (
+    NORM_OVERFLOW_AT,
+    explain_optimizer_damage,
+    explain_trips,
+    smallest_positive,
+)
+from stabletrain.debug.replay.optimizer import replay_optimizer_step
 from stabletrain.utils.io import atomic_write_text
 
 REASON_OPTIMIZER_STEP = "optimizer_step"
@@ -67,11 +73,23 @@ class OptimizerStepDiagnosis:
     source: dict[str, Any] = field(default_factory=dict)
     files: list[str] = field(default_factory=list)
     cause: str = "optimizer_step"
+    #: Every value finite after the replayed step, but these tensors' float32 norm overflows, so the
+    #: guard's check fails: (name, "parameter" or "optimizer state", max |value|), largest first.
+    trips: list[tuple[str, str, float]] = field(default_factory=list)
+    #: (name, max |w|) of the largest parameter after the replayed step.
+    largest_param: tuple[str, float] = ("", math.nan)
+
+    @property
+    def finite_overflow(self) -> bool:
+        """The step left every value finite, but beyond the range the guard's checks accept."""
+        return not self.nonfinite_params and not self.nonfinite_state and bool(self.trips)
 
     def to_dict(self) -> dict[str, Any]:
         data = {k: getattr(self, k) for k in (
             "path", "step", "cause", "optimizer", "precision", "reproduced", "nonfinite_params", "nonfinite_state",
             "gradients_finite", "float32_finite", "explanation", "next_actions", "source", "files")}
+        data["finite_overflow"] = self.finite_overflow
+        data["trips"] = [{"name": n, "kind": k, "abs_max": _jf(v)} for n, k, v in self.trips]
         data["gradient_norm"] = _jf(self.gradient_norm)
         data["captured_gradient_norm"] = _jf(self.captured_gradient_norm)
         return data
@@ -79,16 +97,41 @@ class OptimizerStepDiagnosis:
     @property
     def verdict(self) -> str:
         """One line, as :attr:`stabletrain.Diagnosis.verdict`."""
-        return f"the optimizer step: {self.optimizer} wrote NaN/Inf into the weights from finite gradients"
+        return f"the optimizer step: {self._what()}"
+
+    def _what(self) -> str:
+        if self.finite_overflow:
+            name, kind, value = self.trips[0]
+            what = "|w|" if kind == "parameter" else "|v|"
+            return (f"{self.optimizer}'s update left the range the checks accept, with finite values "
+                    f"({what} reaches {_fmt(value)} in {name}{'' if kind == 'parameter' else ', ' + kind}) "
+                    "from finite gradients")
+        if self.nonfinite_params or self.nonfinite_state or self.reproduced:
+            return f"{self.optimizer} wrote NaN/Inf into the weights from finite gradients"
+        return (f"{self.optimizer}'s step failed the guard's check in training, from finite gradients; "
+                "replayed here it does not")
 
     def __str__(self) -> str:
         return self.to_markdown()
+
+    def _outcome(self) -> str:
+        if self.finite_overflow:
+            name, kind, value = self.trips[0]
+            return (f"every value stays finite, but {name} ({kind}) reaches {_fmt(value)}: its float32 L2 norm, "
+                    f"which the guard checks, overflows beyond about {NORM_OVERFLOW_AT:.2g}.")
+        if self.nonfinite_params or self.nonfinite_state:
+            return ((f"NaN/Inf in {_few([f'{n} ({c:,})' for n, c in self.nonfinite_params.items()])}"
+                     if self.nonfinite_params else "every parameter stays finite")
+                    + (f"; state entries {_few(self.nonfinite_state)}." if self.nonfinite_state else "."))
+        name, value = self.largest_param
+        return (f"every value stays finite and within the checks' range (|w| up to {_fmt(value)} in {name})."
+                if name else "every value stays finite.")
 
     def to_markdown(self) -> str:
         lines = [
             f"# Diagnosis of step {self.step}: {self.path}",
             "",
-            f"**Verdict: the optimizer step** — {self.optimizer} wrote NaN/Inf into the weights from finite gradients.",
+            f"**Verdict: the optimizer step** — {self._what()}.",
             "",
             "## What happened",
             "",
@@ -99,9 +142,7 @@ class OptimizerStepDiagnosis:
              f"{_fmt(self.captured_gradient_norm)})."),
             (f"The optimizer step replayed from the captured state ({self.precision}) reproduces the failure: "
              if self.reproduced else "The optimizer step replayed from the captured state does not reproduce it: ")
-            + (f"NaN/Inf in {_few([f'{n} ({c:,})' for n, c in self.nonfinite_params.items()])}"
-               if self.nonfinite_params else "every parameter stays finite")
-            + (f"; state entries {_few(self.nonfinite_state)}." if self.nonfinite_state else "."),
+            + self._outcome(),
         ]
         if self.float32_finite is not None:
             lines.append("The same step in float32 keeps every value finite: the failure comes from the reduced "
@@ -124,51 +165,6 @@ def _jf(x: float) -> Any:
 
 def _few(items: list[str], limit: int = 5) -> str:
     return ", ".join(items[:limit]) + (f" (+{len(items) - limit} more)" if len(items) > limit else "")
-
-
-def _build_optimizer(name: str, model: nn.Module, names: list[str], state_dict: dict[str, Any]) -> Any:
-    cls_name = name.rsplit(".", 1)[-1]
-    cls = getattr(torch.optim, cls_name, None) if name.startswith("torch.optim.") else None
-    if cls is None:
-        return None
-    params = dict(model.named_parameters())
-    groups = []
-    for g in state_dict["param_groups"]:
-        groups.append({"params": [params[names[i]] for i in g["params"]]})
-    optimizer = cls(groups, lr=float(state_dict["param_groups"][0].get("lr", 1e-3)))
-    optimizer.load_state_dict(state_dict)
-    return optimizer
-
-
-def _step_once(model: nn.Module, part: Any, entry: dict[str, Any], device: torch.device,
-               dtype: Optional[torch.dtype]) -> Optional[tuple[dict[str, int], list[str], Any]]:
-    """Load the captured parameters, gradients and optimizer state (converted to ``dtype`` if
-    given), run one optimizer step, and say what is non-finite afterwards."""
-    names = list(entry["param_names"])
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            src = part.params[n]
-            p.data = src.to(device=device, dtype=dtype or src.dtype, copy=True)
-            g = entry["grads"].get(n)
-            p.grad = None if g is None else g.to(device=device, dtype=dtype or g.dtype, copy=True)
-        for n, b in model.named_buffers():
-            if n in part.buffers:
-                b.data = part.buffers[n].to(device=device, copy=True)
-    state_dict = entry["state_dict"]
-    if dtype is not None:
-        state_dict = {"param_groups": state_dict["param_groups"], "state": {
-            i: {k: (v.to(dtype) if isinstance(v, Tensor) and v.is_floating_point() and k != "step" else v)
-                for k, v in st.items()} for i, st in state_dict["state"].items()}}
-    optimizer = _build_optimizer(entry["optimizer"], model, names, state_dict)
-    if optimizer is None:
-        return None
-    optimizer.step()
-    by_id = {id(p): n for n, p in model.named_parameters()}
-    bad_params = {n: int((~torch.isfinite(p.detach())).sum()) for n, p in model.named_parameters()
-                  if not bool(torch.isfinite(p.detach()).all())}
-    bad_state = [f"{by_id.get(id(p), '?')}: {k}" for p, st in optimizer.state.items() for k, v in st.items()
-                 if isinstance(v, Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all())]
-    return bad_params, bad_state, optimizer
 
 
 def diagnose_optimizer_step(
@@ -199,34 +195,42 @@ def diagnose_optimizer_step(
         gradients_finite, replayed_norm = fb.finite and math.isfinite(fb.gradient_norm), fb.gradient_norm
     except Exception:  # a capture whose microbatches could not be stored: the optimizer step still replays
         gradients_finite = None
-    result = _step_once(model, part, entry, dev, None)
+    outcome = replay_optimizer_step(model, part, entry, dev, None)
     precision = cap.precision
-    if result is None:
-        bad_params: dict[str, int] = {}
-        bad_state: list[str] = []
+    bad_params, bad_state = outcome.nonfinite_params, outcome.nonfinite_state
+    captured_bad = set(entry["after"]["nonfinite_params"]) | set(entry["after"]["nonfinite_state"])
+    if not outcome.rebuilt:
         explanation = (
             f"{entry['optimizer']} is not a torch.optim optimizer, so it cannot be rebuilt from the capture; "
             "the re-run in training found: " + (entry.get("failure", {}).get("explanation") or "no explanation"))
         reproduced = False
-    else:
-        bad_params, bad_state, optimizer = result
-        reproduced = bool(bad_params or bad_state) and set(bad_params) == set(entry["after"]["nonfinite_params"])
-        explanation = explain_optimizer_damage(model, optimizer, set(bad_params)) or entry.get("failure", {}).get(
-            "explanation", "")
+    elif captured_bad:
+        reproduced = outcome.nonfinite and set(bad_params) == set(entry["after"]["nonfinite_params"])
+        explanation = explain_optimizer_damage(model, outcome.optimizer_obj, set(bad_params)) or entry.get(
+            "failure", {}).get("explanation", "")
         if not explanation and bad_params:
             explanation = f"{entry['optimizer']} wrote NaN/Inf into {_few(list(bad_params))} from finite gradients."
+    else:
+        # Training saw every value finite: the guard's norm check overflowed. The replay reproduces
+        # it when the same check fails again with every value finite.
+        reproduced = not outcome.nonfinite and bool(outcome.trips)
+        explanation = entry.get("failure", {}).get("explanation", "") or explain_trips(
+            outcome.trips, entry["state_dict"]["param_groups"][0].get("lr") if entry["state_dict"].get(
+                "param_groups") else None, float(entry.get("gradient_norm", math.nan)), entry["optimizer"])
     float32_finite: Optional[bool] = None
     dtypes = {t.dtype for t in part.params.values() if t.is_floating_point()}
-    if result is not None and dtypes & {torch.float16, torch.bfloat16}:
-        wide = _step_once(model, part, entry, dev, torch.float32)
-        float32_finite = wide is not None and not wide[0] and not wide[1]
-    actions = _actions(entry, dtypes, explanation, float32_finite, cap)
+    if outcome.rebuilt and dtypes & {torch.float16, torch.bfloat16}:
+        wide = replay_optimizer_step(model, part, entry, dev, torch.float32)
+        float32_finite = wide.rebuilt and not wide.nonfinite
+    actions = _actions(entry, dtypes, explanation, float32_finite, cap, outcome.trips)
     diag = OptimizerStepDiagnosis(
         path=str(cap.path), step=cap.step, optimizer=entry["optimizer"], precision=precision, reproduced=reproduced,
         nonfinite_params=bad_params, nonfinite_state=bad_state, gradients_finite=gradients_finite,
         gradient_norm=replayed_norm, captured_gradient_norm=float(entry.get("gradient_norm", math.nan)),
         float32_finite=float32_finite, explanation=explanation, next_actions=actions,
         source=dict(entry.get("source", {})),
+        trips=[(t.name, t.kind, t.abs_max) for t in outcome.trips],
+        largest_param=outcome.largest_param,
     )
     if write:
         folder = part.path.parent
@@ -237,8 +241,32 @@ def diagnose_optimizer_step(
     return diag
 
 
+def _lr_actions(optimizer: str, settings: dict[str, Any], trips: list[Any]) -> list[str]:
+    """What to change when the update itself was too large: depends on the optimizer's rule."""
+    lr = advice.positive((settings.get("model_args") or {}).get("lr"))
+    label = advice.optimizer_label(optimizer)
+    if lr is not None:
+        value, why = advice.anchored_lr(lr, optimizer=optimizer)
+        change = (f"model_args.lr={advice.setting_value(value)} (now {advice.setting_value(lr)}"
+                  f"{'; ' + why if why else ''})")
+    else:
+        change = f"a {advice.LR_DECREASE}x lower learning rate (model_args.lr)"
+    state = [t for t in trips if t.kind != "parameter"]
+    if state and state[0].name.endswith("exp_avg_sq"):
+        return [f"The gradients are exploding (the second moment holds their squares): clip gradients "
+                f"(gradient_clip_val={advice.CLIP_VALUE}), which bounds what enters {label}'s moments, and lower "
+                f"the learning rate: {change}."]
+    family = advice.optimizer_family(optimizer)
+    if family == "sgd":
+        return [f"Lower the learning rate, {change}, or clip gradients (gradient_clip_val={advice.CLIP_VALUE}): "
+                f"{advice.update_size(optimizer)}, and the update left the range the checks accept."]
+    if family == "adam":
+        return [f"Lower the learning rate: {change}. {advice.update_size(optimizer)}."]
+    return [f"Lower the learning rate: {change}. {advice.update_size(optimizer)}; the change is not verified."]
+
+
 def _actions(entry: dict[str, Any], dtypes: set[torch.dtype], explanation: str, float32_finite: Optional[bool],
-             cap: Any) -> list[str]:
+             cap: Any, trips: Optional[list[Any]] = None) -> list[str]:
     actions = []
     settings = cap.settings or {}
     half = dtypes & {torch.float16, torch.bfloat16}
@@ -253,10 +281,7 @@ def _actions(entry: dict[str, Any], dtypes: set[torch.dtype], explanation: str, 
         actions.append("Or keep the reduced precision and raise AdamW's eps above that resolution (e.g. 1e-4): "
                        "configure_optimizer on your model builds the optimizer.")
     if not half:
-        lr = ((settings.get("model_args") or {}).get("lr"))
-        now = f", now {lr:g}" if isinstance(lr, (int, float)) else ""
-        actions.append(f"Lower the learning rate (model_args.lr{now})"
-                       " or clip gradients (gradient_clip_val=1.0): the update left the dtype's range.")
+        actions += _lr_actions(entry["optimizer"], settings, trips or [])
     out = _run_folder(cap)
     if out is not None:
         from stabletrain.runfiles.checkpoint import newest_healthy

@@ -140,7 +140,8 @@ class StepTools:
                 max_skipped_steps=nan_args.max_skipped_steps, precision=precision,
                 gradient_accumulation_steps=gradient_accumulation_steps, step_fn=step_fn,
                 # diagnose words its next actions in the framework's settings (debug.advice.FRAMEWORK_TERMS).
-                model_meta={**(model_meta or {}), "framework": framework, "lr": lr, "clipping": clipping},
+                model_meta={**(model_meta or {}), "framework": framework, "lr": lr, "clipping": clipping,
+                            "optimizer": _optimizer_name(optimizer)},
                 any_rank=self._nan_any_rank, replay_command=replay_command,
             )
         self.uo: Optional[UnderflowOverflowMonitor] = None
@@ -414,3 +415,17 @@ __all__ = [
     "pending_scale",
     "read_pair",
 ]
+
+
+def _optimizer_name(optimizer: Any) -> Optional[str]:
+    """The torch optimizer's class (``torch.optim.AdamW``) under a framework's wrapper, for diagnose's
+    advice (it depends on the optimizer); None when not known."""
+    from stabletrain.debug.optimizer_damage import optimizer_name
+
+    inner = optimizer
+    for _ in range(3):  # Accelerate's AcceleratedOptimizer, Lightning's wrappers
+        nxt = getattr(inner, "optimizer", None) or getattr(inner, "_optimizer", None)
+        if nxt is None or nxt is inner:
+            break
+        inner = nxt
+    return optimizer_name(inner) if inner is not None and hasattr(inner, "param_groups") else None

@@ -17,6 +17,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
+from stabletrain.debug.optimizer_damage import NORM_OVERFLOW_AT
 from stabletrain.distributed.norms import local_tensor
 from stabletrain.errors import StabletrainError
 from stabletrain.utils.amp import scaler_found_inf
@@ -116,6 +117,29 @@ class GuardFailure:
     previous_step: int = -1
     previous_loss: float = math.nan
     previous_gradient_norm: float = math.nan
+    #: With every value finite: the tensors whose float32 norm overflowed and tripped the check
+    #: (:class:`stabletrain.debug.optimizer_damage.RangeTrip`).
+    trips: list[Any] = field(default_factory=list)
+    #: fp16 loss scaling: the GradScaler's scale when training stopped.
+    loss_scale: Optional[float] = None
+
+    def _describe_trips(self, where: str, given: str) -> str:
+        """Every value finite, but a norm the guard checks overflowed: name the tensor and its value."""
+        limit = f"{NORM_OVERFLOW_AT:.2g}"
+        weights = [t for t in self.trips if t.kind == "parameter"]
+        state = [t for t in self.trips if t.kind != "parameter"]
+        if weights or not state:
+            name, value = (weights[0].name, weights[0].abs_max) if weights else (self.largest_name, self.largest_abs)
+            return (f"The optimizer step of {where} made the weights so large, from finite gradients {given}, "
+                    f"that their float32 norm overflows: every value is still finite, but |w| reaches "
+                    f"{_fmt(value)} in {name} (the guard's check takes the float32 L2 norm of the weights, which "
+                    f"overflows once values pass about {limit})")
+        t = state[0]
+        return (f"The optimizer step of {where} left optimizer state so large, from finite gradients {given}, that "
+                f"its float32 norm overflows: every value is still finite, but {t.name} reaches {_fmt(t.abs_max)} "
+                f"(the guard's check takes the float32 L2 norm of the optimizer state, which overflows once values "
+                f"pass about {limit}); the weights stay smaller, |w| up to {_fmt(self.largest_abs)} in "
+                f"{self.largest_name}")
 
     def describe(self) -> str:
         """One paragraph: what went non-finite, where, and what that means."""
@@ -125,11 +149,8 @@ class GuardFailure:
                     "stopped with it.")
         if self.origin == ORIGIN_OPTIMIZER:
             given = f"(loss {_fmt(self.loss)}, gradient norm {_fmt(self.gradient_norm)})"
-            if not self.param_names and not self.state_entries and self.largest_name:
-                # Every value finite: the check's float32 norm overflowed (values beyond about 1e19).
-                head = (f"The optimizer step of {where} made the weights so large, from finite gradients {given}, "
-                        f"that their float32 norm overflows: every value is still finite, but |w| reaches "
-                        f"{_fmt(self.largest_abs)} in {self.largest_name}")
+            if not self.param_names and not self.state_entries and (self.trips or self.largest_name):
+                head = self._describe_trips(where, given)
             else:
                 head = f"The optimizer step of {where} wrote non-finite values from finite gradients {given}"
             parts = [head + "."]
@@ -143,15 +164,19 @@ class GuardFailure:
                 parts.append(self.explanation)
             return " ".join(parts)
         if self.origin == ORIGIN_SKIPPED:
+            scale = f" (now {_fmt(self.loss_scale)})" if self.loss_scale is not None else ""
             return (f"fp16 loss scaling skipped {self.skipped_in_a_row} steps in a row up to {where} "
-                    "(debug_args.nancapture.max_skipped_steps): the loss scale cannot recover.")
+                    "(debug_args.nancapture.max_skipped_steps): each time the scaled gradients held Inf/NaN, and "
+                    f"the loss scale{scale} cannot recover.")
         what = []
         if "loss" in self.nonfinite:
             what.append(f"the loss is {_fmt(self.loss)}")
         if "gradient_norm" in self.nonfinite:
             if self.gradients_elementwise_finite:
+                largest = (f" (the largest, |g| {_fmt(self.largest_abs)} in {self.largest_name}'s gradient; values "
+                           f"past about {NORM_OVERFLOW_AT:.2g} overflow it)" if self.largest_name else "")
                 what.append(f"the gradient norm is {_fmt(self.gradient_norm)}: every gradient element is finite, but "
-                            "so large that their float32 norm overflows")
+                            f"so large that their float32 norm overflows{largest}")
             else:
                 what.append(f"the gradient norm is {_fmt(self.gradient_norm)}")
         if not what:
@@ -408,6 +433,10 @@ class StepGuard:
         )
         if step < 0:
             return failure
+        if origin == ORIGIN_SKIPPED and self.scaler is not None:
+            from stabletrain.utils.amp import scale_value
+
+            failure.loss_scale = scale_value(self.scaler)
         if origin == ORIGIN_OPTIMIZER:
             from stabletrain.debug.optimizer_damage import describe_optimizer_damage
 
@@ -420,6 +449,12 @@ class StepGuard:
             if have_grads and failure.stopped_at == step:
                 failure.param_names = bad
                 failure.gradients_elementwise_finite = not bad
+                if not bad:  # name the gradient that made the norm overflow
+                    sizes = {n: float(local_tensor(p.grad).abs().max()) for n, p in self.model.named_parameters()
+                             if p.grad is not None and local_tensor(p.grad).numel()}
+                    if sizes:
+                        failure.largest_name = max(sizes, key=lambda n: sizes[n])
+                        failure.largest_abs = sizes[failure.largest_name]
         return failure
 
 

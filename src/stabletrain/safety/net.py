@@ -63,6 +63,7 @@ class SafetyNet:
         self.write_failed = False
         self._agree_t = torch.from_numpy(self._agree)
         self._last: Optional[tuple[list[Tensor], Tensor]] = None
+        self.step_batches: Optional[tuple[int, list[Any], list[Tensor]]] = None
         self.replaying = False
         #: The self-healing of ``on_instability`` (a trainer callback too), None under ``stop``.
         self.healer: Any = next((c for c in trainer.callbacks.callbacks if getattr(c, "is_healer", False)), None)
@@ -106,8 +107,12 @@ class SafetyNet:
 
     # ------------------------------------------------------------------ every step
 
-    def check_gradients(self, step: int, losses: list[Tensor], grad_norm: Tensor) -> None:
+    def check_gradients(self, step: int, losses: list[Tensor], grad_norm: Tensor,
+                        batches: Optional[list[Any]] = None) -> None:
         self._last = (losses, grad_norm)
+        #: This step's microbatches as (dataset indices, batch) and their device losses: a stop's
+        #: message names the samples of the microbatch whose loss went non-finite (read on failure only).
+        self.step_batches = (step, batches or [], losses)
         if self.replaying:
             return
         skip = self.healer.check(step, losses, grad_norm) if self.healer is not None else None
@@ -234,12 +239,13 @@ class SafetyNet:
                                   weight_norm=host[3])
 
     def _refuse(self, state: dict[str, Any]) -> None:
-        from stabletrain.safety.stop_messages import resume_advice
+        from stabletrain.safety.stop_messages import failure_remedy, resume_advice
 
         t = self.trainer
         names = [n for n, _ in t.model.named_parameters()]
         entries = nonfinite_entries(state, names)
-        advice, _, _ = resume_advice(t, t.step)
+        remedy = failure_remedy(t, t.step)  # the command must not repeat the failure unchanged
+        advice, _, _ = resume_advice(t, t.step, extra=remedy.change or None, note=remedy.why)
         kept = checkpoint_dir(t.out) / "last.ckpt"
         message = (
             f"Refused to write the checkpoint after step {t.step - 1}: the state holds NaN/Inf in "

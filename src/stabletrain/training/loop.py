@@ -324,12 +324,18 @@ class Trainer:
         except OSError:  # train.log on a full disk: the error still reaches the user
             pass
 
-    def resume_advice(self, failing_step: Optional[int] = None) -> str:
+    def resume_advice(self, failing_step: Optional[int] = None, loss_nonfinite: Optional[bool] = None,
+                      reason: str = "") -> str:
         """Where to continue after a failure at ``failing_step``: the newest healthy checkpoint,
         why, and the command to paste (or ``overwrite=true`` when there is none)."""
-        from stabletrain.safety.stop_messages import resume_advice
+        from stabletrain.safety.stop_messages import failure_remedy, resume_advice
 
-        return resume_advice(self, failing_step)[0]
+        if failing_step is None:
+            return resume_advice(self, None)[0]
+        # A failure: the command carries what to change (the same settings fail again), and says so.
+        remedy = failure_remedy(self, failing_step, loss_nonfinite=bool(loss_nonfinite),
+                                skipped_steps=reason == "skipped_steps")
+        return resume_advice(self, failing_step, extra=remedy.change or None, note=remedy.why)[0]
 
     def healthy_checkpoint(self, before_step: Optional[int] = None) -> Optional[CheckpointInfo]:
         """The newest checkpoint of this run recorded healthy (see :mod:`stabletrain.safety.checkpoint_health`)."""
@@ -393,9 +399,11 @@ class Trainer:
         lr = self._set_lr(step)
         accum = s.gradient_accumulation_steps
         losses = []
+        batches = []  # (dataset indices, batch): a failure's message names the samples
         for micro_step in range(accum):
             indices, batch = next(self.data_iter)
             batch = self.fabric.to_device(batch)
+            batches.append((indices, batch))
             self.microbatches_consumed += 1
             cb("on_microbatch", self, step=step, micro_step=micro_step, batch=batch, indices=indices)
             with self.fabric.no_backward_sync(self.fabric_module, enabled=micro_step < accum - 1):
@@ -406,7 +414,7 @@ class Trainer:
             self.scaler.unscale_(self.optimizer)
         gn = compute_grad_norm(self.model.named_parameters())
         cb("on_after_backward", self, step=step, grad_norm=gn)
-        self.safety.check_gradients(step, losses, gn.total)  # on the device; stops here when already known
+        self.safety.check_gradients(step, losses, gn.total, batches)  # on the device; stops here when already known
         if s.gradient_clip_val > 0:
             clip_grad_norm_with_total(gn.params, s.gradient_clip_val, gn.total)
         cb("on_before_optimizer_step", self, step=step)

@@ -235,12 +235,12 @@ def test_exploding_run_of_the_builtin_task_is_flagged_before_nan(tmp_path, capsy
     assert len(exploding) == 1
     assert exploding[0]["step"] < nonfinite[0], (exploding[0], nonfinite[0])
     assert exploding[0]["start_step"] <= exploding[0]["step"] and exploding[0]["factor"] >= 10
-    assert any("model_args.lr=0.001 (now 10; the default" in a for a in exploding[0]["actions"])
+    assert any("model_args.lr=1 (now 10; the run's lr x0.1, not verified" in a for a in exploding[0]["actions"])
     assert [e["kind"] for e in alerts if e["signal"] == "loss" and e["kind"] == "nonfinite"] == ["nonfinite"]
 
     console = capsys.readouterr().out
     assert f"WARNING gradient_norm is exploding (steps {exploding[0]['start_step']}-" in console
-    assert "next: lower the learning rate: model_args.lr=0.001 (now 10; the default" in console
+    assert "next: lower the learning rate: model_args.lr=1 (now 10; the run's lr x0.1, not verified" in console
     assert console.count("WARNING gradient_norm is exploding") == 1, "once per episode"
     assert "WARNING gradient_norm is exploding" in (out / "train.log").read_text()
 

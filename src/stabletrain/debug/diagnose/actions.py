@@ -21,6 +21,7 @@ from stabletrain.debug.diagnose.explain import (
     out_of_range_text,
 )
 from stabletrain.debug.diagnose.types import NOT_REPRODUCIBLE, PRECISION_INDUCED, Evidence
+from stabletrain.debug.diagnose.weights import huge_from_start
 from stabletrain.debug.nan_capture import REASON_NORM_OVERFLOW, REASON_SKIPPED
 from stabletrain.debug.op_trace import OpFinding
 from stabletrain.debug.replay import NaNCapture
@@ -106,7 +107,7 @@ def lr_text(settings: Optional[dict[str, Any]], rows: Sequence[dict[str, Any]] =
     lr = advice.positive(model_args.get("lr")) if isinstance(model_args, dict) else None
     if lr is None:
         return f"a {advice.LR_DECREASE}x lower learning rate (model_args.lr)"
-    value, why = advice.anchored_lr(lr, rows, unstable_from)
+    value, why = advice.anchored_lr(lr, rows, unstable_from, optimizer=(settings or {})["model_args"].get("optimizer"))
     why = f"; {why}" if why else ""
     return f"model_args.lr={advice.setting_value(value)} or lower (was {advice.setting_value(lr)}{why})"
 
@@ -157,6 +158,13 @@ def not_reproducible(ev: Evidence, ctx: RunContext) -> list[str]:
 def damaged_before_the_step(ev: Evidence, ctx: RunContext) -> list[str]:
     """Weights huge or non-finite, or a buffer the failing op read non-finite: earlier steps did the damage."""
     w = ev.weights
+    start = huge_from_start(ctx.cap, w, ev.history) if w.status == "huge" else ""
+    if start:
+        # Not divergence: no resume or lower lr changes weights that were huge from the start.
+        top = w.largest[0]
+        return [f"Fix the initialisation or the weights loaded: {top.name} holds |w| up to {fmt_number(top.abs_max)} "
+                f"when step {ev.step} begins, and {start}. Resuming from a checkpoint of this run or lowering the "
+                "learning rate cannot change that."]
     buffers_only = not w.nonfinite and w.status != "huge"
     # The optimizer does not write buffers: the learning rate is not implicated.
     lr = "the same settings" if buffers_only else ctx.lr
@@ -171,8 +179,10 @@ def damaged_before_the_step(ev: Evidence, ctx: RunContext) -> list[str]:
             "into the weights. Train with precision=16-mixed or precision=bf16-mixed (float32 master weights and "
             "optimizer state) or precision=32-true."
         )
-    if w.nonfinite or w.status == "huge":
+    if (w.nonfinite or w.status == "huge") and (advice.clipping_helps(optimizer) or optimizer is None):
         actions.append(f"Keep single steps from blowing the weights up: {ctx.clip}.")
+    elif w.nonfinite or w.status == "huge":
+        actions.append(f"Clipping gradients would not keep single steps small: {advice.update_size(optimizer)}.")
     else:
         # Buffers are not trained by the optimizer: clipping gradients does not protect them.
         actions.append(

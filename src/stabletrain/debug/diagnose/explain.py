@@ -11,6 +11,7 @@ from stabletrain.debug import advice
 from stabletrain.debug.diagnose.classify import SOFTMAX_OPS, damaged_before, op_kind, precision_failure
 from stabletrain.debug.diagnose.search import samples_text
 from stabletrain.debug.diagnose.types import NOT_REPRODUCIBLE, PRECISION_INDUCED, Evidence
+from stabletrain.debug.diagnose.weights import huge_from_start
 from stabletrain.debug.nan_capture import REASON_NORM_OVERFLOW, REASON_OTHER_RANK, REASON_SKIPPED
 from stabletrain.debug.op_trace import OpFinding
 from stabletrain.debug.replay import NaNCapture
@@ -151,6 +152,11 @@ def probable_cause(ev: Evidence, cap: NaNCapture) -> str:
         return _nonfinite_state_cause(ev)
     if ev.weights.status == "huge":
         top = ev.weights.largest[0]
+        start = huge_from_start(cap, ev.weights, ev.history)
+        if start:
+            return (f"the weights were already huge when the step began (|w| up to {fmt_number(top.abs_max)} in "
+                    f"{top.name}), but not from divergence: {start}; the initialisation or the weights loaded put "
+                    "them there")
         return (f"the weights were already huge when the step began (|w| up to {fmt_number(top.abs_max)} in "
                 f"{top.name}): training was diverging in earlier steps, most likely from a learning rate too high")
     f = ev.finding

@@ -134,3 +134,46 @@ def history(out: Optional[Path], last: int = 5) -> list[dict[str, Any]]:
         return []
     keep = ("step", "loss", "gradient_norm", "lr")
     return [{k: r[k] for k in keep if k in r} for r in rows[-last:]]
+
+
+#: Adam-type updates move a weight by about lr per step (m / sqrt(v) is about 1 in size, at most a
+#: few); this margin over that bound keeps the test below on the safe side.
+ADAM_STEP_MARGIN = 10.0
+
+
+def huge_from_start(cap: NaNCapture, weights: WeightsReport, rows: list[dict[str, Any]]) -> str:
+    """Evidence that the huge weights at the start of the step were not grown by training (an
+    initialisation or loaded weights put them there), as a clause; empty when there is none.
+
+    Evidence: the step is step 0 (no update has run); an Adam-type optimizer at a known lr that
+    cannot carry a weight that far in the steps run (each update is about lr in size); or the
+    run's logged rows before the step, all finite and without a rise.
+    """
+    from stabletrain.debug import advice
+
+    if weights.status != "huge" or not weights.largest:
+        return ""
+    top = weights.largest[0]
+    step = cap.step
+    if any(c.get("healthy") or c.get("abs_max", math.inf) < weights.threshold for c in weights.checkpoints):
+        return ""  # an earlier checkpoint of the run held them below the threshold: they grew in training
+    if step == 0:
+        return "the step is step 0: no optimizer step had run, so the initialisation or the loaded weights hold them"
+    settings = cap.settings or {}
+    meta = cap.ranks[0].model_meta or {}
+    found = settings.get("model_args")
+    model_args: dict[str, Any] = found if isinstance(found, dict) else {}
+    lr = advice.positive(model_args.get("lr")) or advice.positive(meta.get("lr"))
+    optimizer = model_args.get("optimizer") or meta.get("optimizer")
+    if lr is not None and advice.optimizer_family(optimizer) == "adam":
+        reach = 1.0 + ADAM_STEP_MARGIN * lr * step
+        if top.abs_max > 100 * reach:
+            return (f"{advice.optimizer_label(optimizer)} moves a weight by about lr = {lr:g} per step, so {step} "
+                    f"step(s) cannot carry one from its initial scale to {top.abs_max:.3g}")
+    before = [r for r in rows if isinstance(r.get("step"), int) and r["step"] < step and "loss" in r]
+    if len(before) >= 3 and all(isinstance(r["loss"], (int, float)) and math.isfinite(r["loss"]) for r in before):
+        losses = [float(r["loss"]) for r in before]
+        if max(losses) <= advice.LOSS_RISE * min(losses) and min(losses) > 0:
+            return (f"the logged rows show no growth (loss {min(losses):.4g} to {max(losses):.4g} over steps "
+                    f"{before[0]['step']}-{before[-1]['step']})")
+    return ""

@@ -89,5 +89,8 @@ class NaNCaptureCallback:
         """Where to continue: the trainer names the newest checkpoint recorded healthy (measured
         when written, see stabletrain.safety.checkpoint_health), with a command to paste."""
         advise = getattr(trainer, "resume_advice", None)
-        text = advise(step) if callable(advise) else f"Continue from a checkpoint written before step {step}."
+        bad_loss = self.monitor.loss_nonfinite if self.monitor is not None else None
+        reason = self.monitor.last_reason if self.monitor is not None else ""
+        text = (advise(step, loss_nonfinite=bad_loss, reason=reason) if callable(advise)
+                else f"Continue from a checkpoint written before step {step}.")
         return "No non-finite value reached the optimizer or a checkpoint. " + text

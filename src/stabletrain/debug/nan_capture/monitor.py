@@ -137,6 +137,8 @@ class NaNCaptureMonitor:
         )
         #: Extra advice appended to the error message (the trainer adds where to resume from).
         self.advice: Optional[Callable[[int], str]] = None
+        #: The reason of the capture whose message is being written (for :attr:`advice`).
+        self.last_reason = ""
         self.step: Optional[int] = None
         self._batches: list[Any] = []
         self._indices: list[Any] = []
@@ -197,6 +199,13 @@ class NaNCaptureMonitor:
         self._indices.append(indices)
         self._step_args.append(list(step_args))
         self._rng.append(raw_rng_state())
+
+    @property
+    def loss_nonfinite(self) -> Optional[bool]:
+        """Whether a loss of the step collected so far is non-finite (a host read; None: no loss)."""
+        if not self._losses:
+            return None
+        return not all(bool(torch.isfinite(x).all()) for x in self._losses)
 
     def collect_loss(self, loss: Tensor) -> None:
         """Record the loss the model returned for the last collected microbatch (before any
@@ -443,6 +452,7 @@ class NaNCaptureMonitor:
             lines.append("Replay it offline:")
             lines.append(f"    {self.replay_command}")
         if self.advice is not None:
+            self.last_reason = reason  # the advice depends on why (skipped fp16 steps: the precision)
             lines.append(self.advice(int(self.step)))  # type: ignore[arg-type]
         return "\n".join(lines)
 

@@ -27,6 +27,7 @@ from stabletrain.utils import imports
 from stabletrain.utils.text import shell_path
 from stabletrain.utils.tree import bitwise_equal
 
+from .optimizer import replay_optimizer_step
 from .rerun import ForwardBackwardResult, MicrobatchKey, forward_backward
 from .result import RankOutcome, ReplayResult
 
@@ -320,7 +321,9 @@ class NaNCapture:
         device: Optional[Union[str, torch.device]] = None,
     ) -> ReplayResult:
         """Rerun the captured step's forward and backward passes; stop before clipping and
-        the optimizer step.
+        the optimizer step, except for an optimizer-step capture (``reason="optimizer_step"``):
+        its optimizer step is replayed too, from the captured state, and ``reproduced`` says
+        whether it fails the guard's check again (:attr:`ReplayResult.optimizer_step`).
 
         Args:
             fabric: A Lightning Fabric whose precision and device to use.
@@ -352,8 +355,23 @@ class NaNCapture:
             ix = self.rank_capture(rank).indices[micro]
             indices.append(ix.tolist() if isinstance(ix, Tensor) else None)
         dev = torch.device(device) if device is not None else self.default_device()
+        reproduced = full.reproduces(self.reason)
+        outcome = None
+        entry = self.ranks[0].raw.get("optimizer_step")
+        if isinstance(entry, dict) and len(self.ranks) == 1:
+            dtype = None if precision is None or full.precision == self.precision else _param_dtype(full.precision)
+            outcome = replay_optimizer_step(self.get_model(), self.ranks[0], entry, dev, dtype)
+            bad_in_training = set(entry["after"]["nonfinite_params"]) | set(entry["after"]["nonfinite_state"])
+            if bad_in_training:
+                same = set(outcome.nonfinite_params) == set(entry["after"]["nonfinite_params"])
+                reproduced = outcome.nonfinite and same
+            else:  # every value was finite in training: the check's norm overflowed
+                reproduced = not outcome.nonfinite and bool(outcome.trips)
+            reproduced = reproduced and outcome.rebuilt
         return ReplayResult(
-            reproduced=full.reproduces(self.reason),
+            optimizer_step=outcome,
+            captured_device=str(self.ranks[0].device),
+            reproduced=reproduced,
             nan_param_names=full.nonfinite_param_names,
             losses=full.loss_values,
             step=self.step,
@@ -432,3 +450,10 @@ def load_object(spec: str) -> Any:
     ``--step-fn`` and the replay templates of :func:`~stabletrain.debug.nan_capture.default_replay_command`
     (see :func:`stabletrain.utils.imports.load_object`; errors are :class:`NaNCaptureError`)."""
     return imports.load_object(spec, error=NaNCaptureError)
+
+
+def _param_dtype(precision: str) -> Optional[torch.dtype]:
+    """The dtype the weights and optimizer state are held in under ``precision`` (mixed
+    precisions keep float32 weights)."""
+    return {"16-true": torch.float16, "bf16-true": torch.bfloat16, "64-true": torch.float64}.get(
+        precision, torch.float32)

@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from stabletrain.debug.nan_capture import REASON_NORM_OVERFLOW
-from stabletrain.utils.text import MEASURED_DIGITS, fmt_list, fmt_number, json_float
+from stabletrain.utils.text import MEASURED_DIGITS, fmt_list, fmt_number, json_float, shell_path
 
+from .optimizer import OptimizerStepOutcome
 from .rerun import MicrobatchKey
 
 
@@ -50,6 +51,9 @@ class ReplayResult:
         ranks: Ranks replayed; ``missing_ranks``: ranks of the run without a capture here.
         per_rank: For several ranks, each rank's microbatches replayed alone.
         path: What was loaded.
+        optimizer_step: For an optimizer-step capture (``reason="optimizer_step"``), what the
+            optimizer step replayed from the captured state left behind; ``reproduced`` is then
+            about it (forward and backward were finite in training).
     """
 
     reproduced: bool
@@ -73,6 +77,9 @@ class ReplayResult:
     sample_indices: list[Optional[list[int]]] = field(default_factory=list)
     gradient_norm_overflow: bool = False
     largest_gradients: list[tuple[str, float]] = field(default_factory=list)
+    optimizer_step: Optional[OptimizerStepOutcome] = None
+    #: The device type the run trained on (``"cpu"``, ``"cuda"``), as captured.
+    captured_device: str = ""
 
     @property
     def ranks_reproducing_alone(self) -> list[int]:
@@ -108,6 +115,14 @@ class ReplayResult:
                 for o in self.per_rank
             ],
             "path": self.path,
+            "optimizer_step": None if self.optimizer_step is None else {
+                "optimizer": self.optimizer_step.optimizer,
+                "rebuilt": self.optimizer_step.rebuilt,
+                "nonfinite_params": self.optimizer_step.nonfinite_params,
+                "nonfinite_state": self.optimizer_step.nonfinite_state,
+                "beyond_checked_range": [{"name": t.name, "kind": t.kind, "abs_max": json_float(t.abs_max)}
+                                         for t in self.optimizer_step.trips],
+            },
         }
 
     def __str__(self) -> str:
@@ -115,6 +130,8 @@ class ReplayResult:
 
     def to_text(self) -> str:
         """The human-readable account ``stabletrain replay`` prints."""
+        if self.optimizer_step is not None:
+            return "\n".join([*self._head_lines(), *self._optimizer_lines(), *self._loss_lines()])
         return "\n".join([
             *self._head_lines(), self._verdict_line(), *self._loss_lines(), *self._rank_lines(), *self._why_lines()
         ])
@@ -133,6 +150,37 @@ class ReplayResult:
                 f"  warning: no capture of rank(s) {', '.join(map(str, self.missing_ranks))}: "
                 "the gradient is not the full DDP gradient"
             )
+        return lines
+
+    def _optimizer_lines(self) -> list[str]:
+        o = self.optimizer_step
+        assert o is not None
+        fb = ("forward and backward give finite gradients, as in training (gradient norm "
+              f"{fmt_number(self.gradient_norm, MEASURED_DIGITS)})")
+        if not o.rebuilt:
+            return [f"  reproduced: NO - not attempted: {o.optimizer} is not a torch.optim optimizer, so its step "
+                    f"cannot be rebuilt from the capture; {fb}",
+                    f"  This capture is about the optimizer step: stabletrain diagnose {shell_path(self.path)} "
+                    "reports what the re-run in training found."]
+        if o.nonfinite:
+            what = ("NaN/Inf in " + fmt_list([f"{n} ({c:,})" for n, c in o.nonfinite_params.items()], 8)
+                    if o.nonfinite_params else "every parameter finite")
+            if o.nonfinite_state:
+                what += "; optimizer state with NaN/Inf: " + fmt_list(o.nonfinite_state, 8)
+        elif o.trips:
+            t = o.trips[0]
+            what = (f"every value finite, but {t.name} ({t.kind}) reaches {fmt_number(t.abs_max, MEASURED_DIGITS)}: "
+                    f"beyond the range the guard's check accepts (its float32 L2 norm overflows)")
+        else:
+            name, value = o.largest_param
+            what = (f"every value finite and within the checks' range (|w| up to "
+                    f"{fmt_number(value, MEASURED_DIGITS)} in {name})")
+        head = "YES" if self.reproduced else "NO"
+        lines = [f"  reproduced: {head} - the optimizer step ({o.optimizer}) replayed from the captured state: {what}",
+                 f"  {fb}"]
+        if not self.reproduced:
+            lines.append("  The optimizer step replayed here does not fail the way training saw it: run stabletrain "
+                         f"diagnose {shell_path(self.path)} to compare it with the re-run in training.")
         return lines
 
     def _verdict_line(self) -> str:
@@ -202,6 +250,14 @@ class ReplayResult:
             return [
                 f"  In {self.precision} this step is finite: the failure comes from the range or rounding of "
                 f"{self.captured_precision} arithmetic (replay without --precision to see it fail)."
+            ]
+        if self.captured_device == "cpu" and self.device.startswith("cpu"):
+            # Replayed where it ran, from the same state and data: no GPU kernel or device to suspect.
+            return [
+                "  The captured state and data do not produce the failure here, on the CPU it ran on: the forward "
+                "and backward of these inputs are finite. Suspects: an effect outside them (a callback or hook that "
+                "changed gradients or weights, code run between steps, state the capture does not hold); "
+                f"stabletrain diagnose {shell_path(self.path)} compares the capture with the run."
             ]
         return [
             "  The captured state and data do not produce the failure here. Suspects: nondeterministic GPU kernels "

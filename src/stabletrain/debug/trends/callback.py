@@ -51,6 +51,7 @@ class TrendAlerts:
             warmup_steps=s.model_args.warmup_steps,
             n_params=sum(p.numel() for p in trainer.model.parameters()),
             task=(trainer.task.name if getattr(trainer, "task", None) is not None else None),
+            optimizer=_optimizer_of(trainer),
         )
         if s.resume_interrupted or getattr(s, "resume_from", None) is not None:
             self._replay_history(Path(trainer.out) / "metrics.jsonl", before_step=trainer.step)
@@ -114,3 +115,14 @@ def _step_of(path: Path) -> Optional[int]:
         return read_checkpoint_health(path)[0] if path.is_file() else None
     except Exception:
         return None
+
+
+def _optimizer_of(trainer: TrainerLike) -> Optional[str]:
+    """The optimizer's class as ``torch.optim.AdamW`` (a model's own configure_optimizer may build
+    another than ``model_args.optimizer``), else the setting."""
+    from stabletrain.debug.optimizer_damage import optimizer_name
+
+    optimizer = getattr(trainer, "optimizer", None)
+    if optimizer is not None:
+        return optimizer_name(optimizer)
+    return getattr(getattr(trainer.settings, "model_args", None), "optimizer", None)

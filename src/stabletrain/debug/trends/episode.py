@@ -117,6 +117,9 @@ class AlertContext:
     warmup_steps: Optional[int] = None
     n_params: Optional[int] = None
     task: Optional[str] = None
+    #: The optimizer (``model_args.optimizer`` or its class, ``torch.optim.AdamW``): the lr and
+    #: clipping advice depend on it (see :func:`stabletrain.debug.advice.optimizer_family`).
+    optimizer: Optional[str] = None
     #: Logged rows (step, lr, loss, gradient_norm) before the alert: anchor the lr advice.
     history: Optional[list[dict[str, Any]]] = None
     #: The newest healthy checkpoint as the setting that resumes from it (``resume_from=...`` or
@@ -139,6 +142,7 @@ class AlertContext:
             warmup_steps=model_args.get("warmup_steps"),
             n_params=n_params,
             task=settings.get("task"),
+            optimizer=model_args.get("optimizer"),
         )
 
 
@@ -149,7 +153,7 @@ def next_actions(episode: Episode, context: Optional[AlertContext] = None) -> li
     lr = advice.positive(c.lr)
     now = f" (now {advice.setting_value(lr)})" if lr else ""
     precision = c.precision
-    lower = advice.anchored_lower_lr(lr, c.history or (), episode.start_step) if lr else ""
+    lower = advice.anchored_lower_lr(lr, c.history or (), episode.start_step, optimizer=c.optimizer) if lr else ""
     if episode.kind == "exploding":
         actions = [
             f"lower the learning rate: {lower}"
