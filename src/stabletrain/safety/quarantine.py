@@ -123,9 +123,10 @@ def isolate_samples(capture: str | Path, model: Optional[nn.Module] = None, max_
                 continue
             alone = forward_backward(cap, rows={key: [r]}, precision=precision, device=device, backward=False)
             loss = float(alone.loss_values[0])
+            what = f"loss is {loss}" if not math.isfinite(loss) else "gradient is non-finite"
             found[int(i)] = {
                 "index": int(i), "how": "replay", "loss_alone": loss if math.isfinite(loss) else str(loss),
-                "evidence": f"replayed alone its {'loss is ' + str(loss) if not math.isfinite(loss) else 'gradient is non-finite'}"
-                            f"; the rest of its microbatch replays finite ({data.replays} subset replays)",
+                "evidence": f"replayed alone its {what}; the rest of its microbatch replays finite "
+                            f"({data.replays} subset replays)",
             }
     return [found[i] for i in sorted(found)]

@@ -30,7 +30,8 @@ def update_size_advice(optimizer: Any, lr_text: str, clip_val: float) -> str:
         return (f"lower the learning rate: {lr_text}. {name}'s update is about lr in size whatever the gradient, "
                 "so clipping gradients does not bound it")
     if name == "SGD":
-        clip = "" if clip_val else "; clipping (gradient_clip_val=1.0) also bounds it, since SGD's update is lr x gradient"
+        clip = "" if clip_val else ("; clipping (gradient_clip_val=1.0) also bounds it, since SGD's update is "
+                                    "lr x gradient")
         return f"lower the learning rate: {lr_text}{clip}"
     return f"lower the learning rate of {name}: {lr_text}"
 
