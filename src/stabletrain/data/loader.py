@@ -12,8 +12,8 @@ samples) and cuts it into microbatches, dropping the incomplete last one. The po
 simply the number of microbatches a rank has consumed.
 
 Quarantined samples (``exclude``: found bad by the self-healing, see docs/self_healing.md) are
-taken out of every permutation, and the permutation is refilled from its own start to its full
-length, so an epoch keeps its number of microbatches and a position keeps its meaning. Without
+replaced in every permutation, in place, by kept samples, so an epoch keeps its number of
+microbatches, a position keeps its meaning and the other samples keep their places. Without
 exclusions the order is the same as before.
 """
 
@@ -117,11 +117,17 @@ class ResumableBatchSampler(Sampler[list[int]]):
 
 
 def _without(perm: torch.Tensor, exclude: frozenset[int]) -> torch.Tensor:
-    """``perm`` without the ``exclude`` indices, refilled cyclically from its own start to its length."""
-    keep = perm[~torch.isin(perm, torch.tensor(sorted(exclude), dtype=perm.dtype))]
+    """``perm`` with each ``exclude`` index replaced in place by a kept sample (the permutation's
+    first ones, in order): every other sample keeps its position, so a quarantine decided in the
+    middle of an epoch changes only the batches that held a quarantined sample."""
+    bad = torch.isin(perm, torch.tensor(sorted(exclude), dtype=perm.dtype))
+    keep = perm[~bad]
     if not len(keep):
         raise ValueError(f"every one of the {len(perm)} samples is quarantined: no data is left to train on")
-    return keep.repeat(-(-len(perm) // len(keep)))[: len(perm)]
+    n = int(bad.sum())
+    out = perm.clone()
+    out[bad] = keep.repeat(-(-n // len(keep)))[:n]
+    return out
 
 
 def build_loader(
