@@ -248,6 +248,10 @@ class Healer:
         else:
             what = (f"rolled back to step {row['rolled_back_to']}, "
                     f"{len(row.get('skipped_steps', []))} step(s) of data skipped")
+            same = [r for r in self.recoveries[:-1] if r.get("rolled_back_to") == row["rolled_back_to"]]
+            if same:
+                what += (f"; the {_ordinal(len(same) + 1)} rollback to the snapshot of step {row['rolled_back_to']}: "
+                         "the state it holds keeps leading to bad steps")
         earlier = [r for r in self.recoveries[:-1] if r["step"] == row["step"]]
         if earlier:
             what += (f"; recovery {row['recovery']} of at most {self.args.max_recoveries}, the "

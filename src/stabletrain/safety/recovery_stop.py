@@ -19,8 +19,23 @@ from typing import Any, Optional
 from stabletrain.debug import advice
 from stabletrain.safety.quarantine import QUARANTINE_FILE
 from stabletrain.safety.stop_messages import logged_rows, resume_advice
+from stabletrain.utils.text import shell_path
 
 __all__ = ["recovery_limit_message", "update_size_advice"]
+
+#: Recoveries in a row (each at most 2 steps after the one before; after a rollback, at or below it)
+#: that show the state, not a batch, is bad: a bad batch makes one bad step, not a run of them.
+_STREAK = 3
+
+
+def _streak(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The trailing recoveries that no sample explains and that came one after another."""
+    out: list[dict[str, Any]] = []
+    for r in reversed(rows):
+        if r.get("culprits") or (out and out[0]["step"] > r["step"] + 2):  # a rollback goes back: lower is near
+            break
+        out.insert(0, r)
+    return out
 
 
 def update_size_advice(optimizer: Any, lr_text: str, clip_val: float) -> str:
@@ -55,15 +70,22 @@ def recovery_limit_message(healer: Any, rec: Any, row: dict[str, Any], capture: 
         text, _, _ = resume_advice(t, rec.step)
         lines.append(text)
     else:
-        triggers = sorted({r["trigger"] for r in unexplained})
-        first = min(r["step"] for r in unexplained)
-        lines.append(f"Cause: the updates, not the data: {len(unexplained)} of the {len(rows)} recoveries "
-                     f"({', '.join(triggers)}, from step {first} on) isolated no sample that explains them, "
-                     f"and {'rolling back' if healer.policy == 'rollback' else 'skipping'} did not get past them: "
-                     "the learning rate is too high for this run.")
+        streak = _streak(rows)
+        first = streak[0]["step"] if streak else min(r["step"] for r in unexplained)
+        triggers = ", ".join(sorted({r["trigger"] for r in streak or unexplained}))
         logged = logged_rows(t)
         lr, _ = advice.anchored_lr(s.model_args.lr, logged, first)
         lower = {"model_args.lr": lr} if lr < s.model_args.lr else None
+        if len(streak) >= _STREAK:
+            act = "rolling back" if healer.policy == "rollback" else "skipping"
+            lines.append(f"Cause: the updates, not the data: the last {len(streak)} recoveries ({triggers}) came one "
+                         f"after another from step {first} on, on different batches, and no sample explains them: "
+                         f"{act} did not get past them, so the state the updates made is bad at this learning rate.")
+        else:
+            lines.append(f"Cause not found: {len(unexplained)} of the {len(rows)} recoveries ({triggers}) are steps "
+                         "apart and no sample was isolated for them (non-finite steps are searched sample by sample; "
+                         "spikes with finite values are not). Look at the newest capture: stabletrain diagnose "
+                         f"{shell_path(capture.parent) if capture is not None else t.out}")
         text, _, _ = resume_advice(t, first, extra=lower)
         lines.append(text)
         lines.append("Next:")
@@ -72,7 +94,9 @@ def recovery_limit_message(healer: Any, rec: Any, row: dict[str, Any], capture: 
         if quarantined:
             lines.append(f"  - {len(quarantined)} sample(s) are quarantined in {t.out / QUARANTINE_FILE}; "
                          "the resume skips them")
-    shown = [f"  recovery {n}: {v}" for n, v in sorted(verdicts.items())]
+    # The diagnosis is built for non-finite steps: of a spike with finite values it can only say it replays finite.
+    nonfinite = {int(r["recovery"]) for r in rows if r["trigger"] in ("nonfinite_loss", "nonfinite_grad")}
+    shown = [f"  recovery {n}: {v}" for n, v in sorted(verdicts.items()) if n in nonfinite]
     if shown:
         lines.append("Diagnosis of the captures (diagnosis.json next to each):")
         lines += shown[-3:]
