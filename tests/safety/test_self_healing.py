@@ -255,9 +255,11 @@ def test_two_ddp_ranks_agree_and_record_every_rank_s_samples(tmp_path, policy):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = _events(out, "recovery")
     nan_samples, spike_samples = planted(world_size=2)
-    spike_step = SPIKE_STEP if policy == "skip_step" else SPIKE_STEP - 6
-    assert [(r["step"], r["trigger"]) for r in rows] == [(NAN_STEP, "nonfinite_loss"), (spike_step, "loss_spike")]
+    # The NaN is explained by its sample (on one rank; gathered): skipped under both policies, quarantined.
+    assert [(r["step"], r["trigger"]) for r in rows] == [(NAN_STEP, "nonfinite_loss"), (SPIKE_STEP, "loss_spike")]
     assert [r["samples"] for r in rows] == [nan_samples, spike_samples]
+    assert rows[0]["action"] == "skip_step" and rows[0]["culprits"] == rows[0]["quarantined"] == [nan_samples[-1]]
+    assert [e["index"] for e in json.loads((out / "quarantine.json").read_text())["samples"]] == [nan_samples[-1]]
     for r in rows:
         step_folder = Path(r["capture"]).parent.parent
         assert {"rank0", "rank1"} <= {p.name for p in step_folder.iterdir()}, "each rank wrote its capture"
