@@ -234,7 +234,7 @@ class Healer:
             # The diagnosis promised "once training has finished": it has, here too.
             verdicts = self._diagnose_captures(last=True) if self.args.diagnose else {}
             text = recovery_limit_message(self, rec, row, capture, verdicts)
-            t.console.info(text)
+            # Not printed here: the CLI prints the error, and train.log gets it (Trainer._report_exception).
             raise RecoveryLimitError(text, rec.step, len(self.recoveries) - 1, capture)
         t.console.info(f"Recovered step {rec.step}: {rec.description}; {self._what(row)}; "
                        f"{_culprit_text(culprits, row)}samples {_few(row['samples'], first=row['culprits'])}{where}")
