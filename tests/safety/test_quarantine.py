@@ -188,8 +188,8 @@ def test_one_capture_folder_per_recovery_and_diagnose_finds_them(tmp_path, capsy
     assert [torch.load(r["capture"], weights_only=True)["recovery"]["loss"] for r in rows] == [
         r["loss"] for r in rows]
     log = (out / "train.log").read_text()
-    assert "recovery 2 of at most 10, the 2nd at step 12 (on other batches" in log
-    assert "the 2nd rollback to the snapshot of step 0" in log
+    assert ("rolled back to step 0 for the 2nd time (the state of that snapshot keeps leading to bad steps), "
+            "13 step(s) of data skipped; recovery 2 of at most 10: step 12 again, on other batches") in log
     # diagnose on the run folder: the recovery captures, newest first in line.
     assert recovery_captures(out) == [out / "debug" / "recoveries" / f for f in folders]
     assert capture_files(out) == [out / "debug" / "recoveries" / folders[-1] / "rank0" / "nan_capture.pt"]

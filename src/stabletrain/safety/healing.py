@@ -246,17 +246,14 @@ class Healer:
             if self.policy == "rollback":
                 what += " (not rolled back: the weights are undamaged and the culprit samples are known)"
         else:
-            what = (f"rolled back to step {row['rolled_back_to']}, "
-                    f"{len(row.get('skipped_steps', []))} step(s) of data skipped")
             same = [r for r in self.recoveries[:-1] if r.get("rolled_back_to") == row["rolled_back_to"]]
-            if same:
-                what += (f"; the {_ordinal(len(same) + 1)} rollback to the snapshot of step {row['rolled_back_to']}: "
-                         "the state it holds keeps leading to bad steps")
-        earlier = [r for r in self.recoveries[:-1] if r["step"] == row["step"]]
-        if earlier:
-            what += (f"; recovery {row['recovery']} of at most {self.args.max_recoveries}, the "
-                     f"{_ordinal(len(earlier) + 1)} at step {row['step']} (on other batches: the data since "
-                     "the snapshot is not re-run)")
+            again = (f" for the {_ordinal(len(same) + 1)} time (the state of that snapshot keeps leading to bad "
+                     "steps)") if same else ""
+            what = (f"rolled back to step {row['rolled_back_to']}{again}, "
+                    f"{len(row.get('skipped_steps', []))} step(s) of data skipped")
+        if any(r["step"] == row["step"] for r in self.recoveries[:-1]):
+            what += (f"; recovery {row['recovery']} of at most {self.args.max_recoveries}: step {row['step']} again, "
+                     "on other batches (the data since the snapshot is not re-run)")
         return what
 
     def _isolate(self, rec: Recovery, capture: Optional[Path]) -> list[dict[str, Any]]:
