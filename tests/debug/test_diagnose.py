@@ -543,9 +543,11 @@ def test_report_files_json_and_command_line(tmp_path, capsys):
     assert data["data"]["dataset_indices"] == [victim] and data["weights"]["status"] == "healthy"
     assert data["replays"][0]["losses"][0] in ("nan", "inf", "-inf"), "non-finite numbers as strings"
 
-    # Your own model is needed, and the error says how to pass it to this command.
+    # Your own model is needed, and the error says how to pass it to this command: the file training named.
     assert main(["diagnose", str(path.parent)]) == 1
-    assert f"stabletrain diagnose {path.parent} --model path/to/file.py:FaultNet" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"stabletrain diagnose {path.parent} --model {sys.modules[FaultNet.__module__].__file__}:FaultNet" in err
+    assert "path/to/file.py" not in err
     assert stabletrain.Diagnosis is Diagnosis
 
 

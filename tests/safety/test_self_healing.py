@@ -150,6 +150,17 @@ def test_on_instability_from_cli_keys_and_errors_name_the_value():
         load_settings({"out": "x", "on_instability": {"policy": "retry"}})
 
 
+class _SeenSamples:
+    """Every dataset index the trainer loads, and the steps it runs."""
+
+    def __init__(self):
+        self.samples, self.steps = set(), []
+
+    def on_microbatch(self, trainer, *, step, micro_step, batch, indices):
+        self.samples.update(int(i) for i in indices.tolist())
+        self.steps.append(step)
+
+
 def _timeline(out: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_run(out / "metrics.jsonl").rows}
 
@@ -160,23 +171,36 @@ def test_rollback_skips_the_data_since_the_snapshot_and_resumes_bitwise(tmp_path
     assert result.steps_done == 40
     rows = _events(out, "recovery")
     nan_samples, spike_samples = planted()
-    # The NaN at step 25 rolls back to the snapshot of step 20: the data of steps 20-25 is skipped,
-    # so the spike sample, planted in the 33rd batch, arrives at step 26 of the new timeline.
-    assert [(r["step"], r["trigger"], r["rolled_back_to"]) for r in rows] == [
-        (NAN_STEP, "nonfinite_loss", 20), (SPIKE_STEP - 6, "loss_spike", 20)]
+    # The NaN at step 25 is explained by its sample (quarantined): the weights are undamaged, so the
+    # update is skipped and nothing is rolled back. The spike at step 32 rolls back to the snapshot of
+    # step 30: the data of steps 30-32 is skipped.
+    assert [(r["step"], r["trigger"], r["action"], r.get("rolled_back_to")) for r in rows] == [
+        (NAN_STEP, "nonfinite_loss", "skip_step", None), (SPIKE_STEP, "loss_spike", "rollback", 30)]
     assert rows[0]["samples"] == nan_samples and rows[1]["samples"] == spike_samples
-    assert rows[0]["skipped_steps"] == list(range(20, 26)) and len(rows[0]["skipped_samples"]) == 6 * 8
-    assert rows[0]["skipped_samples"][-8:] == nan_samples
+    assert rows[0]["culprits"] == rows[0]["quarantined"] == [nan_samples[-1]]
+    assert rows[1]["skipped_steps"] == list(range(30, 33)) and len(rows[1]["skipped_samples"]) == 3 * 8
     assert rows[1]["skipped_samples"][-8:] == spike_samples
     losses = _timeline(out)
-    assert sorted(losses) == list(range(40)) and all(math.isfinite(v) for v in losses.values())
-    # Resumed from its own checkpoints, before and after the rollbacks: bitwise the same losses.
-    for ckpt in ("step_000010.ckpt", "step_000030.ckpt"):
-        again = tmp_path / f"again_{ckpt}"
-        shutil.copytree(out, again)
-        stabletrain.train(**settings(again, "rollback", resume_from=again / "checkpoints" / ckpt))
-        assert _timeline(again) == losses, f"resumed from {ckpt}"
-        assert [r["step"] for r in _events(again, "recovery")][-2:] == [NAN_STEP, SPIKE_STEP - 6]
+    assert sorted(losses) == list(range(40))
+    assert [s for s, v in losses.items() if not math.isfinite(v)] == [NAN_STEP], "the skipped step's loss is logged"
+    # Resumed from a checkpoint after the quarantine: bitwise the same losses.
+    again = tmp_path / "again_30"
+    shutil.copytree(out, again)
+    stabletrain.train(**settings(again, "rollback", resume_from=again / "checkpoints" / "step_000030.ckpt"))
+    assert _timeline(again) == losses
+    assert [r["step"] for r in _events(again, "recovery")][-2:] == [NAN_STEP, SPIKE_STEP]
+    # Resumed from before it: the quarantined sample is never loaded again (quarantine.json), so step
+    # 25 trains on a kept sample in its place; the steps before it are bitwise the same.
+    again = tmp_path / "again_10"
+    shutil.copytree(out, again)
+    seen = _SeenSamples()
+    stabletrain.train(**settings(again, "rollback", resume_from=again / "checkpoints" / "step_000010.ckpt",
+                                 callbacks=[seen]))
+    assert seen.steps and min(seen.steps) == 10 and nan_samples[-1] not in seen.samples
+    resumed = _timeline(again)
+    assert {k: resumed[k] for k in range(NAN_STEP)} == {k: losses[k] for k in range(NAN_STEP)}
+    assert all(math.isfinite(v) for v in resumed.values())
+    assert [r["step"] for r in _events(again, "recovery")][2:] == [SPIKE_STEP]
 
 
 def test_rollback_to_the_start_judges_the_rerun_with_the_window_of_then(tmp_path):
@@ -187,7 +211,8 @@ def test_rollback_to_the_start_judges_the_rerun_with_the_window_of_then(tmp_path
     run = settings(tmp_path / "run", "rollback")
     run["checkpoint_every_num_steps"] = 100
     run["on_instability"]["rollback_steps"] = 100
-    run["data"] = PoisonData(n=512, input_poison={planted()[0][-1]: float("nan")})
+    run["data"] = data = PoisonData(n=512)
+    data.y[planted()[0][-1]] = 1e4  # a spike: rollback acts on it (a NaN explained by its sample is skipped)
     seen = []
 
     class Window:
@@ -197,7 +222,7 @@ def test_rollback_to_the_start_judges_the_rerun_with_the_window_of_then(tmp_path
     run["callbacks"] = [Window()]
     assert stabletrain.train(**run).steps_done == 40
     rows = _events(tmp_path / "run", "recovery")
-    assert [(r["step"], r["trigger"], r["rolled_back_to"]) for r in rows] == [(NAN_STEP, "nonfinite_loss", 0)]
+    assert [(r["step"], r["trigger"], r["rolled_back_to"]) for r in rows] == [(NAN_STEP, "loss_spike", 0)]
     assert rows[0]["skipped_steps"] == list(range(NAN_STEP + 1))
     assert seen[NAN_STEP] == (NAN_STEP, NAN_STEP), "25 good steps in the window before the NaN"
     assert seen[NAN_STEP + 1] == (0, 0), "the re-run starts with the window of step 0"
@@ -249,9 +274,11 @@ def test_two_ddp_ranks_agree_and_record_every_rank_s_samples(tmp_path, policy):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = _events(out, "recovery")
     nan_samples, spike_samples = planted(world_size=2)
-    spike_step = SPIKE_STEP if policy == "skip_step" else SPIKE_STEP - 6
-    assert [(r["step"], r["trigger"]) for r in rows] == [(NAN_STEP, "nonfinite_loss"), (spike_step, "loss_spike")]
+    # The NaN is explained by its sample (on one rank; gathered): skipped under both policies, quarantined.
+    assert [(r["step"], r["trigger"]) for r in rows] == [(NAN_STEP, "nonfinite_loss"), (SPIKE_STEP, "loss_spike")]
     assert [r["samples"] for r in rows] == [nan_samples, spike_samples]
+    assert rows[0]["action"] == "skip_step" and rows[0]["culprits"] == rows[0]["quarantined"] == [nan_samples[-1]]
+    assert [e["index"] for e in json.loads((out / "quarantine.json").read_text())["samples"]] == [nan_samples[-1]]
     for r in rows:
         step_folder = Path(r["capture"]).parent.parent
         assert {"rank0", "rank1"} <= {p.name for p in step_folder.iterdir()}, "each rank wrote its capture"

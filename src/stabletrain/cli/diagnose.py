@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from stabletrain.cli import user_code
 from stabletrain.cli.paths import check_capture_path
@@ -44,6 +45,7 @@ def run(argv: list[str]) -> int:
     from stabletrain.debug.nan_capture import NaNCaptureError
 
     model, step_fn = user_code.load(ns)
+    _list_recoveries(ns.path)
     try:
         result = diagnose(ns.path, model=model, step_fn=step_fn, device=ns.device, write=not ns.no_write)
     except NaNCaptureError as exc:
@@ -56,3 +58,19 @@ def run(argv: list[str]) -> int:
         if result.files:
             print(f"\nWritten: {', '.join(result.files)}")
     return 0
+
+
+def _list_recoveries(path: str) -> None:
+    """A run folder without a nancapture stop but with self-healing captures: say which is diagnosed."""
+    from pathlib import Path
+
+    from stabletrain.debug.nan_capture import recovery_captures
+
+    run = Path(path)
+    if not run.is_dir() or (run / "debug" / "nan_capture").is_dir():
+        return
+    found = recovery_captures(run)
+    if found:
+        names = ", ".join(d.name for d in found)
+        print(f"Recovery captures in {run / 'debug' / 'recoveries'} (oldest first): {names}. Diagnosing the newest, "
+              f"{found[-1].name}; for another: stabletrain diagnose {found[0]}\n", file=sys.stderr)

@@ -10,11 +10,16 @@ The order is a per-epoch permutation drawn from ``seed + epoch`` by a private ge
 Each rank takes ``perm[rank::world_size]`` (truncated so every rank has the same number of
 samples) and cuts it into microbatches, dropping the incomplete last one. The position is
 simply the number of microbatches a rank has consumed.
+
+Quarantined samples (``exclude``: found bad by the self-healing, see docs/self_healing.md) are
+replaced in every permutation, in place, by kept samples, so an epoch keeps its number of
+microbatches, a position keeps its meaning and the other samples keep their places. Without
+exclusions the order is the same as before.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
@@ -64,10 +69,12 @@ class ResumableBatchSampler(Sampler[list[int]]):
         rank: This process's rank.
         world_size: Number of processes.
         start: Microbatches this rank already consumed (the resume position).
+        exclude: Dataset indices never to yield (quarantined samples).
     """
 
     def __init__(
-        self, num_samples: int, microbatch_size: int, seed: int, rank: int = 0, world_size: int = 1, start: int = 0
+        self, num_samples: int, microbatch_size: int, seed: int, rank: int = 0, world_size: int = 1, start: int = 0,
+        exclude: Iterable[int] = (),
     ):
         self.num_samples = num_samples
         self.microbatch_size = microbatch_size
@@ -75,6 +82,7 @@ class ResumableBatchSampler(Sampler[list[int]]):
         self.rank = rank
         self.world_size = world_size
         self.start = start
+        self.exclude = frozenset(int(i) for i in exclude)
         self.per_rank = num_samples // world_size
         self.batches_per_epoch = self.per_rank // microbatch_size
         if num_samples < samples_needed(microbatch_size, world_size):
@@ -87,6 +95,8 @@ class ResumableBatchSampler(Sampler[list[int]]):
         """All microbatches of one epoch for this rank."""
         g = torch.Generator().manual_seed(self.seed + epoch)
         perm = torch.randperm(self.num_samples, generator=g)
+        if self.exclude:
+            perm = _without(perm, self.exclude)
         mine = perm[self.rank :: self.world_size][: self.per_rank]
         n = self.batches_per_epoch * self.microbatch_size
         return mine[:n].view(self.batches_per_epoch, self.microbatch_size).tolist()
@@ -106,6 +116,20 @@ class ResumableBatchSampler(Sampler[list[int]]):
         return 2**62
 
 
+def _without(perm: torch.Tensor, exclude: frozenset[int]) -> torch.Tensor:
+    """``perm`` with each ``exclude`` index replaced in place by a kept sample (the permutation's
+    first ones, in order): every other sample keeps its position, so a quarantine decided in the
+    middle of an epoch changes only the batches that held a quarantined sample."""
+    bad = torch.isin(perm, torch.tensor(sorted(exclude), dtype=perm.dtype))
+    keep = perm[~bad]
+    if not len(keep):
+        raise ValueError(f"every one of the {len(perm)} samples is quarantined: no data is left to train on")
+    n = int(bad.sum())
+    out = perm.clone()
+    out[bad] = keep.repeat(-(-n // len(keep)))[:n]
+    return out
+
+
 def build_loader(
     dataset: Dataset,
     microbatch_size: int,
@@ -115,9 +139,11 @@ def build_loader(
     start: int,
     num_workers: int,
     pin_memory: bool = False,
+    exclude: Iterable[int] = (),
 ) -> tuple[DataLoader, ResumableBatchSampler]:
-    """A DataLoader yielding ``(indices, batch)`` from the given position on."""
-    sampler = ResumableBatchSampler(len(dataset), microbatch_size, seed, rank, world_size, start)  # type: ignore[arg-type]
+    """A DataLoader yielding ``(indices, batch)`` from the given position on, never the ``exclude`` indices."""
+    sampler = ResumableBatchSampler(len(dataset), microbatch_size, seed, rank, world_size, start,  # type: ignore[arg-type]
+                                    exclude=exclude)
     loader = DataLoader(
         IndexedDataset(dataset),
         batch_sampler=sampler,

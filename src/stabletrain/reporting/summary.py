@@ -13,6 +13,7 @@ import numpy as np
 
 from stabletrain.debug.trends import AlertContext, Episode, next_actions
 from stabletrain.reporting.data import RunData
+from stabletrain.reporting.quarantine import quarantine_line, quarantine_section
 from stabletrain.reporting.verdict import STATUS_OF_KIND, STATUS_ORDER, of_signal
 
 
@@ -100,6 +101,8 @@ def terminal_text(
         lines.append("  " + _signal_line(signal, st, episodes))
     lines.append(f"verdict: {verdict}")
     lines.append(_checkpoint_line(out))
+    if quarantine_line(out):
+        lines.append(quarantine_line(out))
     actions = _actions(episodes, context)
     if actions:
         lines.append("next:")
@@ -143,6 +146,7 @@ def markdown_text(
         md += ["", "## Tolerated", ""]
         md += [f"- {e.describe()}" for e in tolerated]
     md += recovery_section(data.events)
+    md += quarantine_section(out)
     # mechanism_signals says what the signals/... keys measure (docs/mechanisms.md), not something that happened.
     others = [ev for ev in data.events if ev.get("event") not in ("trend_alert", "recovery", "mechanism_signals")]
     if others:

@@ -18,12 +18,15 @@ from torch import Tensor
 from stabletrain.debug.nan_capture import NaNCaptureMonitor, default_replay_command
 from stabletrain.errors import StabletrainError
 from stabletrain.safety.instability_guard import InstabilityGuard, Recovery
+from stabletrain.safety.quarantine import Quarantine, isolate_samples
 from stabletrain.utils.rng import set_rng_state
 
 __all__ = ["Healer", "RecoveryLimitError", "snapshot_bytes"]
 
 #: Capture reasons that replay and diagnose know, by trigger.
 _REASONS = {"nonfinite_loss": "nonfinite_loss", "nonfinite_grad": "nonfinite_gradients"}
+#: Triggers caught before the optimizer step with the weights undamaged by it: the samples are searched.
+_NONFINITE = ("nonfinite_loss", "nonfinite_grad")
 
 
 class RecoveryLimitError(StabletrainError):
@@ -80,10 +83,14 @@ class Healer:
         self._indices: list[Any] = []
         self.monitor: Optional[NaNCaptureMonitor] = None
         self._group: Any = None
+        #: Samples isolated as the cause of a non-finite step: the loader skips them (quarantine.json).
+        self.quarantine = Quarantine(trainer.out)
 
     # ------------------------------------------------------------------ callback events
 
     def on_train_start(self, trainer: Any) -> None:
+        if self.quarantine.entries:  # resumed: the checkpoint's and the run folder's quarantine
+            self._apply_quarantine()
         self.monitor = NaNCaptureMonitor(
             trainer.model, trainer.out / "debug" / "recoveries", rank=trainer.rank, world_size=trainer.world_size,
             scaler=trainer.scaler, precision=trainer.precision,
@@ -115,6 +122,7 @@ class Healer:
     def on_checkpoint_save(self, trainer: Any, *, step: int, state: dict[str, Any]) -> None:
         state.setdefault("callbacks", {})["on_instability"] = {
             **self.guard.state_dict(), "recoveries": [dict(r) for r in self.recoveries],
+            "quarantine": self.quarantine.state_dict(),
         }
         if self.policy == "rollback" and (self.snapshot is None or self.snapshot["step"] != step):
             self._set_snapshot(_cpu_copy(state))  # a resume from this checkpoint starts from this snapshot
@@ -124,27 +132,32 @@ class Healer:
         if saved:
             self.guard.load_state_dict(saved)
             self.recoveries = [dict(r) for r in saved.get("recoveries", [])]
+            self.quarantine.load_state_dict(saved.get("quarantine", []))
+        # Found after that checkpoint was written, the samples are as bad on resume: skip them too.
+        self.quarantine.load()
 
     def on_train_end(self, trainer: Any) -> None:
         self._handle(self.guard.poll(wait=True))
         if self.monitor is not None:
             self.monitor.close()
-        if self.args.diagnose and trainer.is_rank_zero:
+        if self.args.diagnose:
             self._diagnose_captures()
 
-    def _diagnose_captures(self, limit: int = 5) -> None:
+    def _diagnose_captures(self, limit: int = 5, last: bool = False) -> dict[int, str]:
         """Diagnose the first captures now that training is over (it never holds a step back);
-        ``diagnosis.json`` lands next to each capture, where the report reads the verdict."""
+        ``diagnosis.json`` lands next to each capture, where the report reads the verdict.
+        ``last``: the newest capture too (a stop at the recovery limit). Returns recovery number -> verdict."""
         import copy
 
         from stabletrain.debug.diagnose import diagnose
 
         t = self.trainer
-        done = 0
-        for row in self.recoveries:
-            if not row.get("capture") or done >= limit:
-                continue
-            done += 1
+        verdicts: dict[int, str] = {}
+        if not t.is_rank_zero:
+            return verdicts
+        rows = [r for r in self.recoveries if r.get("capture")]
+        chosen = rows[:limit] + (rows[-1:] if last and rows[-1:] and rows[-1] not in rows[:limit] else [])
+        for row in chosen:
             folder = Path(row["capture"]).parent if t.world_size == 1 else Path(row["capture"]).parent.parent
             custom = t.resolved_settings().get("task") == "custom"
             try:
@@ -152,7 +165,9 @@ class Healer:
             except Exception as exc:  # a diagnosis that cannot run must not fail a finished run
                 t.console.info(f"Could not diagnose the capture of step {row['step']}: {type(exc).__name__}: {exc}")
                 continue
+            verdicts[int(row["recovery"])] = str(result.verdict)
             t.console.info(f"Diagnosis of the recovery at step {row['step']}: {result.verdict}")
+        return verdicts
 
     def on_exception(self, trainer: Any, *, exception: BaseException) -> None:
         if self.monitor is not None:
@@ -193,29 +208,89 @@ class Healer:
     def _recover(self, rec: Recovery) -> None:
         t = self.trainer
         capture = self._capture(rec)
+        culprits = self._isolate(rec, capture)
         over = len(self.recoveries) >= self.args.max_recoveries
         row = rec.to_row()
         if t.world_size > 1:
             row["samples"] = row["skipped_samples"] = self._gather(rec.samples)
         row["capture"] = None if capture is None else str(capture)
         row["recovery"] = len(self.recoveries) + 1
+        row["culprits"] = [e["index"] for e in culprits]
+        row["quarantined"] = self._quarantine(rec, culprits, row["capture"])
         if over:
             row["action"] = "stop"
+        elif self.policy == "rollback" and culprits and rec.trigger in _NONFINITE:
+            # Caught before the optimizer step and explained by its samples: the weights are
+            # undamaged, so there is nothing to roll back; the update is skipped and the samples kept out.
+            row["action"] = "skip_step"
         elif self.policy == "rollback":
             row.update(self._rollback(rec))
         self.recoveries.append(row)
         t.log_event(row)
         where = f"; capture: {capture}" if capture is not None else ""
-        samples = _few(row["skipped_samples"], first=self._bad_data_samples(rec))
         if over:
-            text = (f"Step {rec.step}: {rec.description}, after {self.args.max_recoveries} recoveries "
-                    f"(on_instability.max_recoveries): stopping{where}. Skipped samples: {samples}.")
-            t.console.info(text)
+            from stabletrain.safety.recovery_stop import recovery_limit_message
+
+            # The diagnosis promised "once training has finished": it has, here too.
+            verdicts = self._diagnose_captures(last=True) if self.args.diagnose else {}
+            text = recovery_limit_message(self, rec, row, capture, verdicts)
+            # Not printed here: the CLI prints the error, and train.log gets it (Trainer._report_exception).
             raise RecoveryLimitError(text, rec.step, len(self.recoveries) - 1, capture)
-        skipped = len(row.get("skipped_steps", []))
-        what = ("update skipped" if self.policy == "skip_step"
-                else f"rolled back to step {row['rolled_back_to']}, {skipped} step(s) of data skipped")
-        t.console.info(f"Recovered step {rec.step}: {rec.description}; {what}; samples {samples}{where}")
+        samples = _few(row["samples"], first=self._bad_data_samples(rec), then=row["culprits"])
+        t.console.info(f"Recovered step {rec.step}: {rec.description}; {self._what(row)}; "
+                       f"{_culprit_text(culprits, row)}samples {samples}{where}")
+
+    def _what(self, row: dict[str, Any]) -> str:
+        """The action taken, and what differs when the same step number comes back after a rollback."""
+        if row["action"] == "skip_step":
+            what = "update skipped"
+            if self.policy == "rollback":
+                what += " (not rolled back: the weights are undamaged and the culprit samples are known)"
+        else:
+            same = [r for r in self.recoveries[:-1] if r.get("rolled_back_to") == row["rolled_back_to"]]
+            again = (f" for the {_ordinal(len(same) + 1)} time (the state of that snapshot keeps leading to bad "
+                     "steps)") if same else ""
+            what = (f"rolled back to step {row['rolled_back_to']}{again}, "
+                    f"{len(row.get('skipped_steps', []))} step(s) of data skipped")
+        if any(r["step"] == row["step"] for r in self.recoveries[:-1]):
+            what += (f"; recovery {row['recovery']} of at most {self.args.max_recoveries}: step {row['step']} again, "
+                     "on other batches (the data since the snapshot is not re-run)")
+        return what
+
+    def _isolate(self, rec: Recovery, capture: Optional[Path]) -> list[dict[str, Any]]:
+        """The samples that cause a non-finite step, with evidence (every rank's); [] when none is isolated."""
+        t = self.trainer
+        found: list[dict[str, Any]] = []
+        if capture is not None and rec.trigger in _NONFINITE:
+            custom = t.resolved_settings().get("task") == "custom"
+            try:
+                found = isolate_samples(capture.parent, model=t.model if custom else None)
+            except Exception as exc:  # the search must never fail the run it protects
+                t.console.info(f"Could not search the samples of step {rec.step}: {type(exc).__name__}: {exc}")
+        if t.world_size > 1:
+            import torch.distributed as dist
+
+            gathered: list[Any] = [None] * t.world_size
+            dist.all_gather_object(gathered, found)
+            found = [e for part in gathered for e in part]
+        return found
+
+    def _quarantine(self, rec: Recovery, culprits: list[dict[str, Any]], capture: Optional[str]) -> list[int]:
+        """Quarantine the isolated samples (quarantine.json); the loader skips them from the next step on."""
+        t = self.trainer
+        new = self.quarantine.add(
+            {**e, "step": rec.step, "trigger": rec.trigger, "step_loss": row_value(rec.loss),
+             "step_gradient_norm": row_value(rec.gradient_norm), "capture": capture} for e in culprits)
+        if new:
+            if t.is_rank_zero:
+                self.quarantine.save()
+            self._apply_quarantine()
+        return new
+
+    def _apply_quarantine(self) -> None:
+        t = self.trainer
+        t.quarantined = self.quarantine.indices()
+        t.build_loader()  # from the same data position, without the quarantined samples
 
     def _bad_data_samples(self, rec: Recovery) -> list[int]:
         """The samples of the step whose data holds a NaN or an Inf, when its batches are still held."""
@@ -240,7 +315,9 @@ class Healer:
         if m is None or m.step != rec.step:
             return None
         t = self.trainer
-        folder = t.out / "debug" / "recoveries" / f"step{rec.step}"
+        # One folder per recovery: a step number that comes back (after a rollback) gets its own.
+        again = sum(1 for r in self.recoveries if r["step"] == rec.step)
+        folder = t.out / "debug" / "recoveries" / (f"step{rec.step}" + (f"_r{again + 1}" if again else ""))
         m.out_dir = folder
         m.replay_command = default_replay_command(
             folder / f"rank{t.rank}" if t.world_size == 1 else folder, model=t.model,
@@ -303,13 +380,34 @@ def _flat(indices: list[Any]) -> list[int]:
     return out
 
 
-def _few(items: list[int], limit: int = 16, first: Sequence[int] = ()) -> str:
+def row_value(x: float) -> Any:
+    """A float as a JSON row holds it ("nan" and "inf" as strings)."""
+    import math
+
+    return x if math.isfinite(x) else str(x)
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+def _culprit_text(culprits: list[dict[str, Any]], row: dict[str, Any]) -> str:
+    if not culprits:
+        return ""
+    named = "; ".join(f"{e['index']}: {e['evidence']}" for e in culprits[:4])
+    new = row.get("quarantined") or []
+    return f"culprit sample(s) {named}; {'quarantined' if new else 'already quarantined'}; "
+
+
+def _few(items: list[int], limit: int = 16, first: Sequence[int] = (), then: Sequence[int] = ()) -> str:
     """Up to ``limit`` samples; those in ``first`` (whose data holds NaN/Inf) named first, and
-    marked, so that a long list never hides them."""
+    marked, then those in ``then`` (the isolated culprits), so that a long list never hides them."""
     present = set(items)
     bad = list(dict.fromkeys(i for i in first if i in present))
     marked = set(bad)
-    order = bad + [i for i in items if i not in marked]
+    culprits = [i for i in dict.fromkeys(then) if i in present and i not in marked]
+    order = bad + culprits + [i for i in items if i not in marked and i not in set(culprits)]
     shown = [f"{i} (NaN/Inf in its data)" if i in marked else str(i) for i in order[:max(limit, len(bad))]]
     rest = len(order) - len(shown)
     return f"[{', '.join(shown)}{f', ... ({rest} more)' if rest > 0 else ''}]"

@@ -140,6 +140,8 @@ class Trainer:
         self._fabric_given = fabric
         self.step = 0
         self.microbatches_consumed = 0
+        #: Dataset indices the loader skips (quarantined by the self-healing; see safety/quarantine.py).
+        self.quarantined: frozenset[int] = frozenset()
         self.stop_reason: Optional[str] = None
         self.console = Console(None, enabled=False)
         #: FSDP2 (``strategy=fsdp``): parameters are DTensor shards; see docs/distributed.md.
@@ -309,6 +311,7 @@ class Trainer:
             start=self.microbatches_consumed,
             num_workers=int(num_workers),
             pin_memory=self.fabric.device.type == "cuda",
+            exclude=self.quarantined,
         )
         self.data_iter = iter(self.loader)
 

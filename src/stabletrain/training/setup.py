@@ -26,6 +26,7 @@ RUN_OUTPUTS = (
     "settings.json",
     "checkpoints",
     "debug",
+    "quarantine.json",
     "report",
     "tensorboard",
     "mlflow.db",

@@ -33,6 +33,7 @@ from .format import (
     RankCapture,
     capture_files,
     read_capture_file,
+    recovery_captures,
     schema_problems,
     write_capture_file,
 )
@@ -58,6 +59,7 @@ __all__ = [
     "read_capture_file",
     "write_capture_file",
     "capture_files",
+    "recovery_captures",
     "schema_problems",
     "INTEGRATIONS_PACKAGE",
     "default_step_fn",

@@ -442,9 +442,27 @@ def capture_files(path: Path) -> list[Path]:
     nested = path / "debug" / "nan_capture"
     if nested.is_dir():
         return capture_files(nested)
+    recoveries = recovery_captures(path)
+    if recoveries:
+        return capture_files(recoveries[-1])  # the newest recovery (stabletrain diagnose lists the others)
     raise NaNCaptureError(
         f"no NaN capture in {path}: expected {path / FILE_NAME}, {path}/rank<N>/{FILE_NAME} or a run folder "
-        f"with debug/nan_capture/ (captures are written when debug_args.nancapture.enabled=true and a step fails)",
+        f"with debug/nan_capture/ (captures are written when debug_args.nancapture.enabled=true and a step fails) "
+        f"or debug/recoveries/ (written by on_instability.policy=skip_step or rollback at each recovery)",
         path,
     )
+
+
+def recovery_captures(run: Path) -> list[Path]:
+    """The capture folders the self-healing wrote under ``run/debug/recoveries/`` (``step<N>``,
+    ``step<N>_r<k>`` when a step number came back), oldest first (by the time they were written)."""
+    root = Path(run) / "debug" / "recoveries"
+    if not root.is_dir():
+        return []
+    found = []
+    for d in root.iterdir():
+        files = sorted(d.glob(f"rank*/{FILE_NAME}")) if d.is_dir() else []
+        if files:
+            found.append((min(f.stat().st_mtime for f in files), d.name, d))
+    return [d for _, _, d in sorted(found)]
 

@@ -287,7 +287,7 @@ class NaNCapture:
                 f"this capture is of your own model ({cls}), which cannot be rebuilt from settings: "
                 f"pass it, e.g. load_nan_capture({str(self.path)!r}, model={cls.rsplit('.', 1)[-1]}()), "
                 f"or on the command line: stabletrain replay {shell_path(self.path)} "
-                f"--model path/to/file.py:{cls.rsplit('.', 1)[-1]}",
+                f"--model {_model_spec(self.ranks[0].raw, cls)}",
                 self.path,
             )
         from stabletrain.config import settings_from_resolved
@@ -443,6 +443,21 @@ def _integration_object(part: RankCapture, name: Any) -> Any:
             "\"stabletrain[transformers]\" or \"stabletrain[accelerate]\")",
             part.path,
         ) from None
+
+
+def _model_spec(raw: dict[str, Any], cls: str) -> str:
+    """The ``--model`` value the training run printed (kept in the capture's replay command), else
+    a placeholder naming the class."""
+    import shlex
+
+    command = raw.get("replay_command") or ""
+    try:
+        words = shlex.split(command) if not command.startswith("import ") else []
+    except ValueError:
+        words = []
+    if "--model" in words[:-1]:
+        return shell_path(words[words.index("--model") + 1])
+    return f"path/to/file.py:{cls.rsplit('.', 1)[-1]}"
 
 
 def load_object(spec: str) -> Any:
