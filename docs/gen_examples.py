@@ -356,7 +356,7 @@ BLOCKS: dict[str, Block] = {
     # README.md and docs/index.md: the tour
     "tour-train": console("demo", trim=head_tail(3, 1)),
     "tour-boom": console("boom", trim=pick(r"NaNDetectedError", r"^Replay it", r"^    stabletrain", r"^No non-finite",
-                                           last=(r"^step ",))),
+                                           r"^It carries", last=(r"^step ",))),
     "tour-replay": console("replay", trim=pick(r"reproduced:", r"losses:")),
     "tour-diagnose": console("diagnose", trim=pick(r"^\*\*Verdict", r"^First harmful non-finite op", r"^Checkpoints:",
                                                    r"^## Next actions", r"^1\. ")),

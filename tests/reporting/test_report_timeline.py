@@ -65,7 +65,11 @@ def test_a_resumed_run_is_one_timeline_with_resumes_and_skipped_steps_marked(tmp
     assert _count_near(plot, (0x2C, 0xA0, 0x2C), tol=30) > 150, "the resume is a green dashed line"
     assert _count_near(plot, (0x8C, 0x56, 0x4B), tol=30) > 30, "skipped steps are brown ticks"
     assert "resume" in (tmp_path / "report" / "summary.md").read_text()
-    assert r.verdict != "exploding", "the abandoned timeline's alert does not count"
+    # The abandoned timeline's blow-up is part of the run's story (issue 25, item 8), answered by the resume.
+    assert r.verdict == "exploding", r.verdict
+    summary = (tmp_path / "report" / "summary.md").read_text()
+    assert "before the resume from step 12" in summary and "already answered: the run was resumed from step 12" in summary
+    assert all(e.settled for e in r.episodes if e.kind == "exploding"), "the resumed rows themselves are calm"
 
 
 def test_the_lr_line_is_not_drawn_across_a_resume(tmp_path):

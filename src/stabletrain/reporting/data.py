@@ -28,6 +28,10 @@ class RunData:
         history = read_run(path)
         self.events = history.events
         self.resumes = history.resumes
+        self.rollbacks = history.rollbacks
+        #: What a resume replaced: a blow-up before it is part of the run's story.
+        self.abandoned_events = history.abandoned_events
+        self.abandoned_rows = history.abandoned_rows
         self.rows = history.rows
         if not self.rows:
             raise StabletrainError(f"{path} holds no logged steps yet")

@@ -178,8 +178,12 @@ def _mark_run_events(ax: Any, data: RunData) -> None:
     from matplotlib.transforms import blended_transform_factory
 
     trans = blended_transform_factory(ax.transData, ax.transAxes)
-    for i, step in enumerate(data.resumes):
+    resumes = [s for s in data.resumes if s not in data.rollbacks]
+    for i, step in enumerate(resumes):
         ax.axvline(step, color="#2ca02c", ls="--", lw=1.2, label="resumed" if i == 0 else None, zorder=4)
+    for i, step in enumerate(sorted(set(data.rollbacks))):  # a recovery, not a user's resume
+        ax.axvline(step, color="#ff7f0e", ls=":", lw=1.4, label="rolled back to (on_instability)" if i == 0 else None,
+                   zorder=4)
     skipped = data.series("skipped_steps")
     if np.isfinite(skipped).any():
         prev = np.concatenate([[0.0], skipped[:-1]])

@@ -76,7 +76,8 @@ def _checkpoint_line(out: Path) -> str:
 def _actions(episodes: Sequence[Episode], context: AlertContext) -> list[str]:
     seen: dict[str, None] = {}
     ordered = sorted(
-        (e for e in episodes if not e.tolerated), key=lambda e: STATUS_ORDER.index(STATUS_OF_KIND[e.kind])
+        (e for e in episodes if not e.tolerated),
+        key=lambda e: (bool(e.settled), STATUS_ORDER.index(STATUS_OF_KIND[e.kind]))
     )
     for e in ordered:
         if e.signal == "parameters":

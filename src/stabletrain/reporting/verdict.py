@@ -76,6 +76,7 @@ def missed_episodes(data: RunData, episodes: Sequence[Episode]) -> list[Episode]
     between logged steps (or parameters the optimizer made non-finite), a checkpoint refused
     for NaN/Inf, and a series that grew by orders of magnitude without an exploding episode."""
     found = _event_episodes(data.events, {(e.kind, e.signal) for e in episodes})
+    found += _recovery_episodes(data.events) + _abandoned_episodes(data)
     for signal in ("gradient_norm", "loss"):
         # Only where the detector saw nothing (a spike is already not "stable").
         if not any(e.signal == signal and not e.tolerated for e in episodes):
@@ -113,6 +114,58 @@ def _event_episodes(events: Sequence[Mapping[str, Any]], kinds: set[tuple[str, s
             found.append(Episode("nonfinite", "parameters", step, step, step, math.nan,
                                  note="a checkpoint was refused: " + ", ".join(ev.get("nonfinite") or [])[:200],
                                  open=False))
+    return found
+
+
+#: Recovery triggers (``on_instability``) and the signal each one is about.
+_TRIGGER_SIGNAL = {"nonfinite_loss": "loss", "nonfinite_grad": "gradient_norm", "loss_spike": "loss",
+                   "grad_spike": "gradient_norm"}
+
+
+def _recovery_episodes(events: Sequence[Mapping[str, Any]]) -> list[Episode]:
+    """One episode per ``on_instability`` recovery: a step the run had to skip or roll back was not
+    stable, even when the logged rows around it look calm (the skipped step is never logged)."""
+    found: list[Episode] = []
+    for ev in events:
+        step = ev.get("step")
+        if ev.get("event") != "recovery" or not isinstance(step, int):
+            continue
+        trigger = str(ev.get("trigger", ""))
+        action = ev.get("action")
+        note = ("the recovery limit was reached: the run stopped" if action == "stop"
+                else f"recovered by {action} ({trigger})")
+        kind = "nonfinite" if trigger.startswith("nonfinite") else "spike"
+        found.append(Episode(kind, _TRIGGER_SIGNAL.get(trigger, "loss"), step, step, step, math.nan, note=note,
+                             open=False))
+    return found
+
+
+def _abandoned_episodes(data: RunData) -> list[Episode]:
+    """What the timelines a resume replaced went through: a NaN or a 100-fold growth before a resume
+    stays part of the run's story (the resumed rows no longer show it)."""
+    if not data.resumes:
+        return []
+    resumed = f"before the resume from step {min(data.resumes)}"
+    settled = f"the run was resumed from step {min(data.resumes)}, and that timeline replaced this one"
+    found = [Episode(e.kind, e.signal, e.start_step, e.end_step, e.detected_step, e.value, e.reference,
+                     note=f"{e.note + '; ' if e.note else ''}{resumed}", open=False, settled=settled)
+             for e in _event_episodes(data.abandoned_events, set())]
+    for signal in ("gradient_norm", "loss"):
+        points = [(r["step"], float(r[signal])) for r in data.abandoned_rows
+                  if isinstance(r.get(signal), (int, float)) and not isinstance(r.get(signal), bool)]
+        bad = next(((st, v) for st, v in points if not math.isfinite(v)), None)
+        if bad is not None and not any(e.signal == signal and e.kind == "nonfinite" for e in found):
+            found.append(Episode("nonfinite", signal, bad[0], bad[0], bad[0], bad[1], note=resumed, open=False,
+                                 settled=settled))
+            continue
+        low = math.inf
+        for st, v in points:
+            if math.isfinite(v) and v > 0 and low < math.inf and v >= ORDERS_OF_MAGNITUDE * low:
+                found.append(Episode("exploding", signal, st, st, st, v, low, open=False, settled=settled,
+                                     note=f"grew {math.log10(v / low):.1f} orders of magnitude, {resumed}"))
+                break
+            if math.isfinite(v) and v > 0:
+                low = min(low, v)
     return found
 
 

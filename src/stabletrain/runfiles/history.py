@@ -22,13 +22,17 @@ from typing import Any, Optional
 class RunHistory:
     """``rows``: one metric row per step, in step order; ``events``: the event rows of the same
     timeline, in file order (those of abandoned steps are in ``abandoned_events``); ``resumes``:
-    the steps runs resumed at, in file order; ``skipped``: the numbers (from 1) of the lines that
-    are not a JSON object, e.g. a last line cut short by a crash or a full disk."""
+    the steps runs resumed at, in file order (``rollbacks``: those an ``on_instability`` rollback
+    made); ``abandoned_rows``: the metric rows of abandoned timelines, in file order; ``skipped``:
+    the numbers (from 1) of the lines that are not a JSON object, e.g. a last line cut short by a
+    crash or a full disk."""
 
     rows: list[dict[str, Any]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
     resumes: list[int] = field(default_factory=list)
     abandoned_events: list[dict[str, Any]] = field(default_factory=list)
+    abandoned_rows: list[dict[str, Any]] = field(default_factory=list)
+    rollbacks: list[int] = field(default_factory=list)
     skipped: list[int] = field(default_factory=list)
 
     def skipped_note(self, path: str | Path) -> Optional[str]:
@@ -79,8 +83,10 @@ def read_run(path: str | Path) -> RunHistory:
                 if obj.get("event") == "resume" and isinstance(obj.get("step"), int):
                     start = obj["step"]
                     history.resumes.append(start)
-                    for step in [s for s in by_step if s >= start]:
-                        del by_step[step]
+                    if str(obj.get("reason", "")).startswith("rollback"):
+                        history.rollbacks.append(start)
+                    for step in sorted(s for s in by_step if s >= start):
+                        history.abandoned_rows.append(by_step.pop(step))
                     kept: list[dict] = []
                     for ev in history.events[:-1]:
                         later = (isinstance(ev.get("step"), int) and ev["step"] >= start

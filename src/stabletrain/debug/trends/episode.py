@@ -34,6 +34,8 @@ class Episode:
             going non-finite with, or after, the loss).
         follows: For a non-finite episode alerted as a follow-up: the signal that was already
             non-finite (its alert gave the next actions, so the follow-up repeats none).
+        settled: What already answered it, e.g. the resume that replaced its timeline: its next
+            action says so instead of proposing the fixes again.
     """
 
     kind: str
@@ -48,6 +50,7 @@ class Episode:
     note: str = ""
     merged: bool = False
     follows: str = ""
+    settled: str = ""
 
     @property
     def factor(self) -> float:
@@ -71,12 +74,15 @@ class Episode:
         s, what = self.signal, self.steps_text()
         v, r, f = fmt_number(self.value), fmt_number(self.reference), self.factor
         if self.kind == "exploding":
-            return f"{s} is exploding ({what}): {v}, {fmt_factor(f)} its lowest recent level {r}"
+            tail = f", {self.note}" if self.settled and self.note else ""
+            return f"{s} is exploding ({what}): {v}, {fmt_factor(f)} its lowest recent level {r}{tail}"
         if self.kind == "vanishing":
             shrink = 1 / f if f > 0 else float("inf")
             return f"{s} is vanishing ({what}): {v}, {fmt_factor(shrink)} below its highest level {r}"
         if self.kind == "spike":
             tail = " (during warmup: tolerated)" if self.tolerated else ""
+            if not math.isfinite(self.value):  # a recovery event: the spike is known, its value not logged
+                return f"{s} spiked ({what})" + (f": {self.note}" if self.note else "")
             return f"{s} spiked ({what}): {v}, {fmt_factor(f)} its recent median {r}{tail}"
         if self.kind == "plateau":
             return f"{s} is on a plateau ({what}): {v}, barely below its start {r}"
@@ -149,6 +155,12 @@ class AlertContext:
 def next_actions(episode: Episode, context: Optional[AlertContext] = None) -> list[str]:
     """The spec's next actions for an episode, with values from ``context`` filled in
     (:mod:`stabletrain.debug.advice` proposes them)."""
+    if episode.settled:
+        return [f"already answered: {episode.settled}; the episodes after it say whether more is needed"]
+    return _fixes(episode, context)
+
+
+def _fixes(episode: Episode, context: Optional[AlertContext]) -> list[str]:
     c = context or AlertContext()
     lr = advice.positive(c.lr)
     now = f" (now {advice.setting_value(lr)})" if lr else ""

@@ -1,0 +1,76 @@
+"""The report's verdict remembers what the logged rows no longer show: recoveries, a stop at the
+recovery limit, and a blow-up before a resume; rollbacks are drawn apart from resumes (issue 25, item 8)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from nan_models import PoisonData, PoisonNet, samples_of_step
+
+import stabletrain
+from conftest import tiny_lm
+from stabletrain.reporting import RunData, report, signal_figure
+from stabletrain.reporting.verdict import run_episodes
+
+
+def test_a_run_that_skipped_a_nan_step_is_not_stable(tmp_path):
+    # Step 3's batch holds a NaN sample: skip_step recovers, every logged loss is finite.
+    victim = samples_of_step(3, n=128, batch_size=8)[0]
+    out = tmp_path / "run"
+    stabletrain.train(out=out, model=PoisonNet(), data=PoisonData(n=128, input_poison={victim: math.nan}),
+                      steps=24, batch_size=8, num_workers=0, model_args={"warmup_steps": 0},
+                      trend_alerts={"enabled": False}, on_instability={"policy": "skip_step", "diagnose": False})
+    data = RunData(out)
+    assert all(math.isfinite(r["loss"]) for r in data.rows if "loss" in r), "the skipped step is not logged"
+    r = report(out, quiet=True, plots=False)
+    assert r.verdict == "non-finite", r.verdict
+    assert "recovered by skip_step (nonfinite_loss)" in (out / "report" / "summary.md").read_text()
+
+
+def test_a_blow_up_before_a_resume_stays_in_the_verdict(tmp_path):
+    out = tmp_path / "boom"
+    with pytest.raises(stabletrain.NaNDetectedError):
+        stabletrain.train(out=out, debug_args={"nancapture": {"enabled": True}}, checkpoint_every_num_steps=2,
+                          **tiny_lm(steps=40, model_args={"optimizer": "sgd", "lr": 30.0, "warmup_steps": 0}))
+    before = report(out, quiet=True, plots=False).verdict
+    assert before == "non-finite"
+    stabletrain.train(out=out, resume_from=str(out / "checkpoints" / "step_000002.ckpt"),
+                      **tiny_lm(steps=12, model_args={"optimizer": "sgd", "lr": 0.01, "warmup_steps": 0}))
+    data = RunData(out)
+    assert data.resumes == [2] and data.rollbacks == []
+    assert all(math.isfinite(r["loss"]) for r in data.rows if "loss" in r), "the resumed timeline is finite"
+    # The resumed timeline alone is "exploding" (the step-2 weights were already large); the NaN of
+    # the abandoned one is what makes it "non-finite".
+    r = report(out, quiet=True, plots=False)
+    assert r.verdict == "non-finite", r.verdict
+    assert "before the resume from step 2" in (out / "report" / "summary.md").read_text()
+
+
+def _rows(path, rows):
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+def test_a_rollback_is_drawn_apart_from_a_resume(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    rows = [{"step": s, "loss": 2.0 - 0.01 * s, "gradient_norm": 1.0, "lr": 0.01} for s in range(0, 12)]
+    rows.append({"event": "recovery", "step": 11, "trigger": "loss_spike", "action": "rollback", "rolled_back_to": 8})
+    rows.append({"event": "resume", "step": 8, "reason": "rollback after step 11"})
+    rows += [{"step": s, "loss": 2.0 - 0.01 * s, "gradient_norm": 1.0, "lr": 0.01} for s in range(8, 20)]
+    rows.append({"event": "resume", "step": 20, "checkpoint": "x"})
+    rows += [{"step": s, "loss": 2.0 - 0.01 * s, "gradient_norm": 1.0, "lr": 0.01} for s in range(20, 30)]
+    _rows(out / "metrics.jsonl", rows)
+    data = RunData(out)
+    assert data.resumes == [8, 20] and data.rollbacks == [8]
+    episodes = run_episodes(data, None, 0)
+    assert any(e.kind == "spike" and e.start_step == 11 and "rollback" in e.note for e in episodes)
+    fig = signal_figure(data, "loss", "spiking", episodes)
+    labels = {t.get_text() for ax in fig.axes for leg in [ax.get_legend()] if leg for t in leg.get_texts()}
+    assert "rolled back to (on_instability)" in labels and "resumed" in labels, labels
+    r = report(out, quiet=True, plots=False)
+    assert r.verdict == "spiking", r.verdict
+    assert "recovered by rollback (loss_spike)" in (out / "report" / "summary.md").read_text()
