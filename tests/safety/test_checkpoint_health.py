@@ -3,6 +3,7 @@ message, diagnose and report; rotation keeps the newest healthy one; resume_from
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -160,3 +161,34 @@ def test_resume_without_a_checkpoint_advises_overwrite(tmp_path):
         train(out=out, resume_interrupted=True, **tiny_lm(steps=2))
     assert "the run stopped before its first checkpoint; start again with overwrite=true" in str(info.value)
     assert train(out=out, overwrite=True, **tiny_lm(steps=2)).steps_done == 2
+
+
+def test_a_checkpoint_inside_a_spike_the_self_healing_recovered_from_is_not_healthy(tmp_path):
+    """Issue 25, item 9: after a recovery the episode stays open until the loss is back for
+    ``persist`` logged steps; the checkpoints written before that are not healthy, those after are."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from heal_faults import SPIKE_STEP, settings
+
+    from stabletrain.runfiles.checkpoint import read_checkpoint_health
+
+    out = tmp_path / "run"
+    s = settings(out, "skip_step")
+    s.update(checkpoint_every_num_steps=1, max_checkpoints_to_keep=100)
+    train(**s)
+    health = {}
+    for path in sorted((out / "checkpoints").glob("step_*.ckpt")):
+        step, info = read_checkpoint_health(path)[:2]
+        health[step] = info
+    spike_row = next(r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+                     if r.get("event") == "recovery" and r.get("trigger") == "loss_spike")
+    assert spike_row["step"] == SPIKE_STEP
+    # The checkpoint holding step SPIKE_STEP's (skipped) step, and the next ones until the loss has been
+    # calm for 3 logged steps (persist), are not healthy; the one before the spike is.
+    assert health[SPIKE_STEP]["healthy"], health[SPIKE_STEP]["why"]
+    opened = health[SPIKE_STEP + 1]
+    assert not opened["healthy"] and "loss_spike episode the self-healing recovered from at step 32 is still open" \
+        in opened["why"], opened["why"]
+    assert health[SPIKE_STEP + 4]["healthy"], health[SPIKE_STEP + 4]["why"]

@@ -118,7 +118,7 @@ def test_a_failure_no_sample_explains_quarantines_nothing_and_the_stop_blames_th
     # The promised diagnosis ran, and the command changes the lr.
     assert all((Path(r["capture"]).parent / "diagnosis.json").is_file() for r in rows)
     command = text.split("overwrite=true: ")[1].split("\n")[0]
-    assert "model_args.lr=0.001" in command
+    assert "model_args.lr=3.0" in command, "a tenth of the run's own SGD lr, not AdamW's default"
 
 
 def test_update_size_advice_follows_the_optimizer():

@@ -88,6 +88,24 @@ class HealthTracker:
         self.detector = TrendDetector(self.args, warmup_steps=warmup_steps)
         self.recent: dict[str, deque[float]] = {s: deque(maxlen=self.args.window) for s in ("loss", "gradient_norm")}
         self.initial_weight_norm: Optional[float] = None
+        #: The recovery whose spike is still open: ``{"step", "trigger", "reference", "calm"}``; None when none is.
+        self.spike: Optional[dict[str, Any]] = None
+
+    def note_recovery(self, step: int, trigger: str) -> None:
+        """A step the self-healing skipped or rolled back: the episode stays open until the loss is
+        back at or below the highest of the logged losses before it (their window: the run's own
+        noise) for ``trend_alerts.persist`` logged steps in a row; a checkpoint or snapshot taken
+        before that is not healthy."""
+        if self.spike is not None:  # still the same episode: keep its reference from before it
+            self.spike.update(step=step, trigger=trigger, calm=0)
+            return
+        ref = max(self.recent["loss"]) if self.recent["loss"] else None
+        self.spike = {"step": step, "trigger": trigger, "reference": ref, "calm": 0, "first": step,
+                      "window": len(self.recent["loss"])}
+
+    @property
+    def spike_open(self) -> bool:
+        return self.spike is not None
 
     def observe(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Feed one logged step (``loss``, ``gradient_norm``)."""
@@ -96,6 +114,18 @@ class HealthTracker:
             v = metrics.get(signal)
             if isinstance(v, (int, float)) and math.isfinite(v):
                 values.append(float(v))
+        self._settle(step, metrics.get("loss"))
+
+    def _settle(self, step: int, loss: Any) -> None:
+        spike = self.spike
+        if spike is None or step <= spike["step"] or not isinstance(loss, (int, float)):
+            return
+        ref = spike["reference"]
+        calm = math.isfinite(loss) and (ref is None or loss <= ref)
+        spike["calm"] = spike["calm"] + 1 if calm else 0
+        spike["last_loss"] = float(loss)
+        if spike["calm"] >= self.args.persist:
+            self.spike = None
 
     def assess(
         self, step: int, *, last_step: int, loss: float, gradient_norm: float, weight_norm: float
@@ -114,6 +144,14 @@ class HealthTracker:
         for e in self.detector.open_episodes():
             if e.kind in ("exploding", "nonfinite") or (e.kind == "spike" and not e.tolerated):
                 problems.append(f"{e.describe()} (still open at step {self.detector.last_step})")
+        if self.spike is not None:
+            sp = self.spike
+            since = f"step {sp['first']}" + (f" (the latest at step {sp['step']})" if sp["step"] != sp["first"] else "")
+            level = (f"at or below {_f(sp['reference'])}, the highest of the {sp['window']} logged losses before it, "
+                     if sp["reference"] is not None else "finite ")
+            now = f" (now {_f(sp['last_loss'])})" if sp.get("last_loss") is not None else ""
+            problems.append(f"the {sp['trigger']} episode the self-healing recovered from at {since} is still open: "
+                            f"the loss has not been {level}for {self.args.persist} logged steps in a row{now}")
         reference: dict[str, Optional[float]] = {}
         limits = {"loss": self.args.loss_explode_factor, "gradient_norm": self.args.explode_factor}
         for signal, value in (("loss", loss), ("gradient_norm", gradient_norm)):

@@ -20,6 +20,7 @@ from stabletrain.errors import StabletrainError
 from stabletrain.safety.instability_guard import InstabilityGuard, Recovery
 from stabletrain.safety.quarantine import Quarantine, isolate_samples
 from stabletrain.utils.rng import set_rng_state
+from stabletrain.utils.text import shell_path
 
 __all__ = ["Healer", "RecoveryLimitError", "snapshot_bytes"]
 
@@ -166,7 +167,12 @@ class Healer:
                 t.console.info(f"Could not diagnose the capture of step {row['step']}: {type(exc).__name__}: {exc}")
                 continue
             verdicts[int(row["recovery"])] = str(result.verdict)
-            t.console.info(f"Diagnosis of the recovery at step {row['step']}: {result.verdict}")
+            if row.get("trigger") in _NONFINITE:
+                t.console.info(f"Diagnosis of the recovery at step {row['step']}: {result.verdict}")
+            else:  # diagnose looks for NaN/Inf: of a spike with finite values it can only say it replays finite
+                t.console.info(f"Diagnosis of the recovery at step {row['step']} ({row.get('trigger')}): its values "
+                               "were finite and the diagnosis looks for NaN/Inf, so it has no verdict on a spike; "
+                               f"the replay shows the step's loss: stabletrain replay {shell_path(folder)}")
         return verdicts
 
     def on_exception(self, trainer: Any, *, exception: BaseException) -> None:
@@ -196,7 +202,8 @@ class Healer:
             n = int(agreed[0])
         self._handle(self.guard.take(n))
         if self.policy == "rollback" and t.step % self.args.rollback_steps == 0:
-            if self.snapshot is None or self.snapshot["step"] != t.step:
+            # Not inside an open spike: the older snapshot stays the one to return to.
+            if (self.snapshot is None or self.snapshot["step"] != t.step) and not t.safety.health.spike_open:
                 self._take_snapshot()
 
     # ------------------------------------------------------------------ recoveries
@@ -226,6 +233,7 @@ class Healer:
         elif self.policy == "rollback":
             row.update(self._rollback(rec))
         self.recoveries.append(row)
+        t.safety.health.note_recovery(rec.step, rec.trigger)
         t.log_event(row)
         where = f"; capture: {capture}" if capture is not None else ""
         if over:

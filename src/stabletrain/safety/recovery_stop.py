@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from stabletrain.debug import advice
 from stabletrain.safety.quarantine import QUARANTINE_FILE
-from stabletrain.safety.stop_messages import logged_rows, resume_advice
+from stabletrain.safety.stop_messages import logged_rows, resume_advice, run_optimizer
 from stabletrain.utils.text import shell_path
 
 __all__ = ["recovery_limit_message", "update_size_advice"]
@@ -74,8 +74,12 @@ def recovery_limit_message(healer: Any, rec: Any, row: dict[str, Any], capture: 
         first = streak[0]["step"] if streak else min(r["step"] for r in unexplained)
         triggers = ", ".join(sorted({r["trigger"] for r in streak or unexplained}))
         logged = logged_rows(t)
-        lr, _ = advice.anchored_lr(s.model_args.lr, logged, first)
+        optimizer = run_optimizer(t)
+        lr, why = advice.anchored_lr(s.model_args.lr, logged, first, optimizer=optimizer)
         lower = {"model_args.lr": lr} if lr < s.model_args.lr else None
+        note = (f"It carries model_args.lr={advice.setting_value(lr)} instead of "
+                f"{advice.setting_value(s.model_args.lr)} ({why}): unchanged, the same settings from the same state "
+                "fail the same way." if lower else "")
         if len(streak) >= _STREAK:
             act = "rolling back" if healer.policy == "rollback" else "skipping"
             lines.append(f"Cause: the updates, not the data: the last {len(streak)} recoveries ({triggers}) came one "
@@ -86,11 +90,11 @@ def recovery_limit_message(healer: Any, rec: Any, row: dict[str, Any], capture: 
                          "apart and no sample was isolated for them (non-finite steps are searched sample by sample; "
                          "spikes with finite values are not). Look at the newest capture: stabletrain diagnose "
                          f"{shell_path(capture.parent) if capture is not None else t.out}")
-        text, _, _ = resume_advice(t, first, extra=lower)
+        text, _, _ = resume_advice(t, first, extra=lower, note=note)
         lines.append(text)
         lines.append("Next:")
-        lines.append("  - " + update_size_advice(t.optimizer, advice.anchored_lower_lr(s.model_args.lr, logged, first),
-                                               s.gradient_clip_val))
+        lower_text = advice.anchored_lower_lr(s.model_args.lr, logged, first, optimizer=optimizer)
+        lines.append("  - " + update_size_advice(t.optimizer, lower_text, s.gradient_clip_val))
         if quarantined:
             lines.append(f"  - {len(quarantined)} sample(s) are quarantined in {t.out / QUARANTINE_FILE}; "
                          "the resume skips them")
