@@ -28,7 +28,12 @@ TINY_LM: dict[str, Any] = {
 
 def tiny_lm(**overrides: Any) -> dict[str, Any]:
     """TINY_LM with overrides; nested dicts are merged one level deep."""
-    settings = {k: (dict(v) if isinstance(v, dict) else v) for k, v in TINY_LM.items()}
+    return settings_with(TINY_LM, **overrides)
+
+
+def settings_with(base: dict[str, Any], **overrides: Any) -> dict[str, Any]:
+    """``base`` with ``overrides``; nested dicts are merged one level deep."""
+    settings = {k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items()}
     for key, value in overrides.items():
         if isinstance(value, dict) and isinstance(settings.get(key), dict):
             settings[key].update(value)
@@ -78,3 +83,15 @@ class LinearData(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {"x": self.x[i], "y": self.y[i]}
+
+
+class Regression(torch.nn.Module):
+    """A small MLP for :class:`LinearData` (weights seeded): a user's own model with ``training_step``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+    def training_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.body(batch["x"]), batch["y"])

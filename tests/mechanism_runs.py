@@ -36,6 +36,7 @@ from typing import Any, Optional
 import torch
 
 import stabletrain
+from conftest import settings_with
 from stabletrain.errors import StabletrainError
 from stabletrain.loggers.jsonl import read_metrics
 
@@ -54,17 +55,6 @@ TINY: dict[str, Any] = {
     "loggers": {"tensorboard": {"enabled": False}},
     "checkpoint_every_num_steps": 1_000_000,  # only the final checkpoint
 }
-
-
-def settings_with(base: dict[str, Any], **overrides: Any) -> dict[str, Any]:
-    """``base`` with ``overrides``; nested dicts are merged one level deep."""
-    settings = {k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items()}
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(settings.get(key), dict):
-            settings[key].update(value)
-        else:
-            settings[key] = value
-    return settings
 
 
 class Rows(list):

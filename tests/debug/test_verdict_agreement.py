@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import stabletrain
+from conftest import Regression as _Regression
 from conftest import tiny_lm
 from stabletrain.debug import advice
 from stabletrain.debug.grad_norm import compute_grad_norm
@@ -135,16 +136,6 @@ class _Poisoned(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         return {"x": self.x[i], "y": self.y[i]}
-
-
-class _Regression(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.body = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
-
-    def training_step(self, batch):
-        return nn.functional.mse_loss(self.body(batch["x"]), batch["y"])
 
 
 def test_bad_sample_stop_capture_replay_and_diagnose_agree(tmp_path):

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from conftest import LinearData, tiny_lm
+from conftest import Regression as _Regression
 from stabletrain.debug.nan_capture import NaNDetectedError
 from stabletrain.safety.guard import NonFiniteStepError
 from stabletrain.training.loop import train
@@ -24,16 +25,6 @@ class _Poisoned(LinearData):
     def __init__(self):
         super().__init__(n=64)
         self.x[37, 2] = math.nan
-
-
-class _Regression(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.body = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
-
-    def training_step(self, batch):
-        return nn.functional.mse_loss(self.body(batch["x"]), batch["y"])
 
 
 def test_a_high_lr_stop_carries_a_lower_lr_on_the_optimizers_own_scale(tmp_path):
