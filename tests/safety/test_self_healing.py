@@ -371,3 +371,45 @@ def test_healing_adds_no_host_sync_on_steps_where_nothing_happens(tmp_path):
     assert quiet == [0, 1, 4, 6]
     assert [counts["rollback"][s] for s in quiet] == [counts["stop"][s] for s in quiet]
     assert all(counts["rollback"][s] > counts["stop"][s] for s in (2, 3))
+
+
+def test_spike_recoveries_in_a_row_get_one_diagnosis_line_naming_their_steps(tmp_path, monkeypatch):
+    """Six spike recoveries in a row printed six identical "no verdict on a spike" lines; now one
+    line names the steps, while a non-finite recovery keeps its own line with its verdict."""
+    import types
+
+    import stabletrain.debug.diagnose as diagnose_mod
+    from stabletrain.safety.healing import Healer
+
+    verdicts = {}
+
+    def fake_diagnose(folder, model=None):
+        return types.SimpleNamespace(verdict=verdicts[Path(folder).name])
+
+    monkeypatch.setattr(diagnose_mod, "diagnose", fake_diagnose)
+    lines: list[str] = []
+    trainer = types.SimpleNamespace(is_rank_zero=True, world_size=1, model=None, resolved_settings=lambda: {},
+                                    console=types.SimpleNamespace(info=lines.append))
+    healer = Healer.__new__(Healer)
+    healer.trainer = trainer
+    healer.recoveries = []
+    for k, (step, trigger) in enumerate([(54, "loss_spike"), (55, "loss_spike"), (56, "nonfinite_loss"),
+                                         (57, "loss_spike")]):
+        folder = tmp_path / "debug" / "recoveries" / f"step{step}_r{k}"
+        verdicts[folder.name] = f"verdict of {step}"
+        healer.recoveries.append({"step": step, "trigger": trigger, "recovery": k,
+                                  "capture": str(folder / "nan_capture.pt")})
+    assert healer._diagnose_captures() == {k: f"verdict of {s}" for k, s in enumerate([54, 55, 56, 57])}
+    assert lines[0] == "Diagnosis of the recovery at step 56: verdict of 56"
+    assert len(lines) == 2, lines
+    assert lines[1].startswith("Diagnosis of the recoveries at steps 54, 55, 57 (loss_spike): their values were "
+                               "finite and the diagnosis looks for NaN/Inf, so it has no verdict on a spike; "
+                               "the replay shows step 54's loss: stabletrain replay ")
+    assert lines[1].endswith("step54_r0")
+    # One spike alone keeps the singular line.
+    healer.recoveries = healer.recoveries[:1]
+    lines.clear()
+    healer._diagnose_captures()
+    assert lines == [f"Diagnosis of the recovery at step 54 (loss_spike): its values were finite and the diagnosis "
+                     f"looks for NaN/Inf, so it has no verdict on a spike; the replay shows the step's loss: "
+                     f"stabletrain replay {tmp_path / 'debug' / 'recoveries' / 'step54_r0'}"]
