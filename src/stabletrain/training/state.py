@@ -86,17 +86,21 @@ def continue_history(trainer: Any, state: dict[str, Any], source: Path) -> None:
     from stabletrain.runfiles.history import read_run
 
     health = state.get("health") if isinstance(state.get("health"), dict) else None
-    if health and isinstance(health.get("initial_weight_norm"), float):
-        trainer.safety.health.initial_weight_norm = health["initial_weight_norm"]
     metrics = trainer.out / "metrics.jsonl"
     if metrics.is_file():
         history = read_run(metrics)
+        # Steps the self-healing skipped are forgotten after their row, as the run did when it recovered.
+        skipped = {e["step"] for e in history.events if e.get("event") == "recovery" and e.get("action") == "skip_step"}
         for row in history.rows:
             if row["step"] < trainer.step:
                 trainer.safety.health.observe(row["step"], row)
+                if row["step"] in skipped:
+                    trainer.safety.health.forget(row["step"])
         note = history.skipped_note(metrics)
         if note is not None:
             trainer.console.info(note)
+    if health:  # after the rows: its open spike episode already counts them
+        trainer.safety.health.resume(health)
     verdict = "healthy" if health and health.get("healthy") else "not healthy"
     note = "" if health is None else f" ({verdict}: {health.get('why')})"
     trainer.console.info(f"Resumed from step {trainer.step}: {source}{note}")
