@@ -101,7 +101,31 @@ def continue_history(trainer: Any, state: dict[str, Any], source: Path) -> None:
             trainer.console.info(note)
     if health:  # after the rows: its open spike episode already counts them
         trainer.safety.health.resume(health)
+    honour_quarantine(trainer)
     verdict = "healthy" if health and health.get("healthy") else "not healthy"
     note = "" if health is None else f" ({verdict}: {health.get('why')})"
     trainer.console.info(f"Resumed from step {trainer.step}: {source}{note}")
     trainer.log_event({"event": "resume", "step": trainer.step, "checkpoint": str(source)})
+
+
+def honour_quarantine(trainer: Any) -> None:
+    """On a resume, whatever the policy: the samples in the run folder's ``quarantine.json`` (found
+    bad by the self-healing) stay out of the loader, and the console says which."""
+    from stabletrain.safety.quarantine import QUARANTINE_FILE, read_quarantine
+
+    path = trainer.out / QUARANTINE_FILE
+    try:
+        entries = read_quarantine(trainer.out)
+        indices = sorted({int(e["index"]) for e in entries})
+    except (ValueError, KeyError, TypeError) as exc:  # a hand-edited file: not a list of {"index": ...}
+        raise ConfigError([f"{path}: cannot read the quarantined samples ({type(exc).__name__}: {exc}); repair "
+                           "the file, or delete it to train on those samples again"]) from None
+    if not indices:
+        return
+    trainer.quarantined = frozenset(indices) | trainer.quarantined
+    trainer.build_loader()  # at the restored data position, without them
+    by_index = {int(e["index"]): e for e in entries}
+    shown = ", ".join(f"{i} (step {by_index[i].get('step', '?')}: {by_index[i].get('evidence', 'no evidence saved')})"
+                      for i in indices[:4]) + (f", ... ({len(indices) - 4} more)" if len(indices) > 4 else "")
+    trainer.console.info(f"Quarantine: {len(indices)} sample(s) found bad earlier in this run stay out of training "
+                         f"(listed in {path}): {shown}")
