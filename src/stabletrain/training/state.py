@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -86,6 +86,7 @@ def continue_history(trainer: Any, state: dict[str, Any], source: Path) -> None:
     from stabletrain.runfiles.history import read_run
 
     health = state.get("health") if isinstance(state.get("health"), dict) else None
+    quarantined = honour_quarantine(trainer)  # first: an unreadable file stops the resume before any row
     metrics = trainer.out / "metrics.jsonl"
     if metrics.is_file():
         history = read_run(metrics)
@@ -101,16 +102,18 @@ def continue_history(trainer: Any, state: dict[str, Any], source: Path) -> None:
             trainer.console.info(note)
     if health:  # after the rows: its open spike episode already counts them
         trainer.safety.health.resume(health)
-    honour_quarantine(trainer)
     verdict = "healthy" if health and health.get("healthy") else "not healthy"
     note = "" if health is None else f" ({verdict}: {health.get('why')})"
     trainer.console.info(f"Resumed from step {trainer.step}: {source}{note}")
     trainer.log_event({"event": "resume", "step": trainer.step, "checkpoint": str(source)})
+    if quarantined:
+        trainer.console.info(quarantined)
 
 
-def honour_quarantine(trainer: Any) -> None:
+def honour_quarantine(trainer: Any) -> Optional[str]:
     """On a resume, whatever the policy: the samples in the run folder's ``quarantine.json`` (found
-    bad by the self-healing) stay out of the loader, and the console says which."""
+    bad by the self-healing) stay out of the loader. Returns the console line saying which, None
+    when there are none."""
     from stabletrain.safety.quarantine import QUARANTINE_FILE, read_quarantine
 
     path = trainer.out / QUARANTINE_FILE
@@ -121,11 +124,11 @@ def honour_quarantine(trainer: Any) -> None:
         raise ConfigError([f"{path}: cannot read the quarantined samples ({type(exc).__name__}: {exc}); repair "
                            "the file, or delete it to train on those samples again"]) from None
     if not indices:
-        return
+        return None
     trainer.quarantined = frozenset(indices) | trainer.quarantined
     trainer.build_loader()  # at the restored data position, without them
     by_index = {int(e["index"]): e for e in entries}
     shown = ", ".join(f"{i} (step {by_index[i].get('step', '?')}: {by_index[i].get('evidence', 'no evidence saved')})"
                       for i in indices[:4]) + (f", ... ({len(indices) - 4} more)" if len(indices) > 4 else "")
-    trainer.console.info(f"Quarantine: {len(indices)} sample(s) found bad earlier in this run stay out of training "
-                         f"(listed in {path}): {shown}")
+    return (f"Quarantine: {len(indices)} sample(s) found bad earlier in this run stay out of training "
+            f"(listed in {path}): {shown}")
