@@ -201,3 +201,64 @@ def test_skipped_fp16_steps_stop_capture_and_diagnose_agree(tmp_path):
     d = stabletrain.diagnose(err.capture_path, write=False)
     assert d.reason == "skipped_steps" and "learning rate too high" not in d.verdict, d.verdict
     assert "skip" in d.verdict or "scale" in d.verdict, d.verdict
+
+
+def _rank_errors(stderr: str, world_size: int = 2) -> dict[int, str]:
+    """Each rank's exception text (after ``...Error: ``), from the ``[rankN]: `` lines of a 2-process run."""
+    found = {}
+    for r in range(world_size):
+        lines = [line[len(f"[rank{r}]: "):] for line in stderr.splitlines() if line.startswith(f"[rank{r}]: ")]
+        start = next(i for i, line in enumerate(lines) if re.match(r"stabletrain\.[\w.]+Error: ", line))
+        found[r] = "\n".join([lines[start].split("Error: ", 1)[1], *lines[start + 1:]])
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nancapture", [True, False], ids=["nancapture", "guard"])
+def test_another_ranks_failure_every_rank_capture_and_diagnose_agree(tmp_path, nancapture):
+    """DDP on 2 processes, a NaN in one sample of rank 1's data at step 2. Rank 0's own loss is finite;
+    DDP averages rank 1's NaN gradients into its. Each rank used to report what it saw: rank 1 a
+    non-finite loss with the data advice, rank 0 non-finite gradients with a lower lr. Now every rank
+    reports rank 1's message; the capture's reasons say what each rank saw; diagnose of all ranks
+    leads with rank 1's loss and names the sample, and of rank 0 alone says another rank's step failed
+    (not a hardware fault)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import cli_env
+    from nan_models import samples_of_step
+
+    script = Path(__file__).with_name("nan_models.py")
+    proc = subprocess.run([sys.executable, str(script), "run", "2", *([] if nancapture else ["guard"])],
+                          cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    errors = _rank_errors(proc.stderr)
+    assert errors[0] == errors[1], "the two ranks name one cause"
+    head = "Non-finite loss at step 2 (rank 1 of 2)" if nancapture else \
+        "Non-finite loss and gradient norm at step 2 (rank 1 of 2)"
+    message = errors[0]
+    assert message.startswith(head), message
+    assert "on_instability.policy=skip_step" in message and "It carries model_args.lr" not in message, message
+    events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+              if '"event"' in line]
+    if not nancapture:
+        (row,) = [e for e in events if e["event"] == "nonfinite_step"]
+        assert row["step"] == 2
+        return
+    folder = tmp_path / "run" / "debug" / "nan_capture"
+    reasons = {r: torch.load(folder / f"rank{r}" / "nan_capture.pt", weights_only=True)["reason"] for r in (0, 1)}
+    assert reasons == {0: "nonfinite_gradients", 1: "nonfinite_loss"}
+    victim = samples_of_step(2, world_size=2, rank=1)[1]
+    from nan_models import PoisonNet
+
+    d = stabletrain.diagnose(folder, model=PoisonNet(), write=False)
+    assert d.reason == "nonfinite_loss"
+    assert f"bad data: batch['x'] of sample {victim} holds 1 non-finite value" in d.verdict, d.verdict
+    assert ("on a non-finite loss on rank 1 (rank 0: non-finite gradients, averaged in from the gradients of the "
+            "ranks whose loss was non-finite)") in d.summary, d.summary
+    alone = stabletrain.diagnose(folder / "rank0", model=PoisonNet(), write=False)
+    assert alone.probable_cause == "another rank's step failed; this rank only stopped with it", alone.verdict
+    assert "hardware" not in alone.verdict and "hardware" not in alone.cause_explanation
+    assert alone.next_actions == [f"Diagnose all ranks together: stabletrain diagnose {folder}"]

@@ -60,10 +60,13 @@ class NonFiniteStepError(StabletrainError):
         checkpoint: The newest healthy checkpoint, when there is one.
         command: A command to paste: continue from that checkpoint with nancapture on, or
             start again.
+        other_rank: True on the ranks whose message is another rank's: when ranks fail together,
+            every rank reports the message of the rank closest to the cause, and the command line
+            prints it once, from that rank.
     """
 
     def __init__(self, message: str, failure: "GuardFailure", *, capture_path: Any = None,
-                 checkpoint: Any = None, command: str = ""):
+                 checkpoint: Any = None, command: str = "", other_rank: bool = False):
         super().__init__(message)
         self.failure = failure
         self.step = failure.step
@@ -77,15 +80,18 @@ class NonFiniteStepError(StabletrainError):
         self.capture_path = capture_path
         self.checkpoint = checkpoint
         self.command = command
+        self.other_rank = other_rank
 
     def __reduce__(self) -> Any:
-        return (_rebuild_error, (str(self), self.failure, self.capture_path, self.checkpoint, self.command))
+        return (_rebuild_error, (str(self), self.failure, self.capture_path, self.checkpoint, self.command,
+                                 self.other_rank))
 
 
 def _rebuild_error(
-    message: str, failure: "GuardFailure", capture: Any, checkpoint: Any, command: str
+    message: str, failure: "GuardFailure", capture: Any, checkpoint: Any, command: str, other_rank: bool = False
 ) -> NonFiniteStepError:
-    return NonFiniteStepError(message, failure, capture_path=capture, checkpoint=checkpoint, command=command)
+    return NonFiniteStepError(message, failure, capture_path=capture, checkpoint=checkpoint, command=command,
+                              other_rank=other_rank)
 
 
 @dataclass
