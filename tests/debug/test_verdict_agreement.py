@@ -46,7 +46,8 @@ def test_huge_but_finite_update_guard_diagnose_and_replay_agree(adamw_huge):
     value, name = m.group(1), m.group(2)
     model_max = max(float(t.abs().max()) for t in torch.load(err.capture_path, weights_only=True)["params"].values())
     assert model_max < 1e20, "the premise: the capture holds the weights from before the step"
-    assert "overflows once values pass about 1.8e+19" in message, "the check's threshold is stated"
+    assert "past float32's largest value 3.4e+38, so the float32 L2 norm the guard checks overflows" in message
+    assert "(one value alone does it from about 1.8e+19)" in message, "the check's threshold is stated"
 
     d = stabletrain.diagnose(err.capture_path, write=False)
     assert d.reproduced and d.finite_overflow and not d.nonfinite_params
@@ -120,6 +121,34 @@ def test_optimizer_state_overflow_is_not_blamed_on_the_weights():
     largest = max(float(p.detach().abs().max()) for p in model.parameters())
     assert largest < 1 and f"|w| up to {largest:.4g}" in text
     assert "the gradients are exploding, not the weights" in text
+
+
+def test_a_state_norm_overflow_below_the_one_value_threshold_says_why():
+    """Issue 25, item 17, the compiled AdamW lr=1e3 run (stopped at step 28: "ln_f.bias: exp_avg_sq
+    reaches 5.528e+18"): each value stays below the ~1.8e19 at which one value alone overflows the
+    float32 norm, but a tensor's many squares add up past float32's largest value. The message said
+    "overflows once values pass about 1.8e+19", which that value does not: it now says what summed."""
+    torch.manual_seed(0)
+    model = nn.Linear(64, 128)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = StepGuard(model, optimizer)
+    loss = model(torch.randn(8, 64)).pow(2).mean()
+    loss.backward()
+    for p in model.parameters():
+        p.grad.fill_(7e10)  # exp_avg_sq after one step: (1 - 0.999) * 4.9e21 = 4.9e18 per value
+    guard.check_gradients(0, compute_grad_norm(model.named_parameters()).total, losses=[loss])
+    optimizer.step()
+    guard.check_update(0)
+    with pytest.raises(NonFiniteStepError) as info:
+        guard.raise_if_failed()
+    text = str(info.value)
+    v = optimizer.state[model.weight]["exp_avg_sq"].double()
+    assert v.max() < 1.8e19 < v.pow(2).sum().sqrt(), "the premise: no value alone, the sum overflows"
+    assert f"weight: exp_avg_sq reaches {float(v.max()):.4g} (the squares of its 8,192 values sum to " \
+           f"{float(v.pow(2).sum()):.3g}, past float32's largest value 3.4e+38" in text, text
+    assert "once values pass" not in text
+    assert f"needs a gradient of at least {math.sqrt(float(v.max())):.3g}" in text
+    assert "the gradients are exploding, not the weights" in text and "made the weights so large" not in text
 
 
 class _Poisoned(torch.utils.data.Dataset):

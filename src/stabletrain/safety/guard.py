@@ -136,15 +136,16 @@ class GuardFailure:
         state = [t for t in self.trips if t.kind != "parameter"]
         if weights or not state:
             name, value = (weights[0].name, weights[0].abs_max) if weights else (self.largest_name, self.largest_abs)
+            why = (weights[0].overflow_text() if weights and weights[0].numel else
+                   f"the guard's check takes the float32 L2 norm of the weights, which overflows once values pass "
+                   f"about {limit}")
             return (f"The optimizer step of {where} made the weights so large, from finite gradients {given}, "
                     f"that their float32 norm overflows: every value is still finite, but |w| reaches "
-                    f"{_fmt(value)} in {name} (the guard's check takes the float32 L2 norm of the weights, which "
-                    f"overflows once values pass about {limit})")
+                    f"{_fmt(value)} in {name} ({why})")
         t = state[0]
         return (f"The optimizer step of {where} left optimizer state so large, from finite gradients {given}, that "
                 f"its float32 norm overflows: every value is still finite, but {t.name} reaches {_fmt(t.abs_max)} "
-                f"(the guard's check takes the float32 L2 norm of the optimizer state, which overflows once values "
-                f"pass about {limit}); the weights stay smaller, |w| up to {_fmt(self.largest_abs)} in "
+                f"({t.overflow_text()}); the weights stay smaller, |w| up to {_fmt(self.largest_abs)} in "
                 f"{self.largest_name}")
 
     def describe(self) -> str:
