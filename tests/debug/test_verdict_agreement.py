@@ -256,8 +256,9 @@ def test_another_ranks_failure_every_rank_capture_and_diagnose_agree(tmp_path, n
     import sys
     from pathlib import Path
 
-    from conftest import cli_env
     from nan_models import samples_of_step
+
+    from conftest import cli_env
 
     script = Path(__file__).with_name("nan_models.py")
     proc = subprocess.run([sys.executable, str(script), "run", "2", *([] if nancapture else ["guard"])],
