@@ -153,6 +153,23 @@ def test_a_signal_inside_a_blow_up_continues_from_the_healthy_checkpoint_with_th
         in printed
 
 
+def test_a_keyboard_interrupt_inside_a_blow_up_does_not_continue_the_unhealthy_checkpoint(tmp_path, capsys):
+    class Interrupt:
+        def on_step_start(self, trainer, *, step):
+            if step == 9:
+                raise KeyboardInterrupt
+
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        train(out=out, callbacks=[Interrupt()], **tiny_lm(steps=40, checkpoint_every_num_steps=2,
+                                                            model_args={"optimizer": "sgd", "lr": 3.0,
+                                                                        "warmup_steps": 10}))
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("Interrupted during step 9"))
+    assert f"The last checkpoint ({out / 'checkpoints' / 'last.ckpt'}, 8 steps) is not healthy (" in line
+    assert f"resume_from='{out / 'checkpoints' / 'step_000004.ckpt'}') with model_args.lr=0.6" in line
+    assert "Continue from the last checkpoint" not in line
+
+
 def test_interrupted_before_any_checkpoint_suggests_overwrite(tmp_path, capsys):
     """A KeyboardInterrupt in the middle of a step (not a signal between steps: no checkpoint)."""
 
