@@ -24,11 +24,11 @@ def other_rank_only(ev: Evidence, cap: NaNCapture) -> bool:
     """This rank's capture alone, taken because another rank failed: its own step was healthy. Either it
     found nothing itself (other_rank), or its loss was finite and its gradients non-finite only once
     averaged with the other ranks' (DDP): replayed alone, from its own data, they are finite."""
-    if len(cap.ranks) != 1 or cap.world_size < 2:
+    if len(cap.ranks) != 1:
         return False
     if ev.reason == REASON_OTHER_RANK:
         return True
-    return (ev.reason == "nonfinite_gradients" and ev.cause == NOT_REPRODUCIBLE
+    return (ev.reason == "nonfinite_gradients" and ev.cause == NOT_REPRODUCIBLE and cap.world_size > 1
             and all(math.isfinite(float(x)) for x in cap.ranks[0].losses))
 
 
