@@ -85,6 +85,11 @@ BOOM = ("stabletrain train out=out/boom model_args.optimizer=sgd model_args.lr=1
 BOOM_CAPTURE = "out/boom/debug/nan_capture/rank0"
 TREND = ("stabletrain train out=out/trend model_args.optimizer=sgd model_args.lr=1 model_args.warmup_steps=20 "
          "steps=40 log_every_num_steps=1 gradient_norm_per_layer=true")
+# docs/mechanisms.md: the tiny model of the reproductions (stabletrain.training.reproductions.TINY) at AdamW lr 0.1,
+# no weight decay, no dropout: attention-logit growth, never a NaN.
+ATTENTION = ("stabletrain train out=out/attention model_args.lr=0.1 model_args.weight_decay=0 model_args.dropout=0 "
+             "model_args.n_layers=1 model_args.n_heads=2 model_args.dim=32 model_args.context_length=16 "
+             "model_args.warmup_steps=5 batch_size=8 steps=200 checkpoint_every_num_steps=10")
 PLAIN = "stabletrain diagnose out/plain/nan_capture/rank0 --model example.py:Net --step-fn example.py:my_step_fn"
 # A 201-byte text file: 3 windows of 65 tokens, fewer than one batch of 32.
 SMALL_TEXT = ("It was the best of times, it was the worst of times, " * 4)[:200] + "\n"
@@ -138,6 +143,15 @@ RUNS: dict[str, Run] = {
     "lr-sensitivity": Run(("python benchmarks/lr_sensitivity.py",),
                           files={"benchmarks/lr_sensitivity.py": (ROOT / "benchmarks/lr_sensitivity.py").read_text()}),
     "heal": Run(("python heal.py",), files={"heal.py": Example("heal")}),
+    "attention": Run((ATTENTION,)),
+    "attention-report": Run(("stabletrain report out/attention",), needs=("attention",)),
+    "attention-diagnose": Run(("stabletrain diagnose out/attention",), needs=("attention",)),
+    "false-alarms": Run(("python benchmarks/mechanism_false_alarms.py",),
+                        files={"benchmarks/mechanism_false_alarms.py":
+                               (ROOT / "benchmarks/mechanism_false_alarms.py").read_text()}),
+    "lead-time": Run(("python benchmarks/mechanism_lead_time.py",),
+                     files={"benchmarks/mechanism_lead_time.py":
+                            (ROOT / "benchmarks/mechanism_lead_time.py").read_text()}),
 }
 
 
@@ -406,6 +420,15 @@ BLOCKS: dict[str, Block] = {
     "mechanisms-row": metrics_row("demo", "out/demo/metrics.jsonl", lambda r: r.get("step") == 0 and "loss" in r,
                                   keys=MECHANISM_KEYS, digits=3),
     "mechanisms-plain": console("mechanisms-plain"),
+    "mechanism-alert": console("attention", trim=pick(r"^WARNING mechanism", r"^  next", r"^  the newest",
+                                                      r"^The run finished", r"^Done", first=(r"^step ",))),
+    "mechanism-row": metrics_row("attention", "out/attention/metrics.jsonl", lambda r: r.get("event") == "mechanism",
+                                 keys=["event", "step", "id", "name", "where", "start_step", "detected_step",
+                                       "evidence", "follows"], digits=3),
+    "mechanism-report": console("attention-report", trim=drop(r"^written:")),
+    "mechanism-diagnose": console("attention-diagnose"),
+    "lead-time": console_then_markdown("lead-time"),
+    "false-alarms": console_then_markdown("false-alarms"),
     "lr-sensitivity": Block(("lr-sensitivity",), console_then_markdown("lr-sensitivity").render,
                             copy={"out/lr_sensitivity/lr_sensitivity.png": "docs/img/lr_sensitivity.png"}),
     # docs/self_healing.md

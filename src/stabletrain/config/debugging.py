@@ -142,9 +142,9 @@ class MechanismArgs(SettingsGroup):
     runaway_loss_rise: Float = Field(
         0.2, gt=0, description="... and the loss this fraction above its lowest logged value."
     )
-    logsumexp_limit: Float = Field(
-        30.0, gt=0, description="Output-logit divergence: |signals/output_logsumexp| (log Z) at least this many nats "
-        "and grown this much since the first logged step."
+    logit_mean_limit: Float = Field(
+        20.0, gt=0, description="Output-logit divergence: signals/output_logit_mean (the logits' common level, which "
+        "the softmax ignores) at least this far from 0 and from its first logged value."
     )
     stale_update_jump: Float = Field(
         10.0, gt=1, description="Stale second moment (Adam): signals/update_rms_max this many times its median over "

@@ -341,14 +341,16 @@ class Trainer:
                       reason: str = "") -> str:
         """Where to continue after a failure at ``failing_step``: the newest healthy checkpoint,
         why, and the command to paste (or ``overwrite=true`` when there is none)."""
-        from stabletrain.safety.stop_messages import failure_remedy, resume_advice
+        from stabletrain.safety.stop_messages import failure_remedy, mechanisms_note, resume_advice
 
         if failing_step is None:
             return resume_advice(self, None)[0]
         # A failure: the command carries what to change (the same settings fail again), and says so.
         remedy = failure_remedy(self, failing_step, loss_nonfinite=bool(loss_nonfinite),
                                 skipped_steps=reason == "skipped_steps")
-        return resume_advice(self, failing_step, extra=remedy.change or None, note=remedy.why)[0]
+        note = mechanisms_note(self, failing_step)
+        return (note + " " if note else "") + resume_advice(self, failing_step, extra=remedy.change or None,
+                                                            note=remedy.why)[0]
 
     def healthy_checkpoint(self, before_step: Optional[int] = None) -> Optional[CheckpointInfo]:
         """The newest checkpoint of this run recorded healthy (see :mod:`stabletrain.safety.checkpoint_health`)."""

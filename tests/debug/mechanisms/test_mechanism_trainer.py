@@ -50,7 +50,7 @@ def float64_forward_signals(state: dict, microbatches: list[dict], n_layers: int
     model.load_state_dict({k: v.double() for k, v in state.items()})
     maxes = {i: [] for i in range(n_layers)}
     entropies = {i: [] for i in range(n_layers)}
-    lse, absmax = [], []
+    lse, absmax, means = [], [], []
     with torch.no_grad():
         for batch in microbatches:
             ids = batch["input_ids"]
@@ -66,6 +66,7 @@ def float64_forward_signals(state: dict, microbatches: list[dict], n_layers: int
                 x = block(x)
             logits = model.head(model.ln_f(x)).reshape(-1, 256)
             lse.append(torch.logsumexp(logits, -1))
+            means.append(logits.mean(-1))
             absmax.append(logits.abs().max().item())
     out = {}
     for i in range(n_layers):
@@ -75,6 +76,7 @@ def float64_forward_signals(state: dict, microbatches: list[dict], n_layers: int
     out["signals/attn_entropy_min"] = min(torch.cat(e).mean().item() for e in entropies.values())
     out["signals/output_logsumexp"] = torch.cat(lse).mean().item()
     out["signals/output_logit_absmax"] = max(absmax)
+    out["signals/output_logit_mean"] = torch.cat(means).mean().item()
     return out
 
 
