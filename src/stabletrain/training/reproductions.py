@@ -210,11 +210,12 @@ def loss_lost_step(rows: list[dict], reference: list[dict], margin: float = 0.05
 
 
 def run_output_drift(tmp_path: Path, weight_decay: float = 0.0, lr: float = 0.5, **overrides: Any) -> Rows:
-    """Output-logit divergence, after attention-logit growth: AdamW at a constant lr 0.5 without weight decay,
-    qk_norm on, 400 steps logged every 10. The logits' common level (``signals/output_logit_mean``) sinks
-    from 0 to below -20 while the loss degrades; weight decay 0.1 (a published fix) keeps it near -4 and
-    the loss 1 nat lower (the attention still grows at this lr). The attention fails first (qk_norm's gains grow at this lr), so the output drift is named as
-    following it: no setting tried here makes the output logits diverge first (docs/mechanisms.md)."""
+    """Output-logit divergence, after attention-logit growth: AdamW at a constant lr 0.5 without weight
+    decay, qk_norm on, 400 steps logged every 10. The logits' common level (``signals/output_logit_mean``)
+    sinks from 0 to below -20 while the loss degrades; weight decay 0.1 (a published fix) keeps it near -4
+    and the loss 1 nat lower (the attention still grows at this lr). The attention fails first (qk_norm's
+    gains grow at this lr), so the output drift is named as following it: no setting tried here makes the
+    output logits diverge first (docs/mechanisms.md)."""
     defaults = {"steps": 400, "log_every_num_steps": 10}
     model_args = {"lr": lr, "qk_norm": True, "lr_schedule": "constant", "weight_decay": weight_decay}
     return _run(tmp_path, f"output_drift_wd{weight_decay:g}", defaults, model_args, overrides)
