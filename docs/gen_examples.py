@@ -324,15 +324,20 @@ def metrics_row(run: str, path: str, where: Callable[[dict], bool], command: boo
 
 def console_then_markdown(run: str) -> Block:
     """The run's command and the lines of its output that are not a markdown table as a console
-    block, then the table (lines starting with ``|``) as markdown."""
+    block, then the tables (lines starting with ``|``) as markdown, a blank line between two."""
 
     def render(ws: "Workspace") -> str:
         (command, output), = ws.outputs[run]
         lines = output.splitlines()
         text = [line for line in lines if not line.startswith("|")]
-        table = [line for line in lines if line.startswith("|")]
+        tables: list[list[str]] = []
+        for i, line in enumerate(lines):
+            if line.startswith("|"):
+                if not tables or not lines[i - 1].startswith("|"):
+                    tables.append([])
+                tables[-1].append(line)
         shown = fence("console", [f"$ {command}", *_rstrip([t for t in text if t.strip()])])
-        return shown + "\n" + "\n".join(table) + "\n"
+        return shown + "\n" + "\n\n".join("\n".join(t) for t in tables) + "\n"
 
     return Block((run,), render)
 
