@@ -217,3 +217,19 @@ def test_the_output_logits_drift_at_lr_0_5_without_weight_decay_and_weight_decay
     assert "output_logit_divergence" not in {e["id"] for e in runs.mechanism_events(decayed)}
     assert max(abs(v) for v in values(decayed, "signals/output_logit_mean")) < 10
     assert runs.final_loss(decayed) < runs.final_loss(drift) - 1.0
+
+
+def test_diagnose_of_a_capture_names_the_mechanism_that_came_before_it(tmp_path):
+    """The README tour's cause is the updates, not the op where the NaN appeared: diagnose of the capture
+    leads with runaway updates, then says where it ended."""
+    import stabletrain
+
+    rows = runs.run_sgd_blowup(tmp_path, debug_args={"nancapture": {"enabled": True}})
+    (event, *_) = runs.mechanism_events(rows)
+    d = stabletrain.diagnose(rows.out / "debug" / "nan_capture" / "rank0", write=False)
+    assert [m.id for m in d.mechanisms][:1] == ["runaway_updates"]
+    assert d.probable_cause.startswith(f"runaway updates in decay from step {event['start_step']} (named in the "
+                                       f"logged signals at step {event['step']}); the failure is where it ended: ")
+    text = d.to_markdown()
+    assert "## Before it failed: mechanisms in the logged signals" in text and event["message"] in text
+    assert text.index("## Before it failed") < text.index("## Where")
