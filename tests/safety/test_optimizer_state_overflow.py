@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from nan_models import samples_of_step
 from torch import nn
 
-from nan_models import samples_of_step
 from stabletrain.debug.grad_norm import compute_grad_norm
 from stabletrain.runfiles.checkpoint import list_checkpoints, load_checkpoint
 from stabletrain.safety.checkpoint_health import nonfinite_entries, verify_tensors
@@ -97,6 +97,11 @@ def test_trainer_stops_at_the_step_whose_optimizer_state_overflowed_and_names_th
     text = str(err)
     assert f"The optimizer step of step {BAD_STEP} (rank 0 of 1) wrote non-finite values from finite gradients" in text
     assert "Optimizer state with NaN/Inf: w: exp_avg_sq." in text and "Parameters with NaN/Inf" not in text
+    # Why, from what is measured: one entry of w's second moment, the float16 limit, the frozen update.
+    assert ("exp_avg_sq holds 1 Inf/NaN value(s) in w while the weights are finite: the squared gradient overflowed "
+            "float16 (largest value 6.55e+04; (1 - beta2) x g^2 passes it from |g| of about 1.14e+03), so the update "
+            "exp_avg / (sqrt(exp_avg_sq) + eps) is 0 there") in text
+    assert "train with precision=16-mixed or bf16-mixed" in text
     # Every checkpoint on disk is from before the step and finite; the one after it was never written.
     infos = list_checkpoints(out / "checkpoints")
     assert [c.step for c in infos] == list(range(1, BAD_STEP + 1))
