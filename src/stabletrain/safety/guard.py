@@ -267,7 +267,9 @@ class StepGuard:
         self.skipped_total = torch.zeros((), dtype=torch.int64, device=self.device)
         #: L2 norm of the parameters after the last checked optimizer step (device float32).
         self.weight_norm = torch.full((), math.nan, dtype=torch.float32, device=self.device)
-        self._last_values = torch.full((3,), math.nan, dtype=torch.float64, device=self.device)
+        # The last check_gradients' loss, gradient norm and skip run; an update checked before any
+        # (a plain loop that only calls check_update) has no loss or norm, and no skipped steps.
+        self._last_values = torch.tensor([math.nan, math.nan, 0.0], dtype=torch.float64, device=self.device)
         self._known: Optional[list[float]] = None
         # A host mirror of the verdict, read as a NumPy array: plain host memory. On the CPU it is
         # refreshed by a CPU copy (there is no device to wait for); on a GPU by an asynchronous
