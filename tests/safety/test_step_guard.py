@@ -92,7 +92,7 @@ def _loop(guard, model, opt, losses, *, skip_at=()):
         skip = torch.tensor(step in skip_at)
         guard.check_gradients(step, gn, losses=[loss], skip=skip)
         seen.append((float(loss.detach()), float(gn)))
-        if step not in skip_at and math.isfinite(float(loss)):
+        if step not in skip_at and math.isfinite(float(loss.detach())):
             opt.step()
         guard.check_update(step)
         opt.zero_grad()
@@ -244,3 +244,68 @@ def test_long_name_lists_are_shortened_with_a_count():
     assert len(f.param_names) == 8
     assert ("Parameters with NaN/Inf: 8: 0.weight (1), 0.bias (2), 1.weight (3), 1.bias (2), 2.weight (4), 2.bias (2), "
             "... (2 more).") in f.describe()
+
+
+def test_the_error_pickles_with_its_capture_checkpoint_and_command(tmp_path):
+    guard = StepGuard(nn.Linear(2, 1))
+    failure = guard.failure([3.0, 1, 0, 0, 0, 0, math.nan, math.nan, 0, -1, math.nan, math.nan])
+    err = NonFiniteStepError("stopped", failure, capture_path=tmp_path / "c.pt", checkpoint=tmp_path / "last.ckpt",
+                             command="stabletrain train out=x resume_from=y")
+    back = pickle.loads(pickle.dumps(err))
+    assert (back.capture_path, back.checkpoint, back.command) == (
+        tmp_path / "c.pt", tmp_path / "last.ckpt", "stabletrain train out=x resume_from=y")
+    assert (str(back), back.step, back.nonfinite) == ("stopped", 3, ["loss"])
+
+
+def test_an_update_checked_without_its_gradients_says_so():
+    model = nn.Linear(3, 1)
+    with torch.no_grad():
+        model.weight[0, 1] = math.inf
+    guard = StepGuard(model)
+    guard.check_update(2)  # a plain loop that checks updates only
+    with pytest.raises(NonFiniteStepError) as info:
+        guard.raise_if_failed()
+    assert str(info.value).startswith("The optimizer step of step 2 (rank 0 of 1) wrote non-finite values (its loss "
+                                      "and gradients were not checked). Parameters with NaN/Inf: 1: weight (1).")
+
+
+def test_huge_but_finite_weights_and_state_are_told_apart_by_value():
+    """Every value finite, but the float32 norm the guard checks overflowed: of the weights (SGD, lr
+    1e24) or of AdamW's second moment (gradients of 1e19); the message names the tensor and its size."""
+    torch.manual_seed(0)
+    model = nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[0.5, -0.25]]))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    guard = StepGuard(model, opt)
+    model.weight.grad = torch.full_like(model.weight, 1e19)
+    guard.check_gradients(0, compute_grad_norm(model.named_parameters()).total, losses=[torch.tensor(2.0)])
+    opt.step()
+    guard.check_update(0)
+    with pytest.raises(NonFiniteStepError) as info:
+        guard.raise_if_failed()
+    w = float(model.weight.detach().abs().max())
+    assert str(info.value).startswith(
+        "The optimizer step of step 0 (rank 0 of 1) left optimizer state so large, from finite gradients (loss 2, "
+        "gradient norm 1.414e+19), that its float32 norm overflows: every value is still finite, but weight: exp_avg_sq "
+        "reaches 1e+35 (the guard's check takes the float32 L2 norm of the optimizer state, which overflows once values "
+        f"pass about 1.8e+19); the weights stay smaller, |w| up to {w:.4g} in weight. Optimizer: torch.optim.AdamW. "
+        "exp_avg_sq holds squared gradients: 1e+35 means a gradient of at least 3.16e+17 (gradient norm 1.414e+19): "
+        "the gradients are exploding, not the weights.")
+
+    sgd_model = nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        sgd_model.weight.copy_(torch.tensor([[0.5, -0.25]]))
+    sgd = torch.optim.SGD(sgd_model.parameters(), lr=1e24)
+    guard = StepGuard(sgd_model, sgd)
+    sgd_model.weight.grad = torch.tensor([[2.0, -4.0]])
+    guard.check_gradients(0, compute_grad_norm(sgd_model.named_parameters()).total, losses=[torch.tensor(2.0)])
+    sgd.step()
+    guard.check_update(0)
+    with pytest.raises(NonFiniteStepError) as info:
+        guard.raise_if_failed()
+    assert str(info.value).startswith(
+        "The optimizer step of step 0 (rank 0 of 1) made the weights so large, from finite gradients (loss 2, gradient "
+        "norm 4.472), that their float32 norm overflows: every value is still finite, but |w| reaches 4e+24 in weight "
+        "(the guard's check takes the float32 L2 norm of the weights, which overflows once values pass about 1.8e+19). "
+        "Optimizer: torch.optim.SGD. The learning rate is 1e+24: SGD moves a weight by lr x its gradient.")

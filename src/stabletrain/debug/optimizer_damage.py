@@ -161,8 +161,9 @@ def explain_trips(trips: list[RangeTrip], lr: Any, gradient_norm: float, optimiz
     if state:
         t = state[0]
         if t.name.endswith("exp_avg_sq"):
-            parts.append(f"{t.name.split(': ')[-1]} holds squared gradients: {t.abs_max:.3g} is a gradient of "
-                         f"about {math.sqrt(t.abs_max):.3g} (gradient norm {gradient_norm:.4g}): the gradients are "
+            # exp_avg_sq is a weighted mean of g^2 with weights summing to at most 1: some |g| >= sqrt(v).
+            parts.append(f"{t.name.split(': ')[-1]} holds squared gradients: {t.abs_max:.3g} means a gradient of at "
+                         f"least {math.sqrt(t.abs_max):.3g} (gradient norm {gradient_norm:.4g}): the gradients are "
                          "exploding, not the weights.")
         else:
             parts.append(f"{t.name} grew beyond what its float32 norm holds (gradient norm {gradient_norm:.4g}).")
