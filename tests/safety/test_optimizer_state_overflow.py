@@ -98,7 +98,7 @@ def test_trainer_stops_at_the_step_whose_optimizer_state_overflowed_and_names_th
     assert f"The optimizer step of step {BAD_STEP} (rank 0 of 1) wrote non-finite values from finite gradients" in text
     assert "Optimizer state with NaN/Inf: w: exp_avg_sq." in text and "Parameters with NaN/Inf" not in text
     # Why, from what is measured: one entry of w's second moment, the float16 limit, the frozen update.
-    assert ("exp_avg_sq holds 1 Inf/NaN value(s) in w while the weights are finite: the squared gradient overflowed "
+    assert ("exp_avg_sq holds 1 Inf value(s) in w while the weights are finite: the squared gradient overflowed "
             "float16 (largest value 6.55e+04; (1 - beta2) x g^2 passes it from |g| of about 1.14e+03), so the update "
             "exp_avg / (sqrt(exp_avg_sq) + eps) is 0 there") in text
     assert "train with precision=16-mixed or bf16-mixed" in text

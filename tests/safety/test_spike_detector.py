@@ -156,3 +156,45 @@ def test_state_lives_on_the_detector_s_device_in_float64_and_int64():
     assert verdict.device.type == "meta" and verdict.dtype == torch.float64 and verdict.shape == (6,)
     assert {k: v.device.type for k, v in d.state_dict().items()} == {"buffer": "meta", "count": "meta",
                                                                       "max_loss": "meta"}
+
+
+def test_the_first_judged_steps_match_the_reference_with_a_short_window():
+    """warmup=2, window=3: the first judged step has 2 good steps behind it (one step-to-step pair),
+    and the ring is not full yet; then it wraps."""
+    losses = [1.0, 1.2, 1.9, 1.1, 1.0, 3.5, 1.05, 0.95, 1.0]
+    gns = [1.0, 1.3, 1.1, 4.0, 1.0, 1.1, 0.9, 1.2, 1.0]
+    steps = [(float(torch.tensor(a)), float(torch.tensor(b))) for a, b in zip(losses, gns)]
+    settings = dict(window=3, zscore=1.5, warmup=2, max_ratio=10.0, min_std=0.05)
+    detector = SpikeDetector(**settings)
+    got = [detector.observe(torch.tensor(a), torch.tensor(b)).tolist() for a, b in steps]
+    want = _reference(steps, **settings)
+    assert [int(v[1]) for v in want][:4] == [0, 0, 3, 4], "judged from the third step (2 good ones before it)"
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert a[:2] == b[:2], (step, a, b)
+        for x, y in zip(a[2:], b[2:]):
+            assert (math.isnan(x) and math.isnan(y)) or x == pytest.approx(y, rel=1e-9, abs=1e-12), (step, a, b)
+
+
+def test_a_z_score_exactly_at_the_threshold_is_not_a_spike():
+    """'more than zscore noise units above': flat losses of 1 (log 0, no noise: the floor min_std),
+    then a loss of 4 scores log(4) / min_std; a threshold of exactly that is not passed."""
+    z = float(torch.log(torch.tensor(4.0, dtype=torch.float64))) / 0.5
+    for threshold, bad in ((z, 0.0), (z * (1 - 1e-12), 1.0)):
+        d = SpikeDetector(window=4, warmup=2, zscore=threshold, min_std=0.5, max_ratio=100.0)
+        for _ in range(3):
+            d.observe(torch.tensor(1.0), torch.tensor(1.0))
+        verdict = d.observe(torch.tensor(4.0), torch.tensor(1.0)).tolist()
+        assert verdict[0] == bad, (threshold, verdict)
+
+
+def test_the_loss_ratio_rule_with_losses_below_1():
+    """Losses that scatter too much for a z-score spike: only 'above max_ratio x the largest loss
+    seen' flags the step, for losses below 1 too; exactly max_ratio x is not above it."""
+    for last, bad in ((1.5, 1.0), (1.25, 0.0)):
+        d = SpikeDetector(window=8, warmup=4, zscore=6.0, max_ratio=10.0)
+        for loss in (0.02, 0.125, 0.02, 0.125, 0.02, 0.125):
+            d.observe(torch.tensor(loss, dtype=torch.float64), torch.tensor(1.0))
+        verdict = d.observe(torch.tensor(last, dtype=torch.float64), torch.tensor(1.0)).tolist()
+        assert verdict[3] == last / 0.125 and verdict[0] == bad, verdict
+        if bad:
+            assert verdict[1] == 3 and math.isnan(verdict[2]) is False

@@ -309,3 +309,60 @@ def test_huge_but_finite_weights_and_state_are_told_apart_by_value():
         "norm 4.472), that their float32 norm overflows: every value is still finite, but |w| reaches 4e+24 in weight "
         "(the guard's check takes the float32 L2 norm of the weights, which overflows once values pass about 1.8e+19). "
         "Optimizer: torch.optim.SGD. The learning rate is 1e+24: SGD moves a weight by lr x its gradient.")
+
+
+def _nan_state(n_params: int):
+    """A model of ``n_params`` parameters whose AdamW state is NaN (weights finite): 2 entries each
+    (exp_avg, exp_avg_sq; the 0-dim step is finite)."""
+    model = nn.Sequential(*[nn.Linear(1, 1, bias=False) for _ in range(n_params)])
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    for st in opt.state.values():
+        st["exp_avg"].fill_(math.nan)
+        st["exp_avg_sq"].fill_(math.nan)
+    guard = StepGuard(model, opt)
+    guard.check_gradients(0, torch.tensor(1.0), losses=[torch.tensor(1.0)])
+    guard.check_update(0)
+    with pytest.raises(NonFiniteStepError) as info:
+        guard.raise_if_failed()
+    return info.value
+
+
+def test_the_message_is_the_description_then_the_next_steps():
+    err = _nan_state(3)  # 6 state entries: all shown
+    f = err.failure
+    assert err.state_entries == [f"{i}.weight: {k}" for i in range(3) for k in ("exp_avg", "exp_avg_sq")]
+    assert str(err) == f.describe() + "\n" + next_steps_text(f)
+    assert f.describe() == (
+        "The optimizer step of step 0 (rank 0 of 1) wrote non-finite values from finite gradients (loss 1, gradient "
+        "norm 1). Optimizer: torch.optim.AdamW. Optimizer state with NaN/Inf: 0.weight: exp_avg, 0.weight: exp_avg_sq, "
+        "1.weight: exp_avg, 1.weight: exp_avg_sq, 2.weight: exp_avg, 2.weight: exp_avg_sq.")
+    assert next_steps_text(f) == (
+        "Next: fix the optimizer step (see above); restart from weights saved before this step. stabletrain diagnose "
+        "replays the step offline from a capture (debug_args.nancapture in the trainer).")
+    more = _nan_state(4)  # 8 entries: 6 shown
+    assert more.failure.describe().endswith(
+        "Optimizer state with NaN/Inf: 0.weight: exp_avg, 0.weight: exp_avg_sq, 1.weight: exp_avg, 1.weight: "
+        "exp_avg_sq, 2.weight: exp_avg, 2.weight: exp_avg_sq, ... (2 more).")
+
+
+def test_the_plain_loop_advice_for_a_forward_backward_failure():
+    guard = StepGuard(nn.Linear(2, 1))
+    guard.check_gradients(0, torch.tensor(math.inf), losses=[torch.tensor(1.0)])
+    f = guard.failure(guard.read())
+    assert next_steps_text(f) == ("Next: turn on debug_args.nancapture.enabled=true (or NaNCaptureMonitor in a plain "
+                                  "loop) for a capture of that step, then stabletrain diagnose on it.")
+
+
+def test_six_names_are_shown_without_a_count():
+    model = nn.Sequential(*[nn.Linear(1, 1) for _ in range(3)])  # 6 parameters
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(math.nan)
+    guard = StepGuard(model)
+    guard.check_update(0)
+    f = guard.failure(guard.read())
+    assert f.describe().endswith("Parameters with NaN/Inf: 6: 0.weight (1), 0.bias (1), 1.weight (1), 1.bias (1), "
+                                 "2.weight (1), 2.bias (1).")

@@ -124,8 +124,10 @@ def explain_state_overflow(model: nn.Module, optimizer: Any) -> str:
             v = optimizer.state.get(p, {}).get("exp_avg_sq")
             if not isinstance(v, Tensor) or not v.is_floating_point():
                 continue
-            bad = int((~torch.isfinite(local_tensor(v.detach()))).sum())
-            if not bad or not bool(torch.isfinite(local_tensor(p.detach())).all()):
+            # An overflow: +Inf entries only (a NaN says something else went wrong), the weights finite.
+            local = local_tensor(v.detach())
+            bad = int(torch.isposinf(local).sum())
+            if not bad or bool(torch.isnan(local).any()) or not bool(torch.isfinite(local_tensor(p.detach())).all()):
                 continue
             dtype = _DTYPE_NAMES.get(v.dtype, v.dtype)
             big = float(torch.finfo(v.dtype).max)
@@ -133,7 +135,7 @@ def explain_state_overflow(model: nn.Module, optimizer: Any) -> str:
             beta2 = betas[1] if isinstance(betas, (tuple, list)) and len(betas) > 1 else None
             at = (f"; (1 - beta2) x g^2 passes it from |g| of about {math.sqrt(big / (1 - beta2)):.3g}"
                   if isinstance(beta2, float) and beta2 < 1 else "")
-            text = (f"exp_avg_sq holds {bad:,} Inf/NaN value(s) in {names.get(id(p), '?')} while the weights are "
+            text = (f"exp_avg_sq holds {bad:,} Inf value(s) in {names.get(id(p), '?')} while the weights are "
                     f"finite: the squared gradient overflowed {dtype} (largest value {big:.3g}{at}), so the update "
                     "exp_avg / (sqrt(exp_avg_sq) + eps) is 0 there: those weights would stop training, silently.")
             if v.dtype in (torch.float16, torch.bfloat16):
