@@ -293,3 +293,60 @@ def test_stop_signals_restores_the_default_where_the_previous_handler_was_not_se
     finally:
         signal.signal(signal.SIGINT, before[0])
         signal.signal(signal.SIGTERM, before[1])
+
+
+def test_wait_for_launcher_in_process_waits_while_the_launcher_parent_lives(monkeypatch):
+    """The same rule in-process: a parent whose command line is ours (here: this process itself) is
+    the launcher; wait until the process is re-parented (the launcher exited) or the timeout."""
+    from stabletrain.safety import interrupts
+
+    me = os.getpid()
+    seen = iter([me] * 4)
+    monkeypatch.setattr(interrupts.os, "getppid", lambda: next(seen, 1))  # re-parented after 3 polls
+    start = time.monotonic()
+    interrupts.wait_for_launcher(timeout=30)
+    assert 0.14 <= time.monotonic() - start < 10 and next(seen, None) is None
+
+    monkeypatch.setattr(interrupts.os, "getppid", lambda: me)  # the launcher never exits
+    start = time.monotonic()
+    interrupts.wait_for_launcher(timeout=0.4)
+    assert 0.4 <= time.monotonic() - start < 5
+
+    monkeypatch.setattr(interrupts.os, "getppid", lambda: 1)  # another parent (init): no wait
+    start = time.monotonic()
+    interrupts.wait_for_launcher(timeout=30)
+    assert time.monotonic() - start < 1
+
+
+def test_wait_for_launcher_without_proc_returns_at_once(monkeypatch):
+    from stabletrain.safety import interrupts
+
+    class NoProc(type(Path())):
+        def read_bytes(self):
+            raise OSError("no /proc")
+
+    monkeypatch.setattr(interrupts, "Path", NoProc)
+    monkeypatch.setattr(interrupts.os, "getppid", lambda: os.getpid())
+    start = time.monotonic()
+    interrupts.wait_for_launcher(timeout=30)
+    assert time.monotonic() - start < 1
+
+
+def test_wait_for_launcher_polls_every_50_ms_for_at_most_60_s_by_default(monkeypatch):
+    from stabletrain.safety import interrupts
+
+    class Clock:  # a fake clock: one second passes per reading; sleeps are recorded, not slept
+        now, sleeps = 0.0, []
+
+        def monotonic(self):
+            self.now += 1.0
+            return self.now
+
+        def sleep(self, seconds):
+            self.sleeps.append(seconds)
+
+    clock = Clock()
+    monkeypatch.setattr(interrupts, "time", clock)
+    monkeypatch.setattr(interrupts.os, "getppid", lambda: os.getpid())
+    interrupts.wait_for_launcher()
+    assert clock.sleeps == [0.05] * 59, "deadline 60 s after the first reading; readings 2..60"
