@@ -186,9 +186,8 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     import torch
 
     path = Path(path)
-    if path.is_dir():
-        in_checkpoints = checkpoint_dir(path) / "last.ckpt"
-        path = in_checkpoints if in_checkpoints.exists() else path / "last.ckpt"
+    if path.is_dir():  # a run folder (its checkpoints/, even when last.ckpt is missing there) or a checkpoint folder
+        path = (checkpoint_dir(path) if checkpoint_dir(path).is_dir() else path) / "last.ckpt"
     if not path.exists():
         raise CheckpointError(f"no checkpoint at {path}. {fallback_advice(path)}")
     try:

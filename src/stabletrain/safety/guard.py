@@ -130,12 +130,12 @@ class GuardFailure:
         state = [t for t in self.trips if t.kind != "parameter"]
         if weights or not state:
             name, value = (weights[0].name, weights[0].abs_max) if weights else (self.largest_name, self.largest_abs)
-            return (f"The optimizer step of {where} made the weights so large, from finite gradients {given}, "
+            return (f"The optimizer step of {where} made the weights so large, {given}, "
                     f"that their float32 norm overflows: every value is still finite, but |w| reaches "
                     f"{_fmt(value)} in {name} (the guard's check takes the float32 L2 norm of the weights, which "
                     f"overflows once values pass about {limit})")
         t = state[0]
-        return (f"The optimizer step of {where} left optimizer state so large, from finite gradients {given}, that "
+        return (f"The optimizer step of {where} left optimizer state so large, {given}, that "
                 f"its float32 norm overflows: every value is still finite, but {t.name} reaches {_fmt(t.abs_max)} "
                 f"(the guard's check takes the float32 L2 norm of the optimizer state, which overflows once values "
                 f"pass about {limit}); the weights stay smaller, |w| up to {_fmt(self.largest_abs)} in "
@@ -148,11 +148,14 @@ class GuardFailure:
             return (f"Another rank found a non-finite value at step {self.other_rank_step}; rank {self.rank} "
                     "stopped with it.")
         if self.origin == ORIGIN_OPTIMIZER:
-            given = f"(loss {_fmt(self.loss)}, gradient norm {_fmt(self.gradient_norm)})"
+            if math.isnan(self.loss) and math.isnan(self.gradient_norm):  # check_gradients was not called for it
+                given = "(its loss and gradients were not checked)"
+            else:
+                given = f"from finite gradients (loss {_fmt(self.loss)}, gradient norm {_fmt(self.gradient_norm)})"
             if not self.param_names and not self.state_entries and (self.trips or self.largest_name):
                 head = self._describe_trips(where, given)
             else:
-                head = f"The optimizer step of {where} wrote non-finite values from finite gradients {given}"
+                head = f"The optimizer step of {where} wrote non-finite values {given}"
             parts = [head + "."]
             if self.optimizer:
                 parts.append(f"Optimizer: {self.optimizer}.")
@@ -267,7 +270,9 @@ class StepGuard:
         self.skipped_total = torch.zeros((), dtype=torch.int64, device=self.device)
         #: L2 norm of the parameters after the last checked optimizer step (device float32).
         self.weight_norm = torch.full((), math.nan, dtype=torch.float32, device=self.device)
-        self._last_values = torch.full((3,), math.nan, dtype=torch.float64, device=self.device)
+        # The last check_gradients' loss, gradient norm and skip run; an update checked before any
+        # (a plain loop that only calls check_update) has no loss or norm, and no skipped steps.
+        self._last_values = torch.tensor([math.nan, math.nan, 0.0], dtype=torch.float64, device=self.device)
         self._known: Optional[list[float]] = None
         # A host mirror of the verdict, read as a NumPy array: plain host memory. On the CPU it is
         # refreshed by a CPU copy (there is no device to wait for); on a GPU by an asynchronous
