@@ -233,7 +233,8 @@ def _start(run: Path, start: Union[None, int, str, Path], since: Optional[int],
         return match.step, path, f"{match.reason()}, as asked"
     if since is None:
         return 0, None, ("the run's files show no trouble (no non-finite step, no alert, no recovery): the whole "
-                         "run is re-run from step 0; pass start= (a checkpoint) for a shorter stretch")
+                         "run is re-run from step 0; give a checkpoint to start from (start=, --start) for a shorter "
+                         "stretch")
     best = newest_healthy(folder, before_step=since - 1) if since > 0 else None
     if best is None:
         return 0, None, (f"no checkpoint recorded healthy holds fewer steps than {since}, where {since_why}: a fresh "

@@ -189,19 +189,12 @@ class RemedyReport:
                      + (f" (the failing stretch to step {p.until_step} and {p.end_step - p.until_step} steps past it)"
                         if p.end_step > p.until_step else "")
                      + f"; final loss: {self.eval_text()}.")
-        lines += ["", f"**{self.next_action()}**", ""]
+        lines += [""]
+        lines += self._headline()
         lines.append("| rank | candidate | from step | result | vs as run | steps | seconds |")
         lines.append("|---|---|---|---|---|---|---|")
         for i, o in enumerate(self.ranked, 1):
-            ok, gain, threshold = self.compared(o)
-            if not o.trains:
-                vs = "-"
-            elif math.isinf(gain):
-                vs = "finite where as run is not"
-            else:
-                vs = f"{'-' if gain > 0 else '+'}{fmt_number(abs(gain))} ({'beats' if ok else 'within'} ±" \
-                     f"{fmt_number(threshold)})"
-            lines.append(f"| {i} | {o.name} | {o.from_step} | {o.result_text()} | {vs} | {o.steps_run} | "
+            lines.append(f"| {i} | {o.name} | {o.from_step} | {o.result_text()} | {self._versus(o)} | {o.steps_run} | "
                          f"{o.seconds:.3g} |")
         b = self.baseline
         where = "original rows" if b.source != "re-run" else "re-run"
@@ -216,6 +209,30 @@ class RemedyReport:
             lines += ["", *(f"- {n}" for n in self.notes)]
         lines += ["", self.cost_text() + "."]
         return "\n".join(lines)
+
+    def _headline(self) -> list[str]:
+        """The verified remedy in bold with its command below (or why there is none)."""
+        if self.best is None:
+            return [f"**{self.no_remedy_text()}**", ""]
+        lines = [f"**{self.next_action(command=False)}**", ""]
+        command = self.commands.get(self.best.name)
+        if command:
+            lines += ["    " + command, ""]
+        return lines
+
+    def _versus(self, o: Outcome) -> str:
+        """The table's comparison with the baseline: the difference and whether it is beyond the noise."""
+        if not o.trains:
+            return "-"
+        ok, gain, threshold = self.compared(o)
+        if math.isinf(gain):
+            return "finite where as run is not"
+        diff = f"{'-' if gain > 0 else '+'}{fmt_number(abs(gain))}"
+        if ok:
+            return f"{diff}: better beyond the noise (±{fmt_number(threshold)})"
+        if -gain > threshold:
+            return f"{diff}: worse beyond the noise (±{fmt_number(threshold)})"
+        return f"{diff}: within the noise (±{fmt_number(threshold)})"
 
     def _signal_table(self) -> list[str]:
         outcomes = [*self.ranked, self.baseline]
