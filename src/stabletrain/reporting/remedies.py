@@ -154,6 +154,8 @@ def run_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
     given), without how the run started (out, resume, overwrite), the callbacks, or what the trainer added
     (model_meta, world_size)."""
     kept = {k: v for k, v in settings.items() if k not in _NOT_SETTINGS and k in TrainSettings.model_fields}
+    if kept.get("task") == "custom":  # resolved for a model object; not a value of the setting
+        kept.pop("task")
     defaults = _flatten(TrainSettings(out=Path(".")).to_json_dict())
     result: dict[str, Any] = {}
     for key, value in _flatten(kept).items():

@@ -127,7 +127,8 @@ class Plan:
         until_step: The end of the failing stretch: the step the run went non-finite at, else its end.
         failed_step: The step the run went non-finite at (None when it did not).
         end_step: The step every candidate runs to (exclusive): ``until_step`` and a margin, at most ``steps``.
-        eval_steps: The logged steps whose mean loss is each candidate's final loss.
+        eval_steps: The logged steps whose mean loss is each candidate's final loss: the last ``final_window``
+            logged steps of the stretch's second half.
         rows: The original run's metric rows (one timeline, see :mod:`stabletrain.runfiles.history`).
         events: The original run's event rows.
         baseline_covered: The original rows cover the stretch: every step of ``eval_steps`` logged and
@@ -296,7 +297,11 @@ def make_plan(run: Union[str, Path], *, start: Union[None, int, str, Path] = Non
         logged = _logged_steps(start_step, end, log_every, steps)
         if logged:
             end = logged[-1] + 1
-    eval_steps = _logged_steps(start_step, end, log_every, steps)[-max(1, final_window):] or [end - 1]
+    # The final loss: the last logged losses of the stretch's second half (not its start, where every
+    # candidate still has about the loss of the checkpoint).
+    logged = _logged_steps(start_step, end, log_every, steps)
+    late = [s for s in logged if s >= start_step + (end - start_step) // 2] or logged[-1:]
+    eval_steps = late[-max(1, final_window):] or [end - 1]
     plan = Plan(run=run, settings=settings, steps=steps, log_every=log_every, start_step=start_step,
                 start_checkpoint=checkpoint, start_why=start_why, since_step=since, since_why=since_why,
                 until_step=until, end_step=end, eval_steps=eval_steps, failed_step=failed, rows=history.rows,

@@ -143,6 +143,10 @@ class RemedyReport:
             return f"No verified remedy: {why}."
         b = self.baseline
         top = self.ranked[0]
+        if all(o.status == "error" for o in self.ranked):
+            where = f"; its console: {top.folder / 'console.txt'}" if top.folder else ""
+            return (f"No verified remedy: none of the {tried} candidates tried could be re-run (the first: "
+                    f"{top.error}{where}).")
         if b.status != FINITE:
             return (f"No verified remedy: none of the {tried} candidates tried stayed finite and trained through "
                     f"{self.stretch_text()} (the best, {top.name}: {top.result_text()}).")
