@@ -158,9 +158,9 @@ def outcome_from_rows(candidate: Candidate, rows: Sequence[dict[str, Any]], eval
     losses = {r["step"]: float(r["loss"]) for r in stretch if _finite(r.get("loss"))}
     if losses:
         out.start_loss = losses[min(losses)]
-    finite_rows = [r for r in stretch if _finite(r.get("loss"))]
-    if finite_rows:
-        out.signals = summary_signals(finite_rows[-1])
+    measured = [r for r in stretch if _finite(r.get("loss")) and summary_signals(r)]
+    if measured:  # a row logged at a stop has no signals (they are measured at the logging cadence)
+        out.signals = summary_signals(measured[-1])
     if bad:
         out.status, out.nonfinite_step = NONFINITE, min(bad)
         return out

@@ -170,18 +170,14 @@ class Plan:
 
     def original_steps(self, from_step: Optional[int] = None) -> int:
         """Steps the original run ran from ``from_step`` (default: the start) through the stretch:
-        to its end, or to the step it went non-finite at (that step included)."""
+        to the step it went non-finite at (that step included), else to the stretch's end or its last
+        logged step, whichever comes first."""
         first = self.start_step if from_step is None else from_step
         last = self.end_step
-        failed = [e["step"] for e in self.events
-                  if e.get("event") in NONFINITE_EVENTS and isinstance(e.get("step"), int)]
-        bad_rows = [r["step"] for r in self.rows if not _finite(r.get("loss", 0.0))]
-        stop = min(failed + bad_rows, default=None)
-        if stop is not None and first <= stop < last:
-            last = stop + 1
-        logged = [r["step"] for r in self.rows]
-        if logged:
-            last = min(last, max(logged) + 1)
+        if self.failed_step is not None and first <= self.failed_step < last:
+            last = self.failed_step + 1
+        elif self.rows:
+            last = min(last, max(r["step"] for r in self.rows) + 1)
         return max(0, last - first)
 
     def to_dict(self) -> dict[str, Any]:
@@ -293,10 +289,8 @@ def make_plan(run: Union[str, Path], *, start: Union[None, int, str, Path] = Non
     if margin is None:
         margin = max(10, (until - start_step) // 2) if until < steps else 0
     end = min(steps, until + max(0, int(margin)))
-    if end < steps:  # stop right after a logged step: every step run is compared
-        logged = _logged_steps(start_step, end, log_every, steps)
-        if logged:
-            end = logged[-1] + 1
+    if end < steps:  # stop right after a logged step (the next one): the margin's last steps are compared too
+        end = next(s for s in range(end - 1, steps) if s % log_every == 0 or s + 1 == steps) + 1
     # The final loss: the last logged losses of the stretch's second half (not its start, where every
     # candidate still has about the loss of the checkpoint).
     logged = _logged_steps(start_step, end, log_every, steps)
