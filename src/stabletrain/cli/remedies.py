@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -81,8 +82,10 @@ def _verify(run: Path, ns: argparse.Namespace, mechanisms: Optional[list[str]] =
     from stabletrain.reporting.remedies import verify_remedies
 
     model, data = _objects(ns)
+    # With --json, stdout is the JSON alone: the progress lines go to stderr.
+    progress = (lambda line: print(line, file=sys.stderr, flush=True)) if getattr(ns, "json", False) else print
     return verify_remedies(run, start=_start(ns.start), mechanisms=mechanisms, budget_steps=ns.budget_steps,
-                           budget_seconds=ns.budget_seconds, model=model, data=data)
+                           budget_seconds=ns.budget_seconds, model=model, data=data, progress=progress)
 
 
 def run_diagnose(ns: argparse.Namespace) -> int:
