@@ -36,7 +36,7 @@ class Outcome:
 
     Attributes:
         candidate: What was tried.
-        status: ``finite`` (every logged loss and gradient norm of the stretch finite), ``non-finite``
+        status: ``finite`` (every logged loss of the stretch finite, no non-finite stop), ``non-finite``
             or ``error`` (the re-run could not start or failed: ``error`` says why).
         from_step: The step it started from (the checkpoint's, or 0).
         end_step: The step it ran to (exclusive).
@@ -47,8 +47,8 @@ class Outcome:
         noise: Standard error of ``final_loss``: the spread of ``final_losses`` around their linear
             trend over sqrt(n) (None with fewer than 2 of them).
         start_loss: The first logged loss of the re-run (the loss it started from).
-        nonfinite_step: The first step whose loss or gradient norm was not finite (or where the run
-            stopped non-finite).
+        nonfinite_step: The first step whose logged loss was not finite, or where the run stopped non-finite
+            (the guard's ``nonfinite_step`` or nancapture's ``nan_detected`` event).
         error: Why the re-run failed (``status == "error"``).
         signals: The ``signals/...`` values (mechanism signals) of the last logged row.
         folder: The scratch folder of the re-run (None for the original rows).
@@ -152,7 +152,9 @@ def outcome_from_rows(candidate: Candidate, rows: Sequence[dict[str, Any]], eval
     out = Outcome(candidate, FINITE, from_step, end_step, steps_run=steps_run, seconds=seconds, folder=folder,
                   source=source)
     stretch = [r for r in rows if isinstance(r.get("step"), int) and from_step <= r["step"] < end_step]
-    bad = [r["step"] for r in stretch if any(k in r and not _finite(r[k]) for k in ("loss", "gradient_norm"))]
+    # The loss, not the gradient norm: under fp16 loss scaling a step with Inf gradients is skipped, as expected;
+    # a non-finite step the guard stopped at is its nonfinite_step event.
+    bad = [r["step"] for r in stretch if "loss" in r and not _finite(r["loss"])]
     bad += [int(e["step"]) for e in events if e.get("event") in ("nonfinite_step", "nan_detected")
             and isinstance(e.get("step"), int) and from_step <= e["step"] < end_step]
     losses = {r["step"]: float(r["loss"]) for r in stretch if _finite(r.get("loss"))}

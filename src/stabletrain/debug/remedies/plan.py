@@ -71,19 +71,17 @@ def find_trouble(history: RunHistory) -> tuple[Optional[int], str, Optional[int]
     """``(since, why, failed)``: the first step the run's files show trouble at, in words, and the
     step it went non-finite at (None when it did not).
 
-    Trouble is the earliest of: a logged loss or gradient norm that is not finite; a
+    Trouble is the earliest of: a logged loss that is not finite; a
     ``nonfinite_step``, ``nan_detected`` or ``recovery`` event; a trend alert that was not
     tolerated (its episode's start); any other ``*_alert`` event (the mechanism alerts; its
     ``start_step`` when it has one, else its step).
     """
     found: list[tuple[int, str]] = []
     failed: list[int] = []
-    for row in history.rows:
-        for key in ("loss", "gradient_norm"):
-            if key in row and not _finite(row[key]):
-                found.append((row["step"], f"{key} was {row[key]} at step {row['step']}"))
-                failed.append(row["step"])
-                break
+    for row in history.rows:  # the loss: an Inf gradient norm alone is a step fp16 loss scaling skips
+        if "loss" in row and not _finite(row["loss"]):
+            found.append((row["step"], f"the loss was {row['loss']} at step {row['step']}"))
+            failed.append(row["step"])
     for event in history.events:
         name = str(event.get("event", ""))
         step = event.get("step")
@@ -302,8 +300,7 @@ def make_plan(run: Union[str, Path], *, start: Union[None, int, str, Path] = Non
                 events=history.events, seconds_per_step=_seconds_per_step(history.rows, start_step, end))
     by_step = {r["step"]: r for r in history.rows}
     resumed_inside = [s for s in history.resumes if start_step < s < end]
-    stretch_bad = any(not _finite(r.get(k, 0.0)) for r in history.rows if start_step <= r["step"] < end
-                      for k in ("loss", "gradient_norm"))
+    stretch_bad = any(not _finite(r.get("loss", 0.0)) for r in history.rows if start_step <= r["step"] < end)
     plan.baseline_covered = (all(s in by_step and _finite(by_step[s].get("loss")) for s in eval_steps)
                              and not resumed_inside and not stretch_bad
                              and not any(e.get("event") in NONFINITE_EVENTS and isinstance(e.get("step"), int)
