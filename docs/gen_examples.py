@@ -366,8 +366,7 @@ BLOCKS: dict[str, Block] = {
                                            r"^It carries", last=(r"^step ",))),
     "tour-replay": console("replay", trim=pick(r"reproduced:", r"losses:")),
     "tour-diagnose": console("diagnose-verify", trim=pick(r"^\*\*Verdict", r"^First harmful non-finite op",
-                                                          r"^Checkpoints:", r"^## Next actions", r"^[12]\. ",
-                                                          r"^\[\d+/\d+\] ", r"^verification cost")),
+                                                          r"^Checkpoints:", r"^## Next actions", r"^1\. ")),
     "tour-resume": console("resume", trim=head_tail(3, 1)),
     # docs/training.md
     "train-demo": console("demo", trim=head_tail(5, 2)),
