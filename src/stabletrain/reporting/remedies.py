@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 from stabletrain.config import TrainSettings
 from stabletrain.debug.remedies import (
     FINAL_WINDOW,
+    MECHANISMS,
     Candidate,
     Outcome,
     RemedyError,
@@ -79,8 +80,9 @@ def verify_remedies(
         candidates: What to try, in order: :class:`~stabletrain.debug.remedies.Candidate` objects or dicts of
             dotted overrides (``{"model_args.lr": 0.03}``); default :func:`~stabletrain.debug.remedies.candidates_for`.
         mechanisms: Mechanism ids the candidates are chosen and ordered for (``"attention_logit_growth"``,
-            ``"adam_eps"``, ``"nonfinite"``, ...; :data:`~stabletrain.debug.remedies.MECHANISMS`); default:
-            ``("nonfinite",)`` when the run went non-finite, else none (every candidate, in the generic order).
+            ``"adam_eps"``, ``"nonfinite"``, ...; :data:`~stabletrain.debug.remedies.MECHANISMS`); default: those
+            the run's ``{"event": "mechanism", ...}`` rows name, and ``"nonfinite"`` when it went non-finite;
+            none named: every candidate, in the generic order.
         budget_steps: Most optimizer steps in all re-runs; candidates that do not fit are listed as not tried.
         budget_seconds: Most wall time in all re-runs (checked before each, at the step time measured so far).
         model: For a run of your own model (settings.json says ``"<module.Class>"``): an ``nn.Module`` built as
@@ -108,8 +110,9 @@ def verify_remedies(
     plan = make_plan(run, start=start, since_step=since_step, until_step=until_step, margin=margin,
                      final_window=final_window)
     _require_objects(plan, model, data)
-    if mechanisms is None:
-        mechanisms = ("nonfinite",) if plan.failed_step is not None else ()
+    if mechanisms is None:  # what the run's files name: its mechanism rows, and a non-finite stop
+        known = [m for m in plan.mechanisms if m in MECHANISMS]
+        mechanisms = (*known, *(("nonfinite",) if plan.failed_step is not None else ()))
     if candidates is None:
         chosen = candidates_for(plan.settings, mechanisms)
     else:

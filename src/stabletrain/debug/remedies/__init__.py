@@ -22,7 +22,15 @@ from stabletrain.debug.remedies.candidates import (
 )
 from stabletrain.debug.remedies.engine import CONSOLE_FILE, RunOutput, RunRequest, StopAfter, verify
 from stabletrain.debug.remedies.outcome import MIN_GAIN, Outcome, beats, noise_of_mean, rank
-from stabletrain.debug.remedies.plan import FINAL_WINDOW, SCRATCH, Plan, RemedyError, find_trouble, make_plan
+from stabletrain.debug.remedies.plan import (
+    FINAL_WINDOW,
+    SCRATCH,
+    Plan,
+    RemedyError,
+    Trouble,
+    find_trouble,
+    make_plan,
+)
 from stabletrain.debug.remedies.report import FILE_JSON, FILE_MD, RemedyReport
 
 __all__ = [
@@ -43,6 +51,7 @@ __all__ = [
     "RunRequest",
     "SCRATCH",
     "StopAfter",
+    "Trouble",
     "beats",
     "candidate_notes",
     "candidates_for",

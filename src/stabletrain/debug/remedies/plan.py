@@ -19,8 +19,8 @@ from stabletrain.errors import StabletrainError
 from stabletrain.runfiles.checkpoint import checkpoint_dir, list_checkpoints, newest_healthy
 from stabletrain.runfiles.history import RunHistory, read_run
 
-__all__ = ["Plan", "RemedyError", "make_plan", "read_settings", "find_trouble", "described_object", "FINAL_WINDOW",
-           "SCRATCH"]
+__all__ = ["Plan", "RemedyError", "Trouble", "make_plan", "read_settings", "find_trouble", "described_object",
+           "FINAL_WINDOW", "SCRATCH"]
 
 #: Logged losses averaged into a candidate's final loss.
 FINAL_WINDOW = 5
@@ -67,17 +67,34 @@ def _start_step(event: dict[str, Any], step: int) -> int:
     return start if isinstance(start, int) and not isinstance(start, bool) else step
 
 
-def find_trouble(history: RunHistory) -> tuple[Optional[int], str, Optional[int]]:
-    """``(since, why, failed)``: the first step the run's files show trouble at, in words, and the
-    step it went non-finite at (None when it did not).
+@dataclass
+class Trouble:
+    """What a run's files show went wrong (:func:`find_trouble`).
 
-    Trouble is the earliest of: a logged loss that is not finite; a
-    ``nonfinite_step``, ``nan_detected`` or ``recovery`` event; a trend alert that was not
-    tolerated (its episode's start); any other ``*_alert`` event (the mechanism alerts; its
-    ``start_step`` when it has one, else its step).
+    Attributes:
+        since: The first step that shows it (None: nothing found).
+        why: What shows it there, in words.
+        failed: The step the run went non-finite at (None when it did not).
+        mechanisms: The mechanism ids its ``{"event": "mechanism", ...}`` rows name, earliest first.
+    """
+
+    since: Optional[int] = None
+    why: str = ""
+    failed: Optional[int] = None
+    mechanisms: list[str] = field(default_factory=list)
+
+
+def find_trouble(history: RunHistory) -> Trouble:
+    """Where the run's files show trouble first, and what.
+
+    Trouble is the earliest of: a logged loss that is not finite; a ``nonfinite_step``,
+    ``nan_detected`` or ``recovery`` event; a ``mechanism`` event (a mechanism named by its rule: its
+    ``start_step``); a trend alert that was not tolerated (its episode's start); any other
+    ``*_alert`` event (its ``start_step`` when it has one, else its step).
     """
     found: list[tuple[int, str]] = []
     failed: list[int] = []
+    mechanisms: list[tuple[int, str]] = []
     for row in history.rows:  # the loss: an Inf gradient norm alone is a step fp16 loss scaling skips
         if "loss" in row and not _finite(row["loss"]):
             found.append((row["step"], f"the loss was {row['loss']} at step {row['step']}"))
@@ -92,6 +109,12 @@ def find_trouble(history: RunHistory) -> tuple[Optional[int], str, Optional[int]
             failed.append(step)
         elif name == "recovery":
             found.append((step, f"the self-healing recovered from step {step} ({event.get('trigger', 'a bad step')})"))
+        elif name == "mechanism":
+            start = _start_step(event, step)
+            what = event.get("message") or event.get("name") or event.get("id")
+            found.append((start, f"{what}"))
+            if isinstance(event.get("id"), str):
+                mechanisms.append((start, event["id"]))
         elif name == "trend_alert":
             if event.get("tolerated"):
                 continue
@@ -103,9 +126,10 @@ def find_trouble(history: RunHistory) -> tuple[Optional[int], str, Optional[int]
             what = event.get("message") or event.get("mechanism") or name
             found.append((start, f"{name} from step {start}: {what}"))
     if not found:
-        return None, "", None
+        return Trouble()
     since, why = min(found, key=lambda f: f[0])
-    return since, why, (min(failed) if failed else None)
+    ids = list(dict.fromkeys(m for _, m in sorted(mechanisms, key=lambda m: m[0])))
+    return Trouble(since, why, min(failed) if failed else None, ids)
 
 
 @dataclass
@@ -124,6 +148,7 @@ class Plan:
         since_why: What showed it.
         until_step: The end of the failing stretch: the step the run went non-finite at, else its end.
         failed_step: The step the run went non-finite at (None when it did not).
+        mechanisms: The mechanism ids the run's ``mechanism`` rows name, earliest first.
         end_step: The step every candidate runs to (exclusive): ``until_step`` and a margin, at most ``steps``.
         eval_steps: The logged steps whose mean loss is each candidate's final loss: the last ``final_window``
             logged steps of the stretch's second half.
@@ -148,6 +173,7 @@ class Plan:
     end_step: int
     eval_steps: list[int]
     failed_step: Optional[int] = None
+    mechanisms: list[str] = field(default_factory=list)
     rows: list[dict[str, Any]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
     baseline_covered: bool = False
@@ -190,6 +216,7 @@ class Plan:
             "since_why": self.since_why,
             "until_step": self.until_step,
             "failed_step": self.failed_step,
+            "mechanisms": self.mechanisms,
             "end_step": self.end_step,
             "eval_steps": self.eval_steps,
             "baseline_from_original_rows": self.baseline_covered,
@@ -278,9 +305,10 @@ def make_plan(run: Union[str, Path], *, start: Union[None, int, str, Path] = Non
                           "in this process, which does not launch several (not supported yet)")
     steps = int(settings.get("steps") or 0)
     log_every = max(1, int(settings.get("log_every_num_steps") or 1))
-    found_since, found_why, failed = find_trouble(history)
+    trouble = find_trouble(history)
+    failed = trouble.failed
     since, since_why = ((since_step, f"the trouble shows (since_step={since_step}, given)") if since_step is not None
-                        else (found_since, found_why))
+                        else (trouble.since, trouble.why))
     start_step, checkpoint, start_why = _start(run, start, since, since_why)
     until = until_step if until_step is not None else (failed if failed is not None else steps)
     until = min(max(until, start_step + 1), steps)
@@ -296,8 +324,9 @@ def make_plan(run: Union[str, Path], *, start: Union[None, int, str, Path] = Non
     eval_steps = late[-max(1, final_window):] or [end - 1]
     plan = Plan(run=run, settings=settings, steps=steps, log_every=log_every, start_step=start_step,
                 start_checkpoint=checkpoint, start_why=start_why, since_step=since, since_why=since_why,
-                until_step=until, end_step=end, eval_steps=eval_steps, failed_step=failed, rows=history.rows,
-                events=history.events, seconds_per_step=_seconds_per_step(history.rows, start_step, end))
+                until_step=until, end_step=end, eval_steps=eval_steps, failed_step=failed,
+                mechanisms=trouble.mechanisms, rows=history.rows, events=history.events,
+                seconds_per_step=_seconds_per_step(history.rows, start_step, end))
     by_step = {r["step"]: r for r in history.rows}
     resumed_inside = [s for s in history.resumes if start_step < s < end]
     stretch_bad = any(not _finite(r.get("loss", 0.0)) for r in history.rows if start_step <= r["step"] < end)
