@@ -96,26 +96,27 @@ SMALL_TEXT = ("It was the best of times, it was the worst of times, " * 4)[:200]
 
 
 def _resume_commands(ws: "Workspace") -> tuple[str, ...]:
-    """Resume the boom run from the checkpoint its diagnosis names, with the lower lr it advises."""
-    diagnosis = json.loads((ws.root / BOOM_CAPTURE / "diagnosis.json").read_text())
-    checkpoint = (diagnosis.get("weights") or {}).get("healthy_checkpoint")
-    if not checkpoint:
-        raise GenError("tour: the boom run's diagnosis names no healthy checkpoint (weights.healthy_checkpoint); "
-                       "the tour resumes from one, so change BOOM until it has one")
-    checkpoint = ws.relative(checkpoint)
-    return (
-        "stabletrain train out=out/boom model_args.optimizer=sgd model_args.lr=0.1 steps=100 "
-        f"checkpoint_every_num_steps=10 resume_from={checkpoint}",
-    )
+    """Resume the boom run with the command its verified remedy printed (diagnose --verify)."""
+    remedies = json.loads((ws.root / "out/boom/debug/remedies/remedies.json").read_text())
+    best = next((r for r in remedies["ranked"] if r["candidate"]["name"] == remedies["best"]), None)
+    if best is None or not best.get("command"):
+        raise GenError("tour: diagnose --verify of the boom run verified no remedy (remedies.json has no best with a "
+                       "command); the tour resumes with it, so change BOOM until one is verified")
+    return (ws.normalize(best["command"]),)
 
 
+# The tiny language model of tests/mechanism_runs.py at peak lr 0.1, without weight decay or dropout: its
+# attention logits grow until the attention is one-hot and the loss stalls (docs/mechanisms.md#reproductions).
 RUNS: dict[str, Run] = {
     "demo": Run(("stabletrain train out=out/demo",)),
     "boom": Run((BOOM,), code=1),
     "replay": Run((f"stabletrain replay {BOOM_CAPTURE}",), needs=("boom",)),
     "replay-64": Run((f"stabletrain replay {BOOM_CAPTURE} --precision 64-true",), needs=("boom",)),
     "diagnose": Run((f"stabletrain diagnose {BOOM_CAPTURE}",), needs=("boom",)),
-    "resume": Run(_resume_commands, needs=("diagnose",)),
+    # After the plain diagnosis (docs/diagnose.md shows it): --verify rewrites diagnosis.md with its actions.
+    "diagnose-verify": Run((f"stabletrain diagnose {BOOM_CAPTURE} --verify",), needs=("diagnose",)),
+    "resume": Run(_resume_commands, needs=("diagnose-verify",)),
+    "attention-verify": Run(("stabletrain report out/attention --verify --no-plots",), needs=("attention",)),
     "settings-errors": Run(("stabletrain train out=o model_args.lrr=0.1 steps=-1 precision=fp8",), code=2, cheap=True),
     "settings-errors-2": Run(("stabletrain train out=o steps=0 data=missing.txt strategy=dpp",), code=2, cheap=True),
     "settings-small-data": Run(("stabletrain train out=o data=t.txt        # a 201-byte file",), code=2,
@@ -377,8 +378,8 @@ BLOCKS: dict[str, Block] = {
     "tour-boom": console("boom", trim=pick(r"NaNDetectedError", r"^Replay it", r"^    stabletrain", r"^No non-finite",
                                            r"^It carries", last=(r"^step ",))),
     "tour-replay": console("replay", trim=pick(r"reproduced:", r"losses:")),
-    "tour-diagnose": console("diagnose", trim=pick(r"^\*\*Verdict", r"^First harmful non-finite op", r"^Checkpoints:",
-                                                   r"^## Next actions", r"^1\. ")),
+    "tour-diagnose": console("diagnose-verify", trim=pick(r"^\*\*Verdict", r"^First harmful non-finite op",
+                                                          r"^Checkpoints:", r"^## Next actions", r"^1\. ")),
     "tour-resume": console("resume", trim=head_tail(3, 1)),
     # docs/training.md
     "train-demo": console("demo", trim=head_tail(5, 2)),
@@ -436,6 +437,12 @@ BLOCKS: dict[str, Block] = {
     "false-alarms": console_then_markdown("false-alarms"),
     "lr-sensitivity": Block(("lr-sensitivity",), console_then_markdown("lr-sensitivity").render,
                             copy={"out/lr_sensitivity/lr_sensitivity.png": "docs/img/lr_sensitivity.png"}),
+    # docs/remedies.md
+    "remedies": console("diagnose-verify", trim=pick(r"^Verifying ", r"^\[\d+/\d+\] ", r"^verification cost",
+                                                     sections=(r"^# Verified remedies",))),
+    "remedies-attention": console("attention", "attention-verify", trim=pick(
+        r"^Done", r"^verdict:", r"^Verifying ", r"^\[\d+/\d+\] ", r"^Next actions", r"^\d+\. ",
+        sections=(r"^# Verified remedies",))),
     # docs/self_healing.md
     "heal": console("heal", trim=pick(r"^Recovered step ", r"^Diagnosis of the recovery at step 6:", r"^Done")),
 }

@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from stabletrain.cli import user_code
+from stabletrain.cli import remedies, user_code
 from stabletrain.cli.paths import check_capture_path, is_run_without_capture
 
 HELP = "which op, module and sample made a captured step NaN, and why: stabletrain diagnose PATH [--json]"
@@ -32,14 +32,20 @@ def run(argv: list[str]) -> int:
             "  stabletrain diagnose out/boom/debug/nan_capture/rank0\n"
             "  stabletrain diagnose out/boom/debug/nan_capture/rank0 --json\n"
             "  stabletrain diagnose out/mine/debug/nan_capture/rank0 --model train.py:MyModel   # your own model\n"
+            "  stabletrain diagnose out/boom/debug/nan_capture/rank0 --verify   # and verify the remedies\n"
         ),
     )
-    parser.add_argument("path", help="rank folder, nan_capture.pt, the folder of all ranks, or the run folder")
+    parser.add_argument("path", help="rank folder, nan_capture.pt, the folder of all ranks, or the run folder "
+                                     "(with --verify: any run folder)")
     parser.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
     parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: the captured device type when available)")
     user_code.add_options(parser)
     parser.add_argument("--no-write", action="store_true", help="do not write diagnosis.md and diagnosis.json")
+    remedies.add_options(parser)
     ns = parser.parse_args(argv)
+    remedies.check_budget(ns, parser)
+    if ns.verify:
+        return remedies.run_diagnose(ns)
     if is_run_without_capture(ns.path):  # never went non-finite: what its signals say (no torch needed)
         return _run_diagnosis(ns)
     check_capture_path(ns.path, "diagnose")  # before torch: a wrong path is answered at once
