@@ -88,7 +88,7 @@ def _mechanism_actions(mechanisms: Sequence[Mechanism], settings: dict[str, Any]
         fixes = published_fixes(m.id, context)
         if fixes:
             actions.append(f"{m.name}: " + "; or ".join(fixes) + f" (the published fix, {m.info.reference}; not "
-                           "verified on this run)")
+                           "verified on this run: --verify tries it)")
     return actions
 
 

@@ -211,5 +211,5 @@ def _actions(first: list[Mechanism], context: RuleContext, checkpoint: Optional[
         fixes = [f if starts_over(f) else f"{f}, from {start}" for f in published_fixes(m.id, context)]
         if fixes:
             actions.append(f"{m.name}: " + "; or ".join(fixes) + f" (the published fix, {m.info.reference}; not "
-                           "verified on this run)")
+                           "verified on this run: --verify tries it)")
     return actions

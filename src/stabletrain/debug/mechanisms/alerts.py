@@ -60,14 +60,16 @@ class MechanismAlerts:
         for m in self.detector.update(step, metrics):
             self.named.append(m)
             trainer.log_event(m.to_event())  # first: the newest healthy checkpoint below reads it
-            trainer.console.info(alert_text(m, self.context, _checkpoint_line(trainer, m)))
+            trainer.console.info(alert_text(m, self.context, _checkpoint_line(trainer, m), out=trainer.out))
         for m in self.detector.closed_now:
             trainer.log_event(m.end_event(step))
             trainer.console.info(f"Mechanism: {m.end_event(step)['message']}.")
 
 
-def alert_text(m: Mechanism, context: Optional[RuleContext] = None, checkpoint: str = "") -> str:
-    """The alert as printed: the mechanism, its fixes (not verified) and where to go back to."""
+def alert_text(m: Mechanism, context: Optional[RuleContext] = None, checkpoint: str = "",
+               out: Optional[Path] = None) -> str:
+    """The alert as printed: the mechanism, its fixes (not verified), where to go back to and, for a run of
+    stabletrain's trainer (``out``), the command that verifies the fixes."""
     lines = [f"WARNING mechanism: {m.describe()}."]
     if m.follows:
         lines.append("  next: treat the first mechanism's cause; this one most likely goes with it")
@@ -78,6 +80,11 @@ def alert_text(m: Mechanism, context: Optional[RuleContext] = None, checkpoint: 
                          + "; or ".join(fixes))
     if checkpoint:
         lines.append(f"  {checkpoint}")
+    if out is not None and not m.follows:
+        from stabletrain.utils.text import shell_path
+
+        lines.append(f"  verify the fixes on this run (after it, or from another shell): stabletrain diagnose "
+                     f"{shell_path(out)} --verify")
     return "\n".join(lines)
 
 
