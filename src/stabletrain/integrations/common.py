@@ -169,7 +169,8 @@ class StepTools:
                     lr=lr))
             if optimizer is not None:
                 self.set_optimizer(optimizer)
-        #: Every trend alert so far, as the event rows ``stabletrain train`` writes to metrics.jsonl.
+        #: Every trend alert and mechanism so far, as the event rows ``stabletrain train`` writes to
+        #: metrics.jsonl (``event``: ``trend_alert``, ``mechanism`` or ``mechanism_end``).
         self.alerts: list[dict[str, Any]] = []
         self.step: Optional[int] = None
         self.micro_step = -1

@@ -14,7 +14,14 @@ import math
 from typing import Any, Mapping, Optional, Sequence
 
 from stabletrain.config import TrendAlertArgs
-from stabletrain.debug.mechanisms.rules import NAMES, Mechanism, RuleContext, detect_mechanisms, mechanism_settings
+from stabletrain.debug.mechanisms.rules import (
+    NAMES,
+    Mechanism,
+    RuleContext,
+    detect_mechanisms,
+    mechanism_settings,
+    merge_episodes,
+)
 from stabletrain.debug.trends import Episode, TrendDetector
 from stabletrain.reporting.data import RunData
 
@@ -66,7 +73,7 @@ def run_mechanisms(data: RunData) -> list[Mechanism]:
             if m is not None:
                 m.settled = f"before the resume from step {min(data.resumes)}, whose timeline replaced it"
                 found.append(m)
-    return found
+    return merge_episodes(found)
 
 
 def statuses(data: RunData, episodes: Sequence[Episode], min_points: int,

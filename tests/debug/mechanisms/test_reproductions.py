@@ -215,7 +215,9 @@ def test_the_output_logits_drift_at_lr_0_5_without_weight_decay_and_weight_decay
     decayed = run_once(runs.run_output_drift, weight_decay=0.1)
     # lr 0.5 is still too high for the attention (named there too); the output drift is gone.
     assert "output_logit_divergence" not in {e["id"] for e in runs.mechanism_events(decayed)}
-    assert max(abs(v) for v in values(decayed, "signals/output_logit_mean")) < 10
+    # Both runs swing to about -14 in the first 10 steps of warmup; after it, only the undecayed one drifts.
+    late = [v for step, v in runs.series(decayed, "signals/output_logit_mean") if step >= 50]
+    assert max(abs(v) for v in late) < 15 < 20 < -min(values(drift, "signals/output_logit_mean"))
     assert runs.final_loss(decayed) < runs.final_loss(drift) - 1.0
 
 

@@ -15,6 +15,7 @@ from stabletrain.debug.mechanisms.rules import (
     MechanismDetector,
     RuleContext,
     detect_mechanisms,
+    merge_episodes,
     published_fixes,
     starts_over,
 )
@@ -55,6 +56,18 @@ def test_a_mechanism_stays_open_while_its_rule_holds_and_closes_after_persist_mi
     assert closed == [(50, 30)]  # closed at step 50 (2 misses), it held last at step 30
     first, second = detector.found
     assert first.end_step == 30 and second.open and detector.open() == [second]
+    assert (first.episode, second.episode) == (1, 2)
+    # The second time is one line (its fixes were printed the first time), and its row says which time it is.
+    from stabletrain.debug.mechanisms.alerts import alert_text
+
+    assert "\n" in alert_text(first) and "next (the published fix" in alert_text(first)
+    assert alert_text(second) == f"WARNING mechanism again (the 2nd time): {second.describe()}."
+    back = Mechanism.from_event(second.to_event())
+    assert back is not None and back.episode == 2
+    # A report or a diagnosis tells it once: the first episode, then how often it came back and until when.
+    (told,) = merge_episodes(detector.found)
+    assert told is first and told.repeats == [second]
+    assert "from step 10, found at step 20, until step 30; named again once, from step 60 and still open" in told.describe()
 
 
 def eps_row(step: int, fraction: float, update_rms: float, weight_rms: float = 0.02, lr: float = 0.01) -> dict:

@@ -35,8 +35,9 @@ def one_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def boom(tmp_path_factory: pytest.TempPathFactory) -> runs.Rows:
-    """The README tour on the tiny model: SGD at lr 1 with nancapture, checkpoints every 5 steps."""
-    return runs.run_sgd_blowup(tmp_path_factory.mktemp("boom"), checkpoint_every_num_steps=5,
+    """The README tour on the tiny model: SGD at lr 1 with nancapture, checkpoints every 2 steps (its
+    runaway updates begin at step 4: the checkpoint of step 4 is the newest healthy one)."""
+    return runs.run_sgd_blowup(tmp_path_factory.mktemp("boom"), checkpoint_every_num_steps=2,
                                max_checkpoints_to_keep=100, debug_args={"nancapture": {"enabled": True}})
 
 

@@ -22,7 +22,8 @@ from stabletrain.reporting.remedies import verify_remedies
 from stabletrain.runfiles.checkpoint import newest_healthy
 from stabletrain.runfiles.history import read_run
 
-CHECKPOINTS = {"checkpoint_every_num_steps": 5, "max_checkpoints_to_keep": 100}
+# Every 2 steps: the runaway updates begin at step 4, and the checkpoint of step 4 is the newest healthy one.
+CHECKPOINTS = {"checkpoint_every_num_steps": 2, "max_checkpoints_to_keep": 100}
 
 
 @pytest.fixture(scope="module")
@@ -126,15 +127,20 @@ def test_a_budget_is_respected_and_the_run_files_are_not_touched(run_once):
     own = [p for p in rows.out.rglob("*") if p.is_file() and SCRATCH.parts[0] not in p.relative_to(rows.out).parts]
     assert {"metrics.jsonl", "settings.json", "train.log", "last.ckpt"} <= {p.name for p in own}
     before = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in own}
-    report = verify(rows.out, budget_steps=70)
+    from stabletrain.debug.remedies import make_plan
+
+    plan = make_plan(rows.out)  # the as-run re-run stops at the failure; a candidate runs the whole stretch
+    as_run, one = plan.failed_step - plan.start_step + 1, plan.end_step - plan.start_step
+    budget = as_run + one + one // 2  # room for one candidate, not two
+    report = verify(rows.out, budget_steps=budget)
     after = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in own}
     assert after == before  # checkpoints, metrics.jsonl, settings.json, train.log: byte for byte
     new = {p for p in rows.out.rglob("*") if p.is_file()} - set(own)
     assert new and all(p.relative_to(rows.out).parts[:2] == SCRATCH.parts for p in new)
 
-    assert report.steps <= 70
-    assert report.baseline.steps_run > 0 and len(report.ranked) == 1  # as run (27 steps) and one of 39 fit
-    assert report.not_tried and all("of budget_steps=70 left" in why for _, why in report.not_tried)
+    assert report.steps <= budget
+    assert report.baseline.steps_run == as_run and len(report.ranked) == 1
+    assert report.not_tried and all(f"of budget_steps={budget} left" in why for _, why in report.not_tried)
     tried = {report.ranked[0].name}
     assert [c.name for c, _ in report.not_tried] == [c for c in _names(report) if c not in tried]
     assert sum("not tried (needs" in line for line in report.lines) == len(report.not_tried)
@@ -144,7 +150,9 @@ def test_a_budget_is_respected_and_the_run_files_are_not_touched(run_once):
 def _names(report) -> list[str]:
     from stabletrain.debug.remedies import candidates_for
 
-    return [c.name for c in candidates_for(report.plan.settings, ["nonfinite"])]
+    plan = report.plan  # the run's mechanisms (runaway updates here), then the non-finite step
+    mechanisms = [*plan.mechanisms, *(["nonfinite"] if plan.failed_step is not None else [])]
+    return [c.name for c in candidates_for(plan.settings, mechanisms)]
 
 
 # ------------------------------------------------------------------------- attention-logit growth

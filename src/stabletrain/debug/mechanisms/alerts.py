@@ -69,7 +69,10 @@ class MechanismAlerts:
 def alert_text(m: Mechanism, context: Optional[RuleContext] = None, checkpoint: str = "",
                out: Optional[Path] = None) -> str:
     """The alert as printed: the mechanism, its fixes (not verified), where to go back to and, for a run of
-    stabletrain's trainer (``out``), the command that verifies the fixes."""
+    stabletrain's trainer (``out``), the command that verifies the fixes. A mechanism named again after it
+    closed is one line: its fixes were printed the first time."""
+    if m.episode > 1:
+        return f"WARNING mechanism again (the {_ordinal(m.episode)} time): {m.describe()}."
     lines = [f"WARNING mechanism: {m.describe()}."]
     if m.follows:
         lines.append("  next: treat the first mechanism's cause; this one most likely goes with it")
@@ -86,6 +89,10 @@ def alert_text(m: Mechanism, context: Optional[RuleContext] = None, checkpoint: 
         lines.append(f"  verify the fixes on this run (after it, or from another shell): stabletrain diagnose "
                      f"{shell_path(out)} --verify")
     return "\n".join(lines)
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
 def _checkpoint_line(trainer: Any, m: Mechanism) -> str:

@@ -106,6 +106,8 @@ class Mechanism:
         follows: The id of a mechanism already named and still open when this one was: this one is most likely
             its consequence (runaway updates grow every logit), not a second cause.
         settled: What already answered it (a resume that replaced its timeline); "" when nothing did.
+        episode: 1 the first time its rule named it, 2 when the rule named it again after it closed, and so on
+            (a mechanism that comes and goes is warned about in full once, then in one line).
     """
 
     id: str
@@ -117,6 +119,9 @@ class Mechanism:
     end_step: Optional[int] = None
     follows: str = ""
     settled: str = ""
+    episode: int = 1
+    #: The later episodes of the same mechanism in the same place (:func:`merge_episodes`), told in one clause.
+    repeats: list["Mechanism"] = field(default_factory=list, compare=False, repr=False)
 
     @property
     def info(self) -> MechanismInfo:
@@ -132,7 +137,13 @@ class Mechanism:
 
     def steps_text(self) -> str:
         found = f"found at step {self.detected_step}"
-        return f"from step {self.start_step}, {found}" + ("" if self.open else f", until step {self.end_step}")
+        text = f"from step {self.start_step}, {found}" + ("" if self.open else f", until step {self.end_step}")
+        if self.repeats:
+            last = self.repeats[-1]
+            times = "once" if len(self.repeats) == 1 else f"{len(self.repeats)} times"
+            text += (f"; named again {times}, from step {self.repeats[0].start_step}"
+                     + (" and still open" if last.open else f" until step {last.end_step}"))
+        return text
 
     def describe(self) -> str:
         """One line: which mechanism, where, from when, the numbers."""
@@ -154,6 +165,7 @@ class Mechanism:
             "start_step": self.start_step, "detected_step": self.detected_step, "end_step": self.end_step,
             "evidence": self.evidence, "values": self.values, "fix": self.info.fix,
             "reference": self.info.reference, "follows": self.follows, "message": self.describe(),
+            "episode": self.episode,
         }
 
     @classmethod
@@ -166,7 +178,7 @@ class Mechanism:
                        int(event.get("detected_step", event["step"])), str(event.get("evidence") or ""),
                        dict(event.get("values") or {}),
                        None if event.get("end_step") is None else int(event["end_step"]),
-                       str(event.get("follows") or ""))
+                       str(event.get("follows") or ""), episode=int(event.get("episode") or 1))
         except (KeyError, TypeError, ValueError):
             return None
 
@@ -602,6 +614,7 @@ class MechanismDetector:
                 earlier = [r.current for r in self.rules if r.current is not None]
                 if earlier:
                     m.follows = min(earlier, key=lambda e: e.detected_step).id
+                m.episode = 1 + sum(f.id == rule.id for f in self.found)
                 rule.current = m
                 self.found.append(m)
                 named.append(m)
@@ -635,8 +648,24 @@ def detect_mechanisms(
 
 def mechanisms_of_run(rows: Sequence[Mapping[str, Any]], settings: Mapping[str, Any]) -> list[Mechanism]:
     """The mechanisms of a run's logged rows, judged with the run's own thresholds and settings
-    (its ``settings.json``)."""
-    return detect_mechanisms(rows, mechanism_settings(settings), RuleContext.from_settings(settings))
+    (its ``settings.json``), a mechanism that came and went told once (:func:`merge_episodes`)."""
+    return merge_episodes(detect_mechanisms(rows, mechanism_settings(settings), RuleContext.from_settings(settings)))
+
+
+def merge_episodes(mechanisms: Sequence[Mechanism]) -> list[Mechanism]:
+    """The first episode of each mechanism and place, in order, with the later ones in its ``repeats``
+    (its sentence says how often and until when; the first one's numbers stand for them)."""
+    first: dict[tuple[str, str, str], Mechanism] = {}
+    merged: list[Mechanism] = []
+    for m in mechanisms:
+        key = (m.id, m.where, m.settled)
+        if key in first:
+            first[key].repeats.append(m)
+            continue
+        m.repeats = []
+        first[key] = m
+        merged.append(m)
+    return merged
 
 
 def causes(mechanisms: Sequence[Mechanism]) -> list[Mechanism]:
