@@ -268,6 +268,40 @@ def test_empty_resume_from_is_an_error(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("folder", ["absent", "empty", "file"])
+def test_resume_interrupted_without_a_run_says_there_is_none(tmp_path, folder):
+    """There was no run at all: "the run stopped before its first checkpoint; start again with
+    overwrite=true" claimed a run that never was, and asked to overwrite nothing."""
+    out = tmp_path / "run"
+    if folder == "empty":
+        out.mkdir()
+    elif folder == "file":
+        out.write_text("x")
+    with pytest.raises(ConfigError) as info:
+        stabletrain.train(out=out, resume_interrupted=True, **tiny_lm(steps=2))
+    [problem] = info.value.problems
+    what = {"absent": f"{out} does not exist", "empty": f"{out} is empty", "file": f"{out} is a file, not a run folder"}
+    assert problem.startswith(f"resume_interrupted: no checkpoint to resume from at {out}/checkpoints/last.ckpt: "
+                              f"{what[folder]}"), problem
+    assert "stopped before its first checkpoint" not in problem and "overwrite=true" not in problem
+    assert (out.is_dir() and not any(out.iterdir())) if folder == "empty" else (out.is_file() or not out.exists())
+
+
+def test_resume_from_a_missing_file_names_the_checkpoints_the_run_has(tmp_path, trained_run):
+    out = _copy_run(trained_run, tmp_path / "run")
+    with pytest.raises(ConfigError) as info:
+        stabletrain.train(out=out, resume_from=out / "checkpoints" / "step_999.ckpt", **tiny_lm(steps=8))
+    [problem] = info.value.problems
+    assert problem.startswith(f"resume_from: no checkpoint file at {out}/checkpoints/step_999.ckpt; pass a .ckpt "
+                              f"file; the run in {out} has "), problem
+    assert str(out / "checkpoints" / "last.ckpt") in problem
+    with pytest.raises(ConfigError) as info:
+        stabletrain.train(out=tmp_path / "new", resume_from=tmp_path / "x.ckpt", **tiny_lm(steps=8))
+    assert info.value.problems == [f"resume_from: no checkpoint file at {tmp_path / 'x.ckpt'}; pass the .ckpt file "
+                                   f"of a run; {tmp_path / 'new'} has none ({tmp_path / 'new' / 'checkpoints'} holds "
+                                   "no .ckpt file)"]
+
+
 def test_unreadable_checkpoint_without_an_alternative_says_start_again(tmp_path, trained_run):
     out = _copy_run(trained_run, tmp_path / "run")
     for p in (out / "checkpoints").iterdir():

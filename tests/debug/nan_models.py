@@ -141,8 +141,9 @@ def samples_of_step(step, *, n=64, batch_size=8, accum=1, world_size=1, rank=0, 
     return [i for m in range(accum) for i in batches[step * accum + m]]
 
 
-def ddp_main(out, poison_step):
-    """PoisonNet on 2 CPU processes; a NaN input in one sample that only rank 1 sees at ``poison_step``."""
+def ddp_main(out, poison_step, nancapture=True):
+    """PoisonNet on 2 CPU processes; a NaN input in one sample that only rank 1 sees at ``poison_step``
+    (``nancapture`` False: the guard alone stops it)."""
     import stabletrain
 
     victim = samples_of_step(poison_step, world_size=2, rank=1)[1]
@@ -159,7 +160,7 @@ def ddp_main(out, poison_step):
         log_every_num_steps=1,
         checkpoint_every_num_steps=2,
         model_args={"lr": 0.01, "warmup_steps": 0},
-        debug_args={"nancapture": {"enabled": True}},
+        debug_args={"nancapture": {"enabled": nancapture}},
     )
 
 
@@ -210,4 +211,4 @@ if __name__ == "__main__":
     if len(sys.argv) > 3 and sys.argv[3] == "healthy":
         ddp_healthy_main(sys.argv[1], int(sys.argv[2]))
     else:
-        ddp_main(sys.argv[1], int(sys.argv[2]))
+        ddp_main(sys.argv[1], int(sys.argv[2]), nancapture=not (len(sys.argv) > 3 and sys.argv[3] == "guard"))

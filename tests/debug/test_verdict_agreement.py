@@ -46,7 +46,8 @@ def test_huge_but_finite_update_guard_diagnose_and_replay_agree(adamw_huge):
     value, name = m.group(1), m.group(2)
     model_max = max(float(t.abs().max()) for t in torch.load(err.capture_path, weights_only=True)["params"].values())
     assert model_max < 1e20, "the premise: the capture holds the weights from before the step"
-    assert "overflows once values pass about 1.8e+19" in message, "the check's threshold is stated"
+    assert "past float32's largest value 3.4e+38, so the float32 L2 norm the guard checks overflows" in message
+    assert "(one value alone does it from about 1.8e+19)" in message, "the check's threshold is stated"
 
     d = stabletrain.diagnose(err.capture_path, write=False)
     assert d.reproduced and d.finite_overflow and not d.nonfinite_params
@@ -120,6 +121,34 @@ def test_optimizer_state_overflow_is_not_blamed_on_the_weights():
     largest = max(float(p.detach().abs().max()) for p in model.parameters())
     assert largest < 1 and f"|w| up to {largest:.4g}" in text
     assert "the gradients are exploding, not the weights" in text
+
+
+def test_a_state_norm_overflow_below_the_one_value_threshold_says_why():
+    """Issue 25, item 17, the compiled AdamW lr=1e3 run (stopped at step 28: "ln_f.bias: exp_avg_sq
+    reaches 5.528e+18"): each value stays below the ~1.8e19 at which one value alone overflows the
+    float32 norm, but a tensor's many squares add up past float32's largest value. The message said
+    "overflows once values pass about 1.8e+19", which that value does not: it now says what summed."""
+    torch.manual_seed(0)
+    model = nn.Linear(64, 128)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = StepGuard(model, optimizer)
+    loss = model(torch.randn(8, 64)).pow(2).mean()
+    loss.backward()
+    for p in model.parameters():
+        p.grad.fill_(7e10)  # exp_avg_sq after one step: (1 - 0.999) * 4.9e21 = 4.9e18 per value
+    guard.check_gradients(0, compute_grad_norm(model.named_parameters()).total, losses=[loss])
+    optimizer.step()
+    guard.check_update(0)
+    with pytest.raises(NonFiniteStepError) as info:
+        guard.raise_if_failed()
+    text = str(info.value)
+    v = optimizer.state[model.weight]["exp_avg_sq"].double()
+    assert v.max() < 1.8e19 < v.pow(2).sum().sqrt(), "the premise: no value alone, the sum overflows"
+    assert f"weight: exp_avg_sq reaches {float(v.max()):.4g} (the squares of its 8,192 values sum to " \
+           f"{float(v.pow(2).sum()):.3g}, past float32's largest value 3.4e+38" in text, text
+    assert "once values pass" not in text
+    assert f"needs a gradient of at least {math.sqrt(float(v.max())):.3g}" in text
+    assert "the gradients are exploding, not the weights" in text and "made the weights so large" not in text
 
 
 class _Poisoned(torch.utils.data.Dataset):
@@ -201,3 +230,65 @@ def test_skipped_fp16_steps_stop_capture_and_diagnose_agree(tmp_path):
     d = stabletrain.diagnose(err.capture_path, write=False)
     assert d.reason == "skipped_steps" and "learning rate too high" not in d.verdict, d.verdict
     assert "skip" in d.verdict or "scale" in d.verdict, d.verdict
+
+
+def _rank_errors(stderr: str, world_size: int = 2) -> dict[int, str]:
+    """Each rank's exception text (after ``...Error: ``), from the ``[rankN]: `` lines of a 2-process run."""
+    found = {}
+    for r in range(world_size):
+        lines = [line[len(f"[rank{r}]: "):] for line in stderr.splitlines() if line.startswith(f"[rank{r}]: ")]
+        start = next(i for i, line in enumerate(lines) if re.match(r"stabletrain\.[\w.]+Error: ", line))
+        found[r] = "\n".join([lines[start].split("Error: ", 1)[1], *lines[start + 1:]])
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nancapture", [True, False], ids=["nancapture", "guard"])
+def test_another_ranks_failure_every_rank_capture_and_diagnose_agree(tmp_path, nancapture):
+    """DDP on 2 processes, a NaN in one sample of rank 1's data at step 2. Rank 0's own loss is finite;
+    DDP averages rank 1's NaN gradients into its. Each rank used to report what it saw: rank 1 a
+    non-finite loss with the data advice, rank 0 non-finite gradients with a lower lr. Now every rank
+    reports rank 1's message; the capture's reasons say what each rank saw; diagnose of all ranks
+    leads with rank 1's loss and names the sample, and of rank 0 alone says another rank's step failed
+    (not a hardware fault)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from nan_models import samples_of_step
+
+    from conftest import cli_env
+
+    script = Path(__file__).with_name("nan_models.py")
+    proc = subprocess.run([sys.executable, str(script), "run", "2", *([] if nancapture else ["guard"])],
+                          cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    errors = _rank_errors(proc.stderr)
+    assert errors[0] == errors[1], "the two ranks name one cause"
+    head = "Non-finite loss at step 2 (rank 1 of 2)" if nancapture else \
+        "Non-finite loss and gradient norm at step 2 (rank 1 of 2)"
+    message = errors[0]
+    assert message.startswith(head), message
+    assert "on_instability.policy=skip_step" in message and "It carries model_args.lr" not in message, message
+    events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+              if '"event"' in line]
+    if not nancapture:
+        (row,) = [e for e in events if e["event"] == "nonfinite_step"]
+        assert row["step"] == 2
+        return
+    folder = tmp_path / "run" / "debug" / "nan_capture"
+    reasons = {r: torch.load(folder / f"rank{r}" / "nan_capture.pt", weights_only=True)["reason"] for r in (0, 1)}
+    assert reasons == {0: "nonfinite_gradients", 1: "nonfinite_loss"}
+    victim = samples_of_step(2, world_size=2, rank=1)[1]
+    from nan_models import PoisonNet
+
+    d = stabletrain.diagnose(folder, model=PoisonNet(), write=False)
+    assert d.reason == "nonfinite_loss"
+    assert f"bad data: batch['x'] of sample {victim} holds 1 non-finite value" in d.verdict, d.verdict
+    assert ("on a non-finite loss on rank 1 (rank 0: non-finite gradients, averaged in from the gradients of the "
+            "ranks whose loss was non-finite)") in d.summary, d.summary
+    alone = stabletrain.diagnose(folder / "rank0", model=PoisonNet(), write=False)
+    assert alone.probable_cause == "another rank's step failed; this rank only stopped with it", alone.verdict
+    assert "hardware" not in alone.verdict and "hardware" not in alone.cause_explanation
+    assert alone.next_actions == [f"Diagnose all ranks together: stabletrain diagnose {folder}"]

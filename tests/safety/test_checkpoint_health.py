@@ -198,3 +198,51 @@ def test_a_checkpoint_inside_a_spike_the_self_healing_recovered_from_is_not_heal
     assert not opened["healthy"] and "loss_spike episode the self-healing recovered from at step 32 is still open" \
         in opened["why"], opened["why"]
     assert health[SPIKE_STEP + 4]["healthy"], health[SPIKE_STEP + 4]["why"]
+
+
+def test_a_spike_episode_open_at_an_interruption_stays_open_after_the_resume(tmp_path):
+    """Issue 25: the open episode was not carried across a resume, so the first checkpoint after
+    resuming inside it was called healthy. Stopped inside the episode and resumed, every checkpoint
+    is judged as in the uninterrupted run."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from heal_faults import NAN_STEP, SPIKE_STEP, settings
+
+    from stabletrain.runfiles.checkpoint import read_checkpoint_health
+
+    class StopAt:
+        def on_step_start(self, trainer, *, step):
+            if step == SPIKE_STEP + 1:
+                trainer.request_stop("stopped by the test inside the spike episode")
+
+    def healths(out):
+        return {step: info for step, info in (read_checkpoint_health(p)[:2]
+                                              for p in sorted((out / "checkpoints").glob("step_*.ckpt")))}
+
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    for out, callbacks in ((straight, []), (stopped, [StopAt()])):
+        torch.manual_seed(0)  # the model draws its weights before train() seeds
+        s = settings(out, "skip_step", callbacks=callbacks)
+        s.update(checkpoint_every_num_steps=1, max_checkpoints_to_keep=100)
+        train(**s)
+    last = torch.load(stopped / "checkpoints" / "last.ckpt", weights_only=False)
+    assert last["step"] == SPIKE_STEP + 2 and not last["health"]["healthy"]
+    assert last["health"]["open_spike"]["first"] == SPIKE_STEP
+    torch.manual_seed(0)
+    s = settings(stopped, "skip_step", resume_interrupted=True)
+    s.update(checkpoint_every_num_steps=1, max_checkpoints_to_keep=100)
+    train(**s)
+    expected, resumed = healths(straight), healths(stopped)
+    assert sorted(resumed) == sorted(set(expected) - {SPIKE_STEP + 2})  # the stop wrote last.ckpt only
+    # Each recovery's episode stays open until the loss has been back for 3 logged steps (persist).
+    assert [s for s in expected if not expected[s]["healthy"]] == [*range(NAN_STEP + 1, NAN_STEP + 4),
+                                                                   *range(SPIKE_STEP + 1, SPIKE_STEP + 4)]
+    for step in resumed:  # the resume is bitwise: the same verdicts, for the same reasons
+        assert (resumed[step]["healthy"], resumed[step]["why"]) == (expected[step]["healthy"], expected[step]["why"])
+    why = resumed[SPIKE_STEP + 3]["why"]
+    assert "loss_spike episode the self-healing recovered from at step 32 is still open" in why
+    # The level the loss must come back to is from before the spike, not the skipped spike's own loss.
+    reference = last["health"]["open_spike"]["reference"]
+    assert reference < 100 and f"at or below {reference:.4g}, the highest of the " in why

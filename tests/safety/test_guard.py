@@ -187,6 +187,12 @@ def test_16_true_adamw_capture_diagnose_explains_and_reproduces_the_optimizer_st
     assert d.reproduced and set(d.nonfinite_params) == set(err.param_names) and d.float32_finite
     assert d.gradients_finite and d.gradient_norm == d.captured_gradient_norm, "forward/backward replayed bitwise"
     assert d.verdict.startswith("the optimizer step: torch.optim.AdamW wrote NaN/Inf"), "one line, as Diagnosis has"
+    # The advice fits this run: the built-in model's AdamW takes model_args.eps (no configure_optimizer of
+    # its own to edit), and no checkpoint was written before step 0 (none is "not healthy").
+    actions = "\n".join(d.next_actions)
+    assert "raise AdamW's eps above that resolution: model_args.eps=1e-4." in actions, actions
+    assert "configure_optimizer" not in actions
+    assert "No checkpoint was written before step 0: start again with overwrite=true and the change above." in actions
 
 
 class _BrokenAdamW(torch.optim.AdamW):

@@ -126,6 +126,51 @@ def test_a_signal_stop_is_said_once(tmp_path, capsys):
     assert log.lower().count("stopped after step") == 1, log[-2000:]
 
 
+def test_a_signal_inside_a_blow_up_continues_from_the_healthy_checkpoint_with_the_change(tmp_path, capsys):
+    """SIGINT while the loss explodes (SGD at lr 3: from step 5): the checkpoint written is not healthy.
+    The message named the healthy one with the lr that blew up (the same explosion again), then ended
+    "Continue with: ... resume_interrupted=true", the unhealthy state unchanged. Now its command is the
+    healthy checkpoint with the lower lr, and continuing as it is, is said as such."""
+    from stabletrain.safety.interrupts import TrainingInterrupted
+
+    class Signal:
+        def on_step_start(self, trainer, *, step):
+            if step == 8:
+                os.kill(os.getpid(), signal.SIGINT)
+
+    out = tmp_path / "run"
+    with pytest.raises(TrainingInterrupted) as info:
+        train(out=out, callbacks=[Signal()], **tiny_lm(steps=40, checkpoint_every_num_steps=2,
+                                                         model_args={"optimizer": "sgd", "lr": 3.0,
+                                                                     "warmup_steps": 10}))
+    printed = capsys.readouterr().out
+    # Runaway updates begin at step 3 (docs/mechanisms.md): the checkpoint of step 4 is not healthy either.
+    healthy = out / "checkpoints" / "step_000002.ckpt"
+    assert "It is not healthy (gradient_norm is exploding (steps 5-8)" in printed
+    assert f"resume_from='{healthy}') with model_args.lr=0.3" in info.value.command
+    assert printed.rstrip().endswith(f"Continue with: {info.value.command}")
+    assert "It carries model_args.lr=0.3 instead of 3" in printed
+    assert "To continue the interrupted run as it is anyway (the same settings from a state that is not healthy): " \
+        in printed
+
+
+def test_a_keyboard_interrupt_inside_a_blow_up_does_not_continue_the_unhealthy_checkpoint(tmp_path, capsys):
+    class Interrupt:
+        def on_step_start(self, trainer, *, step):
+            if step == 9:
+                raise KeyboardInterrupt
+
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        train(out=out, callbacks=[Interrupt()], **tiny_lm(steps=40, checkpoint_every_num_steps=2,
+                                                            model_args={"optimizer": "sgd", "lr": 3.0,
+                                                                        "warmup_steps": 10}))
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("Interrupted during step 9"))
+    assert f"The last checkpoint ({out / 'checkpoints' / 'last.ckpt'}, 8 steps) is not healthy (" in line
+    assert f"resume_from='{out / 'checkpoints' / 'step_000002.ckpt'}') with model_args.lr=0.3" in line
+    assert "Continue from the last checkpoint" not in line
+
+
 def test_interrupted_before_any_checkpoint_suggests_overwrite(tmp_path, capsys):
     """A KeyboardInterrupt in the middle of a step (not a signal between steps: no checkpoint)."""
 

@@ -214,3 +214,31 @@ def test_cli_diagnose_on_a_run_folder_lists_the_recovery_captures(tmp_path, caps
     shutil.rmtree(out / "debug" / "recoveries")
     with pytest.raises(NaNCaptureError, match="debug/recoveries/"):
         capture_files(out)
+
+
+@pytest.mark.parametrize("policy", ["stop", "skip_step"])
+def test_every_resume_honours_the_quarantine_and_says_so(tmp_path, capsys, policy):
+    """A resume with the default ``stop`` policy did not read quarantine.json: the NaN samples came
+    back in the next epoch and the guard stopped the run. Every resume keeps them out, on the console."""
+    out = tmp_path / "run"
+    _run(out, "skip_step", steps=40)
+    assert [e["index"] for e in read_quarantine(out)] == list(BAD)
+    capsys.readouterr()
+    seen = _Seen()
+    result = _run(out, policy, steps=120, resume_interrupted=True, callbacks=[seen])
+    assert result.steps_done == 120
+    assert not set(BAD) & seen.samples, "quarantined samples are never loaded after the resume"
+    assert len(_events(out)) == 2
+    printed = capsys.readouterr().out
+    line = next(x for x in printed.splitlines() if x.startswith("Quarantine: "))
+    assert line.startswith(f"Quarantine: 2 sample(s) found bad earlier in this run stay out of training (listed in "
+                           f"{out / 'quarantine.json'}): 37 (step ")
+    assert "batch['x'] holds 1 non-finite value(s)" in line and ", 301 (step " in line
+
+
+def test_a_quarantine_file_that_cannot_be_read_is_a_config_error(tmp_path):
+    out = tmp_path / "run"
+    _run(out, "skip_step", steps=20)
+    (out / "quarantine.json").write_text('{"samples": [{"step": 3}]}')
+    with pytest.raises(stabletrain.ConfigError, match="quarantine.json: cannot read the quarantined samples"):
+        _run(out, "stop", steps=40, resume_interrupted=True)

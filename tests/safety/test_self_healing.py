@@ -371,3 +371,80 @@ def test_healing_adds_no_host_sync_on_steps_where_nothing_happens(tmp_path):
     assert quiet == [0, 1, 4, 6]
     assert [counts["rollback"][s] for s in quiet] == [counts["stop"][s] for s in quiet]
     assert all(counts["rollback"][s] > counts["stop"][s] for s in (2, 3))
+
+
+def test_spike_recoveries_in_a_row_get_one_diagnosis_line_naming_their_steps(tmp_path, monkeypatch):
+    """Six spike recoveries in a row printed six identical "no verdict on a spike" lines; now one
+    line names the steps, while a non-finite recovery keeps its own line with its verdict."""
+    import types
+
+    import stabletrain.debug.diagnose as diagnose_mod
+    from stabletrain.safety.healing import Healer
+
+    verdicts = {}
+
+    def fake_diagnose(folder, model=None):
+        return types.SimpleNamespace(verdict=verdicts[Path(folder).name])
+
+    monkeypatch.setattr(diagnose_mod, "diagnose", fake_diagnose)
+    lines: list[str] = []
+    trainer = types.SimpleNamespace(is_rank_zero=True, world_size=1, model=None, resolved_settings=lambda: {},
+                                    console=types.SimpleNamespace(info=lines.append))
+    healer = Healer.__new__(Healer)
+    healer.trainer = trainer
+    healer.recoveries = []
+    for k, (step, trigger) in enumerate([(54, "loss_spike"), (55, "loss_spike"), (56, "nonfinite_loss"),
+                                         (57, "loss_spike")]):
+        folder = tmp_path / "debug" / "recoveries" / f"step{step}_r{k}"
+        verdicts[folder.name] = f"verdict of {step}"
+        healer.recoveries.append({"step": step, "trigger": trigger, "recovery": k,
+                                  "capture": str(folder / "nan_capture.pt")})
+    assert healer._diagnose_captures() == {k: f"verdict of {s}" for k, s in enumerate([54, 55, 56, 57])}
+    assert lines[0] == "Diagnosis of the recovery at step 56: verdict of 56"
+    assert len(lines) == 2, lines
+    assert lines[1].startswith("Diagnosis of the recoveries at steps 54, 55, 57 (loss_spike): their values were "
+                               "finite and the diagnosis looks for NaN/Inf, so it has no verdict on a spike; "
+                               "the replay shows step 54's loss: stabletrain replay ")
+    assert lines[1].endswith("step54_r0")
+    # One spike alone keeps the singular line.
+    healer.recoveries = healer.recoveries[:1]
+    lines.clear()
+    healer._diagnose_captures()
+    assert lines == [f"Diagnosis of the recovery at step 54 (loss_spike): its values were finite and the diagnosis "
+                     f"looks for NaN/Inf, so it has no verdict on a spike; the replay shows the step's loss: "
+                     f"stabletrain replay {tmp_path / 'debug' / 'recoveries' / 'step54_r0'}"]
+
+
+def test_the_trend_alert_on_a_recovered_nan_step_follows_the_recovery_evidence(tmp_path, capsys):
+    """Issue 25: under skip_step the trend alert on the NaN step proposed a re-run with a lower lr,
+    although the recovery named the sample whose data holds the NaN. The alert now waits for the
+    recovery and says what it found: the data, no setting to change."""
+    torch.manual_seed(0)
+    s = settings(tmp_path / "run", "skip_step")
+    s.update(trend_alerts={"enabled": True}, log_every_num_steps=5)  # NAN_STEP 25 is a logged step
+    stabletrain.train(**s)
+    (alert,) = [a for a in _events(tmp_path / "run", "trend_alert") if a["kind"] == "nonfinite"]
+    (recovery,) = [r for r in _events(tmp_path / "run", "recovery") if r["step"] == NAN_STEP]
+    culprit = recovery["culprits"][0]
+    assert alert["step"] == NAN_STEP and len(alert["actions"]) == 1, alert["actions"]
+    action = alert["actions"][0]
+    assert (f"on_instability skipped step {NAN_STEP}'s update, and its samples explain it ({culprit}: batch['x'] "
+            "holds 1 non-finite value(s)): they are quarantined") in action
+    assert "the cause is the data, not a setting such as the learning rate" in action
+    assert "model_args.lr" not in action and "re-run" not in action
+    printed = capsys.readouterr().out
+    assert printed.index(f"Recovered step {NAN_STEP}:") < printed.index(f"WARNING loss is not finite (step {NAN_STEP})")
+
+
+def test_a_recovered_nan_step_no_sample_explains_keeps_the_lr_advice():
+    from stabletrain.debug.trends.callback import recovery_answer
+    from stabletrain.debug.trends.episode import AlertContext
+
+    history = [{"step": i, "lr": 0.1, "loss": 2.0, "gradient_norm": 1.0} for i in range(10)]
+    context = AlertContext(lr=0.1, optimizer="sgd", history=history)
+    text = recovery_answer({"step": 12, "action": "skip_step", "culprits": []}, {}, context)
+    assert text.startswith("on_instability skipped step 12's update; no sample of the step explains it, so the "
+                           "updates are the suspect: if it recurs, lower the learning rate: model_args.lr=")
+    text = recovery_answer({"step": 12, "action": "rollback", "rolled_back_to": 10, "culprits": []}, {}, context)
+    assert text.startswith("on_instability rolled back to step 10; no sample")
+    assert "the stop message names the cause" in recovery_answer({"step": 12, "action": "stop"}, {}, context)

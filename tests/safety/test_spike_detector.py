@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from stabletrain.config import OnInstabilityArgs
-from stabletrain.safety.spike_detector import TRIGGERS, SpikeDetector, describe_trigger, trigger_name
+from stabletrain.safety.spike_detector import CLIP, TRIGGERS, SpikeDetector, describe_trigger, trigger_name
 
 
 def test_the_plain_loop_defaults_are_the_trainer_s():
@@ -86,7 +86,7 @@ def _reference(steps, window, zscore, warmup, max_ratio, min_std):
     """The documented rule in plain float64 Python: a step is bad when its loss or gradient norm is
     non-finite, or (after ``warmup`` good steps) its log loss lies more than ``zscore`` noise units
     above the mean of the last 5 good steps (noise: the step-to-step scatter, von Neumann, over the
-    last ``window`` good steps), or its log gradient norm more than ``zscore`` standard deviations
+    last ``window`` good steps, each difference capped at CLIP times their median), or its log gradient norm more than ``zscore`` standard deviations
     above the window's mean, or its loss exceeds ``max_ratio`` x the largest good loss."""
     good: list[tuple[float, float]] = []
     max_loss, out = 0.0, []
@@ -100,7 +100,10 @@ def _reference(steps, window, zscore, warmup, max_ratio, min_std):
         n = len(win)
         recent = win[-5:]
         mean_l = sum(v[0] for v in recent) / max(len(recent), 1)
-        diffs = [win[i][0] - win[i - 1][0] for i in range(1, n)]
+        diffs = [abs(win[i][0] - win[i - 1][0]) for i in range(1, n)]
+        if diffs:  # each difference capped at CLIP x their (lower) median
+            cap = CLIP * sorted(diffs)[(len(diffs) - 1) // 2]
+            diffs = [min(d, cap) for d in diffs]
         noise = math.sqrt(sum(d * d for d in diffs) / (2 * max(len(diffs), 1)))
         z_l = (x[0] - mean_l) / max(noise, min_std)
         mean_g = sum(v[1] for v in win) / max(n, 1)

@@ -288,10 +288,11 @@ def test_huge_but_finite_weights_and_state_are_told_apart_by_value():
     assert str(info.value).startswith(
         "The optimizer step of step 0 (rank 0 of 1) left optimizer state so large, from finite gradients (loss 2, "
         "gradient norm 1.414e+19), that its float32 norm overflows: every value is still finite, but weight: exp_avg_sq "
-        "reaches 1e+35 (the guard's check takes the float32 L2 norm of the optimizer state, which overflows once values "
-        f"pass about 1.8e+19); the weights stay smaller, |w| up to {w:.4g} in weight. Optimizer: torch.optim.AdamW. "
-        "exp_avg_sq holds squared gradients: 1e+35 means a gradient of at least 3.16e+17 (gradient norm 1.414e+19): "
-        "the gradients are exploding, not the weights.")
+        "reaches 1e+35 (the squares of its 2 values sum to 2e+70, past float32's largest value 3.4e+38, so the float32 "
+        "L2 norm the guard checks overflows (one value alone does it from about 1.8e+19)); the weights stay smaller, "
+        f"|w| up to {w:.4g} in weight. Optimizer: torch.optim.AdamW. exp_avg_sq holds an average of squared gradients: "
+        "1e+35 needs a gradient of at least 3.16e+17 (gradient norm 1.414e+19): the gradients are exploding, not the "
+        "weights.")
 
     sgd_model = nn.Linear(2, 1, bias=False)
     with torch.no_grad():
@@ -307,8 +308,8 @@ def test_huge_but_finite_weights_and_state_are_told_apart_by_value():
     assert str(info.value).startswith(
         "The optimizer step of step 0 (rank 0 of 1) made the weights so large, from finite gradients (loss 2, gradient "
         "norm 4.472), that their float32 norm overflows: every value is still finite, but |w| reaches 4e+24 in weight "
-        "(the guard's check takes the float32 L2 norm of the weights, which overflows once values pass about 1.8e+19). "
-        "Optimizer: torch.optim.SGD. The learning rate is 1e+24: SGD moves a weight by lr x its gradient.")
+        "(the squares of its 2 values sum to 2e+49, past float32's largest value 3.4e+38, so the float32 L2 norm the "
+        "guard checks overflows (one value alone does it from about 1.8e+19)). Optimizer: torch.optim.SGD. The learning rate is 1e+24: SGD moves a weight by lr x its gradient.")
 
 
 def _nan_state(n_params: int):

@@ -18,12 +18,14 @@ from torch import Tensor, nn
 from stabletrain.distributed.norms import local_tensor
 
 __all__ = ["describe_optimizer_damage", "explain_optimizer_damage", "optimizer_name", "smallest_positive",
-           "RangeTrip", "range_trips", "explain_trips", "explain_state_overflow", "NORM_OVERFLOW_AT"]
+           "RangeTrip", "range_trips", "explain_trips", "explain_state_overflow", "NORM_OVERFLOW_AT",
+           "FLOAT32_MAX"]
 
 #: The guard's check after an optimizer step (``stabletrain.safety.guard.finite_norms``) takes the
 #: float32 L2 norm of all parameters, and of all optimizer state: finite values beyond about
 #: sqrt(float32's largest value) overflow its squares, and the check fails as if a value were Inf.
-NORM_OVERFLOW_AT = math.sqrt(float(torch.finfo(torch.float32).max))
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+NORM_OVERFLOW_AT = math.sqrt(FLOAT32_MAX)
 
 
 @dataclass
@@ -35,12 +37,27 @@ class RangeTrip:
         kind: ``"parameter"`` or ``"optimizer state"``.
         abs_max: Its largest ``|value|``.
         alone: Its own float32 L2 norm overflows (False: only the total over all tensors does).
+        square_sum: The sum of the squares the norm adds up, in float64: of this tensor's values
+            (``alone``), else of every tensor's of its kind. Past float32's largest value
+            (:data:`FLOAT32_MAX`) the float32 norm is inf, whatever the largest value alone.
+        numel: How many values that sum is over.
     """
 
     name: str
     kind: str
     abs_max: float
     alone: bool = True
+    square_sum: float = math.nan
+    numel: int = 0
+
+    def overflow_text(self) -> str:
+        """Why the norm overflowed: ``the squares of its 128 values sum to 3.9e+39, past float32's largest
+        value 3.4e+38``, and the size at which one value alone does it."""
+        of = f"its {self.numel:,} values" if self.alone else f"all {self.numel:,} values of the {self.kind}"
+        alone = "" if self.alone else ", though no tensor's norm overflows alone"
+        return (f"the squares of {of} sum to {self.square_sum:.3g}, past float32's largest value {FLOAT32_MAX:.3g}, so "
+                f"the float32 L2 norm the guard checks overflows{alone} (one value alone does it from about "
+                f"{NORM_OVERFLOW_AT:.2g})")
 
     def describe(self) -> str:
         """``head.weight: exp_avg_sq (optimizer state) reaches |v| 3.1e+21``."""
@@ -51,22 +68,25 @@ class RangeTrip:
 def range_trips(named: Mapping[str, Tensor], kind: str) -> list[RangeTrip]:
     """The tensors of ``named`` (finite) whose float32 L2 norm overflows; when none does alone
     but the norm over all of them does (what the guard checks), the largest one."""
-    norms, sizes = {}, {}
+    norms, sizes, squares, counts = {}, {}, {}, {}
     for n, t in named.items():
         local = local_tensor(t.detach())
         if not local.is_floating_point() or not local.numel():
             continue
         norms[n] = torch.linalg.vector_norm(local.float())
         sizes[n] = float(local.abs().max())
+        squares[n], counts[n] = float(local.double().pow(2).sum()), local.numel()
     if not norms:
         return []
-    alone = [RangeTrip(n, kind, sizes[n]) for n, v in norms.items() if not math.isfinite(float(v))]
+    alone = [RangeTrip(n, kind, sizes[n], square_sum=squares[n], numel=counts[n])
+             for n, v in norms.items() if not math.isfinite(float(v))]
     if alone:
         return sorted(alone, key=lambda t: -t.abs_max)
     if math.isfinite(float(torch.linalg.vector_norm(torch.stack(list(norms.values()))))):
         return []
     top = max(sizes, key=lambda n: sizes[n])
-    return [RangeTrip(top, kind, sizes[top], alone=False)]
+    return [RangeTrip(top, kind, sizes[top], alone=False, square_sum=sum(squares.values()),
+                      numel=sum(counts.values()))]
 
 _DTYPE_NAMES = {
     torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float64: "float64",
@@ -163,10 +183,10 @@ def explain_trips(trips: list[RangeTrip], lr: Any, gradient_norm: float, optimiz
     if state:
         t = state[0]
         if t.name.endswith("exp_avg_sq"):
-            # exp_avg_sq is a weighted mean of g^2 with weights summing to at most 1: some |g| >= sqrt(v).
-            parts.append(f"{t.name.split(': ')[-1]} holds squared gradients: {t.abs_max:.3g} means a gradient of at "
-                         f"least {math.sqrt(t.abs_max):.3g} (gradient norm {gradient_norm:.4g}): the gradients are "
-                         "exploding, not the weights.")
+            # exp_avg_sq is an average of squared gradients, so a value v needs a gradient of at least sqrt(v).
+            parts.append(f"{t.name.split(': ')[-1]} holds an average of squared gradients: {t.abs_max:.3g} needs a "
+                         f"gradient of at least {math.sqrt(t.abs_max):.3g} (gradient norm {gradient_norm:.4g}): the "
+                         "gradients are exploding, not the weights.")
         else:
             parts.append(f"{t.name} grew beyond what its float32 norm holds (gradient norm {gradient_norm:.4g}).")
     return " ".join(parts)

@@ -278,21 +278,31 @@ def _actions(entry: dict[str, Any], dtypes: set[torch.dtype], explanation: str, 
             + f"; {_DTYPE.get(dtype, dtype)}'s smallest positive value is {smallest_positive(dtype):.2g}"
             + ".")
     if "eps" in explanation and half:
-        actions.append("Or keep the reduced precision and raise AdamW's eps above that resolution (e.g. 1e-4): "
-                       "configure_optimizer on your model builds the optimizer.")
+        # The trainer builds AdamW with model_args.eps unless the model's configure_optimizer builds it.
+        try:
+            own = callable(getattr(cap.get_model(), "configure_optimizer", None))
+        except Exception:  # the model cannot be rebuilt here: say both
+            own = None
+        where = {False: "model_args.eps=1e-4",
+                 True: "in configure_optimizer on your model, which builds the optimizer, e.g. eps=1e-4",
+                 None: "model_args.eps=1e-4, or in configure_optimizer if your model builds its optimizer"}[own]
+        actions.append(f"Or keep the reduced precision and raise AdamW's eps above that resolution: {where}.")
     if not half:
         actions += _lr_actions(entry["optimizer"], settings, trips or [])
     out = _run_folder(cap)
     if out is not None:
-        from stabletrain.runfiles.checkpoint import newest_healthy
+        from stabletrain.runfiles.checkpoint import list_checkpoints, newest_healthy
 
         best = newest_healthy(out / "checkpoints", before_step=cap.step)
         if best is not None:
             actions.append(f"Continue from the newest healthy checkpoint, {best.path} (step {best.step}: {best.why}), "
                            f"with resume_from={best.path} and the change above.")
-        else:
+        elif any(c.step <= cap.step for c in list_checkpoints(out / "checkpoints")):
             actions.append("No checkpoint from before the failing step is healthy: start again with overwrite=true "
                            "and the change above.")
+        else:
+            actions.append(f"No checkpoint was written before step {cap.step}: start again with overwrite=true and "
+                           "the change above.")
     return actions
 
 

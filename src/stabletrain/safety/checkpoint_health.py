@@ -94,6 +94,7 @@ class HealthTracker:
         #: began is not healthy (docs/mechanisms.md). None: not judged.
         self.mechanisms = mechanisms
         self.recent: dict[str, deque[float]] = {s: deque(maxlen=self.args.window) for s in ("loss", "gradient_norm")}
+        self._steps: dict[str, deque[int]] = {s: deque(maxlen=self.args.window) for s in self.recent}  # of recent's
         self.initial_weight_norm: Optional[float] = None
         #: The recovery whose spike is still open: ``{"step", "trigger", "reference", "calm"}``; None when none is.
         self.spike: Optional[dict[str, Any]] = None
@@ -103,6 +104,7 @@ class HealthTracker:
         back at or below the highest of the logged losses before it (their window: the run's own
         noise) for ``trend_alerts.persist`` logged steps in a row; a checkpoint or snapshot taken
         before that is not healthy."""
+        self.forget(step)
         if self.spike is not None:  # still the same episode: keep its reference from before it
             self.spike.update(step=step, trigger=trigger, calm=0)
             return
@@ -110,9 +112,28 @@ class HealthTracker:
         self.spike = {"step": step, "trigger": trigger, "reference": ref, "calm": 0, "first": step,
                       "window": len(self.recent["loss"])}
 
+    def forget(self, step: int) -> None:
+        """Drop the values logged for ``step``, a step the self-healing skipped: its loss (the spike
+        itself) is not the run's level, and must not become the level an episode returns to."""
+        for signal, values in self.recent.items():
+            kept = [(s, v) for s, v in zip(self._steps[signal], values) if s != step]
+            values.clear()
+            values.extend(v for _, v in kept)
+            self._steps[signal].clear()
+            self._steps[signal].extend(s for s, _ in kept)
+
     @property
     def spike_open(self) -> bool:
         return self.spike is not None
+
+    def resume(self, health: Mapping[str, Any]) -> None:
+        """Continue from the ``health`` entry of the checkpoint a run resumes from, once its logged
+        rows are observed again: the weight norm at the start of the run, and the spike episode
+        that was still open when it was written (:meth:`assess` records it as ``open_spike``)."""
+        if isinstance(health.get("initial_weight_norm"), float):
+            self.initial_weight_norm = health["initial_weight_norm"]
+        spike = health.get("open_spike")
+        self.spike = dict(spike) if isinstance(spike, Mapping) else None
 
     def observe(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Feed one logged step (``loss``, ``gradient_norm``, the ``signals/...``)."""
@@ -123,6 +144,7 @@ class HealthTracker:
             v = metrics.get(signal)
             if isinstance(v, (int, float)) and math.isfinite(v):
                 values.append(float(v))
+                self._steps[signal].append(int(step))
         self._settle(step, metrics.get("loss"))
 
     def _settle(self, step: int, loss: Any) -> None:
@@ -211,6 +233,7 @@ class HealthTracker:
             # A mechanism rule held once and may name one that began at this step: rotation keeps a checkpoint
             # from before it until the rule decides (docs/mechanisms.md).
             "pending_since": pending if healthy else None,
+            "open_spike": None if self.spike is None else dict(self.spike),  # a resume carries it on
         }
 
 

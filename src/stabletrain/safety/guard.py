@@ -60,10 +60,13 @@ class NonFiniteStepError(StabletrainError):
         checkpoint: The newest healthy checkpoint, when there is one.
         command: A command to paste: continue from that checkpoint with nancapture on, or
             start again.
+        other_rank: True on the ranks whose message is another rank's: when ranks fail together,
+            every rank reports the message of the rank closest to the cause, and the command line
+            prints it once, from that rank.
     """
 
     def __init__(self, message: str, failure: "GuardFailure", *, capture_path: Any = None,
-                 checkpoint: Any = None, command: str = ""):
+                 checkpoint: Any = None, command: str = "", other_rank: bool = False):
         super().__init__(message)
         self.failure = failure
         self.step = failure.step
@@ -77,15 +80,18 @@ class NonFiniteStepError(StabletrainError):
         self.capture_path = capture_path
         self.checkpoint = checkpoint
         self.command = command
+        self.other_rank = other_rank
 
     def __reduce__(self) -> Any:
-        return (_rebuild_error, (str(self), self.failure, self.capture_path, self.checkpoint, self.command))
+        return (_rebuild_error, (str(self), self.failure, self.capture_path, self.checkpoint, self.command,
+                                 self.other_rank))
 
 
 def _rebuild_error(
-    message: str, failure: "GuardFailure", capture: Any, checkpoint: Any, command: str
+    message: str, failure: "GuardFailure", capture: Any, checkpoint: Any, command: str, other_rank: bool = False
 ) -> NonFiniteStepError:
-    return NonFiniteStepError(message, failure, capture_path=capture, checkpoint=checkpoint, command=command)
+    return NonFiniteStepError(message, failure, capture_path=capture, checkpoint=checkpoint, command=command,
+                              other_rank=other_rank)
 
 
 @dataclass
@@ -130,15 +136,16 @@ class GuardFailure:
         state = [t for t in self.trips if t.kind != "parameter"]
         if weights or not state:
             name, value = (weights[0].name, weights[0].abs_max) if weights else (self.largest_name, self.largest_abs)
+            why = (weights[0].overflow_text() if weights and weights[0].numel else
+                   f"the guard's check takes the float32 L2 norm of the weights, which overflows once values pass "
+                   f"about {limit}")
             return (f"The optimizer step of {where} made the weights so large, {given}, "
                     f"that their float32 norm overflows: every value is still finite, but |w| reaches "
-                    f"{_fmt(value)} in {name} (the guard's check takes the float32 L2 norm of the weights, which "
-                    f"overflows once values pass about {limit})")
+                    f"{_fmt(value)} in {name} ({why})")
         t = state[0]
         return (f"The optimizer step of {where} left optimizer state so large, {given}, that "
                 f"its float32 norm overflows: every value is still finite, but {t.name} reaches {_fmt(t.abs_max)} "
-                f"(the guard's check takes the float32 L2 norm of the optimizer state, which overflows once values "
-                f"pass about {limit}); the weights stay smaller, |w| up to {_fmt(self.largest_abs)} in "
+                f"({t.overflow_text()}); the weights stay smaller, |w| up to {_fmt(self.largest_abs)} in "
                 f"{self.largest_name}")
 
     def describe(self) -> str:

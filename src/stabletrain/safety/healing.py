@@ -58,6 +58,15 @@ def snapshot_bytes(state: Any) -> int:
     return 0
 
 
+def _spike_diagnoses_line(trigger: str, found: list[tuple[int, Path]]) -> str:
+    """One console line for the diagnoses of the spike recoveries of one trigger: (step, capture folder)."""
+    (step, folder), more = found[0], len(found) > 1
+    steps = f"recoveries at steps {', '.join(str(s) for s, _ in found)}" if more else f"recovery at step {step}"
+    return (f"Diagnosis of the {steps} ({trigger}): {'their' if more else 'its'} values were finite and the "
+            "diagnosis looks for NaN/Inf, so it has no verdict on a spike; the replay shows "
+            f"{f'step {step}' if more else 'the step'}'s loss: stabletrain replay {shell_path(folder)}")
+
+
 class Healer:
     """The trainer's self-healing (``on_instability``); see the module docstring."""
 
@@ -158,6 +167,7 @@ class Healer:
             return verdicts
         rows = [r for r in self.recoveries if r.get("capture")]
         chosen = rows[:limit] + (rows[-1:] if last and rows[-1:] and rows[-1] not in rows[:limit] else [])
+        spikes: dict[str, list[tuple[int, Path]]] = {}  # trigger -> (step, capture folder): one line each
         for row in chosen:
             folder = Path(row["capture"]).parent if t.world_size == 1 else Path(row["capture"]).parent.parent
             custom = t.resolved_settings().get("task") == "custom"
@@ -170,9 +180,9 @@ class Healer:
             if row.get("trigger") in _NONFINITE:
                 t.console.info(f"Diagnosis of the recovery at step {row['step']}: {result.verdict}")
             else:  # diagnose looks for NaN/Inf: of a spike with finite values it can only say it replays finite
-                t.console.info(f"Diagnosis of the recovery at step {row['step']} ({row.get('trigger')}): its values "
-                               "were finite and the diagnosis looks for NaN/Inf, so it has no verdict on a spike; "
-                               f"the replay shows the step's loss: stabletrain replay {shell_path(folder)}")
+                spikes.setdefault(str(row.get("trigger")), []).append((int(row["step"]), folder))
+        for trigger, found in spikes.items():
+            t.console.info(_spike_diagnoses_line(trigger, found))
         return verdicts
 
     def on_exception(self, trainer: Any, *, exception: BaseException) -> None:

@@ -19,6 +19,7 @@ from stabletrain.runfiles.checkpoint import CheckpointError, checkpoint_dir
 from stabletrain.safety.checkpoint_health import HealthTracker, nonfinite_entries, verify_tensors
 from stabletrain.safety.guard import ORIGIN_OPTIMIZER, VERDICT_LEN, NonFiniteStepError, StepGuard
 from stabletrain.safety.interrupts import StopSignals
+from stabletrain.utils.dist import leading_message
 
 _NO_STEP = -1e18
 _GUARD_LEN = VERDICT_LEN
@@ -294,6 +295,13 @@ class SafetyNet:
 
             capture = capture_optimizer_step(t, failure)
         message, best, command = guard_message(t, failure, capture)
+        leader = t.rank
+        if t.world_size > 1:
+            # Every rank reports the message of the rank closest to the cause (its own loss non-finite,
+            # then its own finding): a rank that saw only the NaN gradients averaged in from another
+            # rank's loss must not name another cause (see utils.dist.leading_message).
+            level = 2 if failure.step >= 0 and "loss" in failure.nonfinite else (1 if failure.step >= 0 else 0)
+            message, leader = leading_message(level, message, t.fabric)
         self._log_failure_rows(failure)
         t.log_event({
             "event": "nonfinite_step", "step": failure.step if failure.step >= 0 else failure.other_rank_step,
@@ -301,7 +309,8 @@ class SafetyNet:
             "param_names": failure.param_names[:20], "state_entries": failure.state_entries[:20],
         })
         raise NonFiniteStepError(message, failure, capture_path=capture,
-                                 checkpoint=None if best is None else best.path, command=command)
+                                 checkpoint=None if best is None else best.path, command=command,
+                                 other_rank=leader != t.rank)
 
 
 def _mechanism_detector(trainer: Any) -> Any:

@@ -23,6 +23,9 @@ VERDICT_FIELDS = ("bad", "trigger", "zscore", "ratio", "loss", "gradient_norm")
 _TINY = 1e-30
 #: Good steps whose mean is the reference a new value is compared with.
 REFERENCE_STEPS = 5
+#: Successive differences of the log loss count at most this many times their median in the
+#: noise: Gaussian noise's differences pass it with odds of 99.9%; a warm-up spike's do not.
+CLIP = 5.0
 
 
 class SpikeDetector:
@@ -69,10 +72,15 @@ class SpikeDetector:
         recent = ((age < REFERENCE_STEPS) & (age < n)).double()
         mean = (self.buffer * recent).sum(1) / recent.sum().clamp_min(1)
         # Noise from successive differences (von Neumann): a loss that falls fast in early
-        # training does not widen it, as it would widen the window's plain std.
-        pairs = (age <= n - 2).double()
-        diff = self.buffer - torch.roll(self.buffer, 1, dims=1)
-        var_vn = (diff**2 * pairs).sum(1) / (2 * pairs.sum().clamp_min(1))
+        # training does not widen it, as it would widen the window's plain std. Each difference
+        # is capped at CLIP times their median, so that a spike the warm-up let into the window
+        # (two huge differences, into and out of it) does not inflate the noise for the next
+        # `window` steps and hide the same spike when it comes back.
+        pairs = age <= n - 2
+        diff = (self.buffer - torch.roll(self.buffer, 1, dims=1)).abs()
+        cap = CLIP * torch.nanmedian(torch.where(pairs, diff, math.nan), dim=1).values.nan_to_num(0.0)
+        capped = torch.minimum(diff, cap[:, None])
+        var_vn = (capped**2 * pairs).sum(1) / (2 * pairs.sum().clamp_min(1))
         floor = max(self.min_std, _TINY)
         z_loss = (x[0] - mean[0]) / var_vn[0].sqrt().clamp_min(floor)
         # The gradient norm has no steady trend to discount but wanders (it rises early in

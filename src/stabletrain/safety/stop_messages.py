@@ -378,8 +378,14 @@ def interrupt_message(trainer: Any, signal_name: str, path: Optional[Path]) -> t
     except Exception:
         health = None
     if health is not None and not health.get("healthy"):
-        advice, _, _ = resume_advice(trainer, None)
-        text += f" It is not healthy ({health.get('why')}). {advice}"
+        # Not a failure, but the run was going bad: the way on is the newest healthy checkpoint with
+        # the change the evidence points at (unchanged, the same state would go bad the same way);
+        # continuing the interrupted state as it is stays possible, said as such.
+        remedy = failure_remedy(trainer, trainer.step)
+        advice, _, healthy = resume_advice(trainer, trainer.step, extra=remedy.change or None, note=remedy.why)
+        text += (f" It is not healthy ({health.get('why')}). {advice}\nTo continue the interrupted run as it is "
+                 f"anyway (the same settings from a state that is not healthy): {command}")
+        return text + f"\nContinue with: {healthy}", healthy
     return text + f"\nContinue with: {command}", command
 
 
@@ -392,5 +398,16 @@ def keyboard_interrupt_message(trainer: Any) -> str:
         return (f"Interrupted during step {trainer.step}, before any checkpoint was written: start again with "
                 f"overwrite=true: {command}")
     command = train_command(trainer.settings, resume_interrupted=True)
-    return (f"Interrupted during step {trainer.step}; no checkpoint was written for it. Continue from the last "
-            f"checkpoint ({folder / 'last.ckpt'}, {last} steps): {command}")
+    text = f"Interrupted during step {trainer.step}; no checkpoint was written for it."
+    from stabletrain.runfiles.checkpoint import read_checkpoint_health
+
+    try:
+        _, health = read_checkpoint_health(folder / "last.ckpt")
+    except Exception:
+        health = None
+    if health is not None and not health.get("healthy"):  # as interrupt_message: the healthy one, with the change
+        remedy = failure_remedy(trainer, trainer.step)
+        advice, _, _ = resume_advice(trainer, trainer.step, extra=remedy.change or None, note=remedy.why)
+        return (f"{text} The last checkpoint ({folder / 'last.ckpt'}, {last} steps) is not healthy "
+                f"({health.get('why')}). {advice}")
+    return f"{text} Continue from the last checkpoint ({folder / 'last.ckpt'}, {last} steps): {command}"

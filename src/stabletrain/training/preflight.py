@@ -96,14 +96,11 @@ def out_dir_problems(settings: TrainSettings) -> list[str]:
     if s.resume_from is not None:
         source = Path(s.resume_from)
         if not source.is_file():
-            return [f"resume_from: no checkpoint file at {source}; pass a .ckpt file, e.g. {last}"]
+            return [f"resume_from: no checkpoint file at {source}; {_checkpoints_there(out)}"]
         return _unreadable("resume_from", source, s)
     if s.resume_interrupted:
         if not last.exists():
-            return [
-                f"resume_interrupted: no checkpoint to resume from at {last}: the run stopped before its first "
-                "checkpoint; start again with overwrite=true instead of resume_interrupted=true"
-            ]
+            return [f"resume_interrupted: no checkpoint to resume from at {last}: {_no_last_ckpt(out)}"]
         return _unreadable("resume_interrupted", last, s)
     if out.exists() and not out.is_dir():
         return [f"out: {out} exists and is not a folder"]
@@ -113,6 +110,30 @@ def out_dir_problems(settings: TrainSettings) -> list[str]:
             "resume_interrupted=true to continue its run, or choose another folder"
         ]
     return []
+
+
+def _no_last_ckpt(out: Path) -> str:
+    """Why a run folder has no ``last.ckpt``, from what the folder holds, and what to do."""
+    if not out.exists():
+        return (f"{out} does not exist, so there is no run to continue; drop resume_interrupted=true to start "
+                "one there, or pass the out folder of the run to continue")
+    if not out.is_dir():
+        return f"{out} is a file, not a run folder; pass the out folder of the run to continue"
+    if not any(p.name != LOCK_NAME for p in out.iterdir()):
+        return (f"{out} is empty, so there is no run to continue; drop resume_interrupted=true to start one "
+                "there, or pass the out folder of the run to continue")
+    return ("the run stopped before its first checkpoint; start again with overwrite=true instead of "
+            "resume_interrupted=true")
+
+
+def _checkpoints_there(out: Path) -> str:
+    """The checkpoints of the run in ``out`` to pass instead (newest first), or that it has none."""
+    folder = checkpoint_dir(out)
+    found = sorted(folder.glob("*.ckpt"), key=lambda p: p.stat().st_mtime, reverse=True) if folder.is_dir() else []
+    if not found:
+        return f"pass the .ckpt file of a run; {out} has none ({folder} holds no .ckpt file)"
+    shown = ", ".join(str(p) for p in found[:3]) + (f" (+{len(found) - 3} more)" if len(found) > 3 else "")
+    return f"pass a .ckpt file; the run in {out} has {shown}"
 
 
 def _unreadable(setting: str, path: Path, settings: TrainSettings) -> list[str]:

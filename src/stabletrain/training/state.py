@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -86,18 +86,49 @@ def continue_history(trainer: Any, state: dict[str, Any], source: Path) -> None:
     from stabletrain.runfiles.history import read_run
 
     health = state.get("health") if isinstance(state.get("health"), dict) else None
-    if health and isinstance(health.get("initial_weight_norm"), float):
-        trainer.safety.health.initial_weight_norm = health["initial_weight_norm"]
+    quarantined = honour_quarantine(trainer)  # first: an unreadable file stops the resume before any row
     metrics = trainer.out / "metrics.jsonl"
     if metrics.is_file():
         history = read_run(metrics)
+        # Steps the self-healing skipped are forgotten after their row, as the run did when it recovered.
+        skipped = {e["step"] for e in history.events if e.get("event") == "recovery" and e.get("action") == "skip_step"}
         for row in history.rows:
             if row["step"] < trainer.step:
                 trainer.safety.health.observe(row["step"], row)
+                if row["step"] in skipped:
+                    trainer.safety.health.forget(row["step"])
         note = history.skipped_note(metrics)
         if note is not None:
             trainer.console.info(note)
+    if health:  # after the rows: its open spike episode already counts them
+        trainer.safety.health.resume(health)
     verdict = "healthy" if health and health.get("healthy") else "not healthy"
     note = "" if health is None else f" ({verdict}: {health.get('why')})"
     trainer.console.info(f"Resumed from step {trainer.step}: {source}{note}")
     trainer.log_event({"event": "resume", "step": trainer.step, "checkpoint": str(source)})
+    if quarantined:
+        trainer.console.info(quarantined)
+
+
+def honour_quarantine(trainer: Any) -> Optional[str]:
+    """On a resume, whatever the policy: the samples in the run folder's ``quarantine.json`` (found
+    bad by the self-healing) stay out of the loader. Returns the console line saying which, None
+    when there are none."""
+    from stabletrain.safety.quarantine import QUARANTINE_FILE, read_quarantine
+
+    path = trainer.out / QUARANTINE_FILE
+    try:
+        entries = read_quarantine(trainer.out)
+        indices = sorted({int(e["index"]) for e in entries})
+    except (ValueError, KeyError, TypeError) as exc:  # a hand-edited file: not a list of {"index": ...}
+        raise ConfigError([f"{path}: cannot read the quarantined samples ({type(exc).__name__}: {exc}); repair "
+                           "the file, or delete it to train on those samples again"]) from None
+    if not indices:
+        return None
+    trainer.quarantined = frozenset(indices) | trainer.quarantined
+    trainer.build_loader()  # at the restored data position, without them
+    by_index = {int(e["index"]): e for e in entries}
+    shown = ", ".join(f"{i} (step {by_index[i].get('step', '?')}: {by_index[i].get('evidence', 'no evidence saved')})"
+                      for i in indices[:4]) + (f", ... ({len(indices) - 4} more)" if len(indices) > 4 else "")
+    return (f"Quarantine: {len(indices)} sample(s) found bad earlier in this run stay out of training "
+            f"(listed in {path}): {shown}")

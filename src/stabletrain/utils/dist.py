@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["rank_and_world_size", "max_over_ranks", "any_rank", "ranks_with"]
+__all__ = ["rank_and_world_size", "max_over_ranks", "any_rank", "ranks_with", "leading_message"]
 
 
 def _process_group() -> Optional[Any]:
@@ -85,3 +85,26 @@ def ranks_with(flag: bool | Tensor, fabric: Any = None) -> list[int]:
     votes = torch.zeros(world_size, dtype=torch.float32, device=device)
     votes[rank] = torch.as_tensor(flag, dtype=torch.float32, device=device)
     return [r for r, v in enumerate(_all_reduce(votes, "sum", fabric).tolist()) if v > 0]
+
+
+def leading_message(level: int, message: str, fabric: Any = None) -> tuple[str, int]:
+    """``(message, rank)`` of the rank with the highest ``level`` (the lowest such rank), on every
+    rank: one all-reduce and one broadcast when there are several ranks.
+
+    For a failure every rank reports at once: each rank gives how directly it saw the cause
+    (e.g. 2: its own loss is non-finite, 1: it found a non-finite value itself, 0: it stopped
+    with the others) and its message; every rank then reports the leading rank's message, so
+    that the ranks never print different causes for the same step. Every rank must call it at
+    the same point.
+    """
+    rank, world_size = rank_and_world_size(fabric)
+    if world_size == 1:
+        return message, rank
+    # One max: the level first, then the lowest rank among those with it.
+    code = max_over_ranks(float(level * world_size + (world_size - 1 - rank)), fabric)
+    leader = world_size - 1 - int(code) % world_size
+    import torch.distributed as dist
+
+    box = [message if rank == leader else None]
+    dist.broadcast_object_list(box, src=leader)
+    return str(box[0]), leader

@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, BinaryIO, Optional
+from typing import Any, BinaryIO, Iterator, Optional
 
 import torch
 
@@ -36,6 +37,30 @@ def _as_write_error(exc: OSError, path: Path) -> OSError:
     return OSError(exc.errno, exc.strerror or str(exc), str(path))
 
 
+@contextmanager
+def _atomic_target(path: Path, *, make_parent: bool = True) -> Iterator[tuple[int, Path]]:
+    """A temporary file beside ``path`` to write (its open descriptor and its path), renamed over
+    ``path`` when the block ends without an error.
+
+    On an error the temporary file is removed, whatever ``path`` held before is intact, and an
+    ``OSError`` is raised again naming ``path`` (not the temporary file), its errno kept.
+    """
+    try:
+        if make_parent:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise _as_write_error(exc, path) from None
+    try:
+        yield fd, Path(tmp)
+        os.replace(tmp, path)
+    except BaseException as exc:
+        Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.errno is not None:
+            raise _as_write_error(exc, path) from None
+        raise
+
+
 def atomic_torch_save(obj: Any, path: str | Path) -> Path:
     """``torch.save`` to a temporary file in the same folder, fsync, then rename over ``path``.
 
@@ -45,26 +70,17 @@ def atomic_torch_save(obj: Any, path: str | Path) -> Path:
             and whatever ``path`` held before is intact.
     """
     path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError as exc:
-        raise _as_write_error(exc, path) from None
-    writes = None
-    try:
+    with _atomic_target(path) as (fd, _):
         with os.fdopen(fd, "wb") as f:
             writes = _Writes(f)
-            torch.save(obj, writes)  # type: ignore[arg-type]  # a file-like with write and flush
+            try:
+                torch.save(obj, writes)  # type: ignore[arg-type]  # a file-like with write and flush
+            except BaseException:
+                if writes.error is not None:  # torch's RuntimeError hides the disk's OSError
+                    raise writes.error from None
+                raise
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as exc:
-        Path(tmp).unlink(missing_ok=True)
-        if writes is not None and writes.error is not None:
-            raise _as_write_error(writes.error, path) from None
-        if isinstance(exc, OSError) and exc.errno is not None:
-            raise _as_write_error(exc, path) from None
-        raise
     return path
 
 
@@ -91,42 +107,22 @@ def tensor_bytes(obj: Any) -> int:
 
 
 def atomic_write_text(text: str, path: str | Path) -> Path:
-    """Write ``text`` to ``path`` atomically (temporary file, then rename)."""
+    """Write ``text`` to ``path`` atomically (temporary file, then rename); errors as
+    :func:`atomic_torch_save`'s."""
     path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError as exc:
-        raise _as_write_error(exc, path) from None
-    try:
+    with _atomic_target(path) as (fd, _):
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as exc:
-        Path(tmp).unlink(missing_ok=True)
-        if isinstance(exc, OSError) and exc.errno is not None:
-            raise _as_write_error(exc, path) from None
-        raise
     return path
 
 
 def atomic_copy(src: str | Path, dst: str | Path) -> Path:
     """Copy ``src`` over ``dst`` atomically (temporary file, then rename); errors as
-    :func:`atomic_torch_save`'s, naming ``dst``."""
+    :func:`atomic_torch_save`'s, naming ``dst``. The folder of ``dst`` must exist."""
     dst = Path(dst)
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
+    with _atomic_target(dst, make_parent=False) as (fd, tmp):
         os.close(fd)
-    except OSError as exc:
-        raise _as_write_error(exc, dst) from None
-    try:
         shutil.copyfile(src, tmp)
-        os.replace(tmp, dst)
-    except BaseException as exc:
-        Path(tmp).unlink(missing_ok=True)
-        if isinstance(exc, OSError) and exc.errno is not None:
-            raise _as_write_error(exc, dst) from None
-        raise
     return dst

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from typing import Any, Optional
 
 import pytest
+import torch
 
 from stabletrain.debug.diagnose import (
     DETERMINISTIC_NUMERICAL,
@@ -347,3 +348,22 @@ def test_the_cause_class_comes_from_the_captured_precision_and_float32(precision
 ])
 def test_how_a_reduced_precision_broke_an_op(finding, failure):
     assert precision_failure(finding) == failure
+
+
+def test_one_ranks_capture_whose_own_step_replays_finite_is_handed_to_all_ranks(tmp_path):
+    """A DDP rank whose loss was finite, its gradients non-finite only once averaged with another
+    rank's: replayed alone it is finite. That is another rank's failure, not "nondeterminism or a
+    hardware fault"; with every rank's folder (world size 1) the hardware advice stays."""
+    from stabletrain.debug.diagnose.explain import probable_cause
+
+    ev = evidence(NOT_REPRODUCIBLE, reason="nonfinite_gradients")
+    cap = capture(RUN)
+    cap.ranks[0].losses = [torch.tensor(0.5)]
+    cap.world_size = 2
+    assert next_actions(ev, cap, Path("/runs/boom")) == [
+        "Diagnose all ranks together: stabletrain diagnose /runs/boom/debug/nan_capture"]
+    assert probable_cause(ev, cap) == "another rank's step failed; this rank only stopped with it"
+    cap.ranks[0].losses = [torch.tensor(math.nan)]  # its own loss failed: a genuine non-reproduction
+    assert "hardware fault" in probable_cause(ev, cap)
+    cap.ranks[0].losses, cap.world_size = [torch.tensor(0.5)], 1
+    assert "hardware fault" in probable_cause(ev, cap)

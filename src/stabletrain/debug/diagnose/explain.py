@@ -22,8 +22,15 @@ from stabletrain.utils.text import fmt_list, fmt_number
 
 
 def other_rank_only(ev: Evidence, cap: NaNCapture) -> bool:
-    """This rank's capture alone, taken because another rank failed: its own step was healthy."""
-    return ev.reason == REASON_OTHER_RANK and len(cap.ranks) == 1
+    """This rank's capture alone, taken because another rank failed: its own step was healthy. Either it
+    found nothing itself (other_rank), or its loss was finite and its gradients non-finite only once
+    averaged with the other ranks' (DDP): replayed alone, from its own data, they are finite."""
+    if len(cap.ranks) != 1:
+        return False
+    if ev.reason == REASON_OTHER_RANK:
+        return True
+    return (ev.reason == "nonfinite_gradients" and ev.cause == NOT_REPRODUCIBLE and cap.world_size > 1
+            and all(math.isfinite(float(x)) for x in cap.ranks[0].losses))
 
 
 def cause_explanation(ev: Evidence, cap: NaNCapture) -> str:
@@ -63,8 +70,11 @@ def cause_explanation(ev: Evidence, cap: NaNCapture) -> str:
 def _not_reproducible_explanation(ev: Evidence, cap: NaNCapture) -> str:
     first, again = ev.replays[0], ev.replays[1]
     if other_rank_only(ev, cap):
+        averaged = ("" if ev.reason == REASON_OTHER_RANK else
+                    " Its loss was finite, and its gradients, replayed alone from its own data, are finite too: they "
+                    "were non-finite in training only once averaged with the other ranks' gradients.")
         return (
-            f"This rank's own step was healthy: another rank's data failed and this rank stopped with it. "
+            f"This rank's own step was healthy: another rank's step failed and this rank stopped with it.{averaged} "
             f"Diagnose the folder of all ranks ({cap.ranks[0].path.parent.parent}) instead."
         )
     n = sum(r.reproduced for r in (first, again))
@@ -103,8 +113,9 @@ def summary(ev: Evidence, cap: NaNCapture) -> str:
                         f"(loss scale {fmt_number(ev.loss_scale or math.nan)})",
         REASON_OTHER_RANK: "a failure on another rank",
         REASON_NORM_OVERFLOW: "a gradient norm overflow",
-    }.get(ev.reason, ev.reason)
-    head = f"Training stopped at step {ev.step} ({ranks}, {ev.precision}, {n_mb} microbatch(es)) on {what}"
+    }
+    head = (f"Training stopped at step {ev.step} ({ranks}, {ev.precision}, {n_mb} microbatch(es)) on "
+            f"{what.get(ev.reason, ev.reason)}{_rank_split(cap, ev.reason, what)}")
     if ev.reason == REASON_NORM_OVERFLOW:
         text = (f"{head}: every gradient element was finite, but {largest_text(cap)}, and the float32 gradient norm "
                 "was inf.")
@@ -114,6 +125,19 @@ def summary(ev: Evidence, cap: NaNCapture) -> str:
     if ev.cause == NOT_REPRODUCIBLE:
         return text
     return text + _replay_summary(ev)
+
+
+def _rank_split(cap: NaNCapture, reason: str, what: dict[str, str]) -> str:
+    """Of a capture of several ranks whose reasons differ: which rank had the leading one, and what the
+    others saw (a non-finite loss on one rank makes every rank's averaged gradients non-finite)."""
+    if len(cap.ranks) < 2 or len({r.reason for r in cap.ranks}) < 2:
+        return ""
+    leading = [r.rank for r in cap.ranks if r.reason == reason]
+    others = [f"rank {r.rank}: {what.get(r.reason, r.reason)}" for r in cap.ranks if r.reason != reason]
+    how = (", averaged in from the gradients of the ranks whose loss was non-finite"
+           if reason == "nonfinite_loss" and all(r.reason == "nonfinite_gradients" for r in cap.ranks
+                                                 if r.reason != reason) else "")
+    return f" on rank {', '.join(map(str, leading))} ({'; '.join(others)}{how})"
 
 
 def _replay_summary(ev: Evidence) -> str:
@@ -154,7 +178,7 @@ def probable_cause(ev: Evidence, cap: NaNCapture) -> str:
 def _probable_cause(ev: Evidence, cap: NaNCapture) -> str:
     if ev.cause == NOT_REPRODUCIBLE:
         if other_rank_only(ev, cap):
-            return "another rank's data failed; this rank only stopped with it"
+            return "another rank's step failed; this rank only stopped with it"
         return ("nondeterminism, an external cause or a hardware fault: the captured step does not fail again when "
                 "replayed")
     if ev.weights.status == "nonfinite" and damaged_before(ev):

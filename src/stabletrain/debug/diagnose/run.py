@@ -24,7 +24,13 @@ from stabletrain.debug.diagnose.run_signals import RunDiagnosis, diagnose_run, i
 from stabletrain.debug.diagnose.search import isolate, not_searched
 from stabletrain.debug.diagnose.types import HUGE_WEIGHT, Evidence
 from stabletrain.debug.diagnose.weights import history, nonfinite_buffers, param_stats, run_folder, weights_report
-from stabletrain.debug.nan_capture import REASON_OTHER_RANK
+from stabletrain.debug.nan_capture import (
+    REASON_GRADIENTS,
+    REASON_LOSS,
+    REASON_NORM_OVERFLOW,
+    REASON_OTHER_RANK,
+    REASON_SKIPPED,
+)
 from stabletrain.debug.optimizer_step import REASON_OPTIMIZER_STEP, OptimizerStepDiagnosis, diagnose_optimizer_step
 from stabletrain.debug.replay import NaNCapture, load_nan_capture, normalize_precision
 from stabletrain.utils.io import atomic_write_text
@@ -120,8 +126,7 @@ def _gather(cap: NaNCapture, dev: torch.device, clock: PhaseTimer, huge_weight: 
     ev = Evidence(
         path=str(cap.path), step=cap.step, ranks=[r.rank for r in cap.ranks], world_size=cap.world_size,
         precision=precision, loss_scale=cap.loss_scale,
-        # Of several ranks, the one that failed says why; the others stopped with it (other_rank).
-        reason=next((r.reason for r in cap.ranks if r.reason != REASON_OTHER_RANK), cap.ranks[0].reason),
+        reason=leading_reason([r.reason for r in cap.ranks]),
         model_class=cap.ranks[0].model_class, device=str(dev), cause=replayed.cause,
         deterministic=replayed.deterministic, matches_capture=replayed.matches_capture, replays=replayed.replays,
         reproduces_in=replayed.reproduces_in, finding=finding, traced_on=traced_on,
@@ -129,6 +134,17 @@ def _gather(cap: NaNCapture, dev: torch.device, clock: PhaseTimer, huge_weight: 
         timings=clock.timings, mechanisms=mechanisms_before(out, cap.step),
     )
     return ev, out
+
+
+#: Of several ranks' reasons, the one that says why, first: a non-finite loss on one rank is what the
+#: averaging of gradients over ranks (DDP) turns into non-finite gradients on every rank; a rank that
+#: found nothing itself stopped with the others (other_rank).
+_REASON_ORDER = (REASON_LOSS, REASON_SKIPPED, REASON_NORM_OVERFLOW, REASON_GRADIENTS, REASON_OTHER_RANK)
+
+
+def leading_reason(reasons: list[str]) -> str:
+    """The reason that explains the step, of the ranks' ``reasons``."""
+    return min(reasons, key=lambda r: _REASON_ORDER.index(r) if r in _REASON_ORDER else len(_REASON_ORDER) - 1)
 
 
 def _conclude(cap: NaNCapture, ev: Evidence, out: Optional[Path], write: bool) -> Diagnosis:

@@ -35,6 +35,9 @@ class NaNDetectedError(StabletrainError):
         replay_command: A shell command that replays the capture; or, when no command can
             rebuild your model (its class needs constructor arguments or is not defined at
             the top level of a file), a Python template with a line marked ``FILL IN``.
+        other_rank: True on the ranks whose message is another rank's: when ranks fail together,
+            every rank reports the message of the rank that saw the cause most directly (its own
+            loss non-finite), and the command line prints it once, from that rank.
 
     Example::
 
@@ -54,6 +57,7 @@ class NaNDetectedError(StabletrainError):
         capture_path: str | Path,
         reason: str = REASON_GRADIENTS,
         replay_command: str = "",
+        other_rank: bool = False,
     ):
         super().__init__(message)
         self.step = step
@@ -62,16 +66,20 @@ class NaNDetectedError(StabletrainError):
         self.capture_path = Path(capture_path)
         self.reason = reason
         self.replay_command = replay_command
+        self.other_rank = other_rank
 
     def __reduce__(self) -> Any:
         # Picklable across processes despite the keyword-only constructor.
-        fields = (self.step, self.rank, self.nan_param_names, str(self.capture_path), self.reason, self.replay_command)
+        fields = (self.step, self.rank, self.nan_param_names, str(self.capture_path), self.reason, self.replay_command,
+                  self.other_rank)
         return (_rebuild_nan_detected_error, (str(self), *fields))
 
 
 def _rebuild_nan_detected_error(
-    message: str, step: int, rank: int, names: list[str], path: str, reason: str, command: str
+    message: str, step: int, rank: int, names: list[str], path: str, reason: str, command: str,
+    other_rank: bool = False,
 ) -> NaNDetectedError:
     return NaNDetectedError(
-        message, step=step, rank=rank, nan_param_names=names, capture_path=path, reason=reason, replay_command=command
+        message, step=step, rank=rank, nan_param_names=names, capture_path=path, reason=reason, replay_command=command,
+        other_rank=other_rank,
     )

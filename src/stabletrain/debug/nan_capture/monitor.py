@@ -18,7 +18,7 @@ from stabletrain.distributed.norms import is_dtensor
 from stabletrain.distributed.shards import local_shards
 from stabletrain.utils.amp import scale_value, scaler_found_inf
 from stabletrain.utils.dist import any_rank as dist_any_rank
-from stabletrain.utils.dist import rank_and_world_size
+from stabletrain.utils.dist import leading_message, rank_and_world_size
 from stabletrain.utils.rng import raw_rng_state
 from stabletrain.utils.text import MEASURED_DIGITS, fmt_list, fmt_number
 from stabletrain.utils.tree import detached_copy, leading_size, named_tensors
@@ -346,6 +346,13 @@ class NaNCaptureMonitor:
             largest = []
         path = self._write(names, reason, skipped, largest)
         message = self._message(names, reason, skipped, losses, path, largest)
+        leader = self.rank
+        if self.world_size > 1:
+            # The ranks fail together, each with what it saw: a rank whose own loss is finite sees only the
+            # NaN gradients averaged in from another's. Every rank reports the message of the rank closest
+            # to the cause, so that they never name two causes for one step.
+            level = 2 if loss_bad else (0 if reason == REASON_OTHER_RANK else 1)
+            message, leader = leading_message(level, message)
         raise NaNDetectedError(
             message,
             step=int(self.step),  # type: ignore[arg-type]
@@ -354,6 +361,7 @@ class NaNCaptureMonitor:
             capture_path=path,
             reason=reason,
             replay_command=self.replay_command,
+            other_rank=leader != self.rank,
         )
 
     def _write(self, names: list[str], reason: str, skipped: int, largest: list[tuple[str, float]],

@@ -40,6 +40,8 @@ class TrendAlerts:
         self.context: Optional[AlertContext] = None
         self.alerts: list[dict[str, Any]] = []
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_ROWS)
+        #: A non-finite step's alert held back until the self-healing has judged that step: (step, episodes).
+        self._pending: Optional[tuple[int, list[Any]]] = None
 
     def on_train_start(self, trainer: TrainerLike) -> None:
         s = trainer.settings
@@ -80,15 +82,78 @@ class TrendAlerts:
         self.context.history = list(self.history)
         if any(e.kind in ("nonfinite", "exploding") for e in opened) and hasattr(trainer, "healthy_checkpoint"):
             checkpoint_context(self.context, trainer)
+        if any(e.kind == "nonfinite" for e in opened) and _healer(trainer) is not None:
+            # on_instability recovers this step after it is logged, and finds out whether its samples
+            # explain it: the alert waits for that evidence (the next step's start at the latest).
+            self._flush(trainer)
+            self._pending = (step, list(opened))
+            return
+        self._alert(trainer, opened)
+
+    def _alert(self, trainer: TrainerLike, opened: list[Any]) -> None:
         for episode in opened:
             event = episode.to_event(self.context)
             self.alerts.append(event)
             trainer.log_event(event)
         trainer.console.info(format_alerts(opened, self.context))
 
+    def _flush(self, trainer: TrainerLike) -> None:
+        """Print the held-back alert, answered by the self-healing's recovery of its step when there is one."""
+        if self._pending is None:
+            return
+        step, opened = self._pending
+        self._pending = None
+        healer = _healer(trainer)
+        row = next((r for r in reversed(getattr(healer, "recoveries", [])) if r.get("step") == step), None)
+        if row is not None:
+            answer = recovery_answer(row, getattr(getattr(healer, "quarantine", None), "entries", {}), self.context)
+            for episode in opened:
+                if episode.kind == "nonfinite":
+                    episode.settled = answer
+        self._alert(trainer, opened)
+
+    def on_step_start(self, trainer: TrainerLike, *, step: int) -> None:
+        self._flush(trainer)
+
+    def on_exception(self, trainer: TrainerLike, *, exception: BaseException) -> None:
+        self._flush(trainer)
+
     def on_train_end(self, trainer: TrainerLike) -> None:
+        self._flush(trainer)
         if self.detector is not None:
             self.detector.finish()
+
+
+def _healer(trainer: Any) -> Any:
+    """The trainer's self-healing (``on_instability`` skip_step or rollback), or None."""
+    return getattr(getattr(trainer, "safety", None), "healer", None)
+
+
+def recovery_answer(row: Mapping[str, Any], quarantined: Mapping[int, Mapping[str, Any]],
+                    context: Optional[AlertContext] = None) -> str:
+    """What the self-healing's recovery ``row`` of a non-finite step established, as the answer to its
+    alert: the samples it isolated (the data is the cause: no setting to change), or none (the
+    updates are the suspect: the lr advice), or the stop at the recovery limit."""
+    from stabletrain.debug import advice
+
+    step, policy = row.get("step"), row.get("action")
+    if policy == "stop":
+        return (f"on_instability stopped the run at step {step}: over its max_recoveries; the stop message names "
+                "the cause it found and the way on")
+    done = (f"on_instability skipped step {step}'s update" if policy == "skip_step"
+            else f"on_instability rolled back to step {row.get('rolled_back_to')}")
+    culprits = [int(i) for i in row.get("culprits") or []]
+    if culprits:
+        evidence = "; ".join(f"{i}: {quarantined[i]['evidence']}" if quarantined.get(i, {}).get("evidence")
+                             else str(i) for i in culprits[:4])
+        return (f"{done}, and its samples explain it ({evidence}): they are quarantined (quarantine.json) and "
+                "skipped from now on; the cause is the data, not a setting such as the learning rate: check how "
+                "those samples were made")
+    c = context or AlertContext()
+    lr = advice.positive(c.lr)
+    lower = advice.anchored_lower_lr(lr, c.history or (), int(step or 0), optimizer=c.optimizer) if lr else ""
+    return (f"{done}; no sample of the step explains it, so the updates are the suspect: if it recurs, lower "
+            f"the learning rate{': ' + lower if lower else ' (model_args.lr)'}")
 
 
 def _history_row(step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
