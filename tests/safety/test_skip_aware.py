@@ -66,9 +66,11 @@ def test_kept_steps_are_torch_s_own_and_skipped_steps_change_nothing(cls, kwargs
         with CountSyncs() as syncs:
             skipper.save(flag)
         assert skipper.mode == "skip_aware", "torch's AdamW / Adam / SGD take the skip-aware step"
-        opt.step()
-        skipper.apply(flag)
-        assert syncs.count == 0
+        with CountSyncs() as ours:
+            opt.step()
+        with CountSyncs() as applied:
+            skipper.apply(flag)
+        assert syncs.count == applied.count == 0
         if skip:
             assert _same(list(model.parameters()), before_params), step
             # State created by a skipped first step starts from zeros (Adam's moments, SGD's buffer),
@@ -85,7 +87,9 @@ def test_kept_steps_are_torch_s_own_and_skipped_steps_change_nothing(cls, kwargs
             if not ref.state:  # the reference's state as the skipped first step left ours
                 ref.load_state_dict(copy.deepcopy(opt.state_dict()))
         else:
-            ref.step()
+            with CountSyncs() as theirs:
+                ref.step()
+            assert ours.count == theirs.count, "no host read beyond torch's own (CPU step counts)"
             assert _same(list(model.parameters()), list(ref_model.parameters())), step
             assert _same(_state(opt), _state(ref)), step
     assert skipper.saved_bytes == 0, "no copy of parameters or state"

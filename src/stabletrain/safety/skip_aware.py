@@ -90,6 +90,17 @@ def supported(optimizer: Any) -> bool:
     return True
 
 
+def _foreach_by(op: str, tensors: list[Tensor], factor: Tensor) -> None:
+    """``torch._foreach_{op}_(tensors, factor)`` with a 0-dim tensor ``factor``: on a GPU the foreach
+    kernel reads it on the device; on the CPU that overload reads it back with ``.item()``, so the
+    CPU goes tensor by tensor (the same arithmetic, checked by :func:`agrees_with_torch`)."""
+    if factor.device.type == "cpu":
+        for t in tensors:
+            getattr(t, f"{op}_")(factor)
+    else:
+        getattr(torch, f"_foreach_{op}_")(tensors, factor)
+
+
 def _mask(t: Tensor, bits: Tensor) -> Tensor:
     """``t`` where ``bits`` is all ones, +0 where it is 0: exact for any value (NaN, Inf)."""
     return torch.bitwise_and(t.view(_INT[t.dtype]), bits).view(t.dtype)
@@ -170,7 +181,7 @@ def _multi_adam(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor
             torch._foreach_add_(d_steps, 1)
         if wd != 0:
             if decoupled:
-                torch._foreach_mul_(d_params, f.pick(1 - lr * wd, 1.0, p0))
+                _foreach_by("mul", d_params, f.pick(1 - lr * wd, 1.0, p0))
             else:
                 d_grads = torch._foreach_add(d_grads, d_params, alpha=wd)
         bits = f.bits(p0)
@@ -178,7 +189,7 @@ def _multi_adam(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor
         w = f.pick(1 - beta1, 0.0, p0)
         for m, g in zip(d_exp_avgs, d_grads):  # no foreach lerp with a tensor weight
             m.lerp_(g, w)
-        torch._foreach_mul_(d_exp_avg_sqs, f.pick(beta2, 1.0, p0))
+        _foreach_by("mul", d_exp_avg_sqs, f.pick(beta2, 1.0, p0))
         torch._foreach_addcmul_(d_exp_avg_sqs, d_grads, d_grads, 1 - beta2)
         del d_grads
         bias_correction1 = [1 - beta1 ** s.item() for s in d_steps]
@@ -187,7 +198,7 @@ def _multi_adam(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor
         bias_correction2_sqrt = [bc**0.5 for bc in bias_correction2]
         exp_avg_sq_sqrt = torch._foreach_sqrt(d_exp_avg_sqs)
         torch._foreach_div_(exp_avg_sq_sqrt, bias_correction2_sqrt)
-        torch._foreach_add_(exp_avg_sq_sqrt, f.pick(eps, float("inf"), p0))
+        _foreach_by("add", list(exp_avg_sq_sqrt), f.pick(eps, float("inf"), p0))
         torch._foreach_addcdiv_(d_params, d_exp_avgs, exp_avg_sq_sqrt, step_size)
 
 
@@ -239,7 +250,7 @@ def _multi_sgd(params: list[Tensor], grads: list[Tensor], bufs: list[Optional[Te
             m = f.pick(momentum, 1.0, p0)
             if all(b is not None for b in d_bufs):
                 have: list[Tensor] = [b for b in d_bufs if b is not None]
-                torch._foreach_mul_(have, m)
+                _foreach_by("mul", have, m)
                 torch._foreach_add_(have, d_grads, alpha=1 - dampening)
             else:
                 have = []
