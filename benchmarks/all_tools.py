@@ -26,13 +26,14 @@ that load changes on a shared machine hit every variant alike:
 * ``all``: every tool above at once (one ``InstabilityGuard`` for skip_step and rollback).
 
 A variant's step time is ``(9 x median unlogged + median logged) / 10`` over the rounds (a logged
-step costs more in every variant); the ratio is that over its base's, the spread the quartiles
-of the per-round ratios of unlogged steps. Host syncs are counted on one unlogged and one logged
-step of each variant with ``stabletrain.utils.sync.CountSyncs`` (CPU AdamW's own ``.item()`` per
-parameter is in every variant: the added ones are what the tool costs).
+step costs more in every variant); its ratio over its base keeps each round's pairing: the median
+of the per-round ratios of unlogged steps and that of logged ones, weighted 9:1 by the base's time;
+the spread is the quartiles of the per-round ratios of unlogged steps. Host syncs are counted on
+one unlogged and one logged step of each variant with ``stabletrain.utils.sync.CountSyncs`` (CPU
+AdamW's own ``.item()`` per parameter is in every variant: the added ones are what the tool costs).
 
 The ratios are written to ``benchmarks/record.json`` with ``--record``; any later run compares
-with the record and names the variants that got worse by more than the two runs' noise (twice
+with the record and names the variants that got worse by more than the two runs' noise (2.5 times
 the combined standard error of the two medians, at least 0.5%). Not a CI gate: run it before
 resolving an issue that touches a tool's hot path. ``--inject NAME=0.05`` adds busy work worth
 5% of a plain step to variant NAME, to see the comparison flag it.
@@ -45,7 +46,10 @@ On a shared, loaded machine use ``--clock cpu --threads 1``: CPU time of one thr
 disturbed by other processes than wall time (it still is by their use of the caches).
 
     python benchmarks/all_tools.py [--rounds 20] [--clock wall|cpu] [--threads N] [--variants a,b]
-                                   [--record] [--inject NAME=FRACTION] [--ab PATH/src]
+                                   [--record] [--markdown] [--inject NAME=FRACTION] [--ab PATH/src]
+
+On an idle machine, the one command that measures, compares with the record, updates it and
+prints the table for the README: ``python benchmarks/all_tools.py --record --markdown``.
 """
 
 from __future__ import annotations
@@ -309,13 +313,17 @@ class Rounds:
 
 
 def summarise(times: dict[str, list[float]], logged: list[bool], extra_s: dict[str, float]) -> dict[str, dict]:
-    """Per variant: expected step seconds, ratio over its base, quartiles and standard error."""
+    """Per variant: expected step seconds, ratio over its base, quartiles and standard error.
+
+    The ratio keeps each round's pairing (the load of a round cancels): the median of per-round
+    ratios over unlogged steps and over logged ones, weighted by the base's time in each (9:1),
+    plus ``extra_s`` (seconds per step measured apart, e.g. a snapshot every 50 steps)."""
+    def split(ts: list[float]) -> tuple[list[float], list[float]]:
+        return [t for t, lg in zip(ts, logged) if not lg], [t for t, lg in zip(ts, logged) if lg]
+
     def expected(ts: list[float]) -> float:
-        u = [t for t, lg in zip(ts, logged) if not lg]
-        lg_ = [t for t, lg in zip(ts, logged) if lg]
-        if not lg_:
-            return median(u)
-        return ((LOG_EVERY - 1) * median(u) + median(lg_)) / LOG_EVERY
+        u, lg = split(ts)
+        return median(u) if not lg else ((LOG_EVERY - 1) * median(u) + median(lg)) / LOG_EVERY
 
     step = {n: expected(ts) + extra_s.get(n, 0.0) for n, ts in times.items()}
     out: dict[str, dict] = {}
@@ -323,10 +331,19 @@ def summarise(times: dict[str, list[float]], logged: list[bool], extra_s: dict[s
         base = base_of(name)
         row: dict[str, Any] = {"ms": step[name] * 1e3, "base": base}
         if base is not None and base in times:
-            per = sorted(t / b for t, b, lg in zip(ts, times[base], logged) if not lg)
-            q1, q3 = per[len(per) // 4], per[(3 * len(per)) // 4]
-            row.update(ratio=step[name] / step[base], q1=q1, q3=q3,
-                       se=0.93 * (q3 - q1) / math.sqrt(max(1, len(per))))
+            per = [t / b for t, b in zip(ts, times[base])]
+            per_u, per_l = split(per)
+            base_u, base_l = split(times[base])
+            if per_l:
+                w_u, w_l = (LOG_EVERY - 1) * median(base_u), median(base_l)
+                ratio = (w_u * median(per_u) + w_l * median(per_l)) / (w_u + w_l)
+                base_step = (w_u + w_l) / LOG_EVERY
+            else:
+                ratio, base_step = median(per_u), median(base_u)
+            ratio += (extra_s.get(name, 0.0) - extra_s.get(base, 0.0)) / base_step
+            q = sorted(per_u)
+            q1, q3 = q[len(q) // 4], q[(3 * len(q)) // 4]
+            row.update(ratio=ratio, q1=q1, q3=q3, se=0.93 * (q3 - q1) / math.sqrt(max(1, len(q))))
         out[name] = row
     return out
 
@@ -351,6 +368,36 @@ def print_table(rows: dict[str, dict], syncs: dict[str, tuple[int, int]], notes:
               f"{'  ' + notes[name] if name in notes else ''}")
 
 
+WHAT = {
+    "plain": "plain loop: forward, backward, AdamW",
+    "gradient_norm": "gradient_norm (always on in the trainer)",
+    "guard": "guard (`guard.enabled`, on by default)",
+    "nancapture": "nancapture (`debug_args.nancapture`)",
+    "underflow_overflow": "underflow_overflow, forward and backward (`debug_args.underflow_overflow`)",
+    "trend_alerts": "trend alerts (`trend_alerts`, on by default)",
+    "skip_step": "skip_step (`on_instability.policy=skip_step`)",
+    "rollback": "rollback (`on_instability.policy=rollback`), snapshot every 50 steps included",
+    "mechanisms": "mechanism signals (`debug_args.mechanisms`, on by default)",
+    "accelerate_plain": "an Accelerate loop",
+    "accelerate": "Accelerate with `StepMonitor` (gradient_norm, nancapture, trend alerts)",
+    "all": "all of the above together (not Accelerate)",
+}
+
+
+def print_markdown(rows: dict[str, dict], syncs: dict[str, tuple[int, int]], meta: dict[str, Any]) -> None:
+    """The table as Markdown, for the README and docs/benchmarks.md."""
+    print(f"\n{meta['date']}, {meta['machine']}, {meta['clock']} clock, {meta['rounds']} rounds; {meta['model']}\n")
+    print("| tool | step time, median ratio (quartiles) | over | host syncs added per step (logged step) |")
+    print("|---|---|---|---|")
+    for name, row in rows.items():
+        if "ratio" not in row:
+            continue
+        s, b = syncs.get(name), syncs.get(row["base"])
+        added = f"{s[0] - b[0]:+d} ({s[1] - b[1]:+d})" if s and b else ""
+        print(f"| {WHAT.get(name, name)} | **{row['ratio']:.3f}x** ({row['q1']:.3f}-{row['q3']:.3f}) | "
+              f"{row['base']} | {added} |")
+
+
 def compare(rows: dict[str, dict], meta: dict[str, Any], path: Path) -> None:
     """Name the variants whose ratio got worse than recorded by more than the noise."""
     if not path.exists():
@@ -369,7 +416,7 @@ def compare(rows: dict[str, dict], meta: dict[str, Any], path: Path) -> None:
         if "ratio" not in row or not old or "ratio" not in old:
             continue
         diff = row["ratio"] - old["ratio"]
-        noise = max(0.005, 2 * math.sqrt(row["se"] ** 2 + old.get("se", 0.0) ** 2))
+        noise = max(0.005, 2.5 * math.sqrt(row["se"] ** 2 + old.get("se", 0.0) ** 2))
         verdict = "WORSE" if diff > noise else "better" if diff < -noise else "same within noise"
         if verdict == "WORSE":
             worse.append(name)
@@ -465,6 +512,7 @@ def main() -> None:
     parser.add_argument("--inject", action="append", default=[], metavar="NAME=FRACTION",
                         help="add busy work worth FRACTION of a plain step to variant NAME (to test the comparison)")
     parser.add_argument("--ab", default=None, metavar="PATH/src", help="A/B against the stabletrain in PATH/src")
+    parser.add_argument("--markdown", action="store_true", help="also print the table as Markdown")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ns = parser.parse_args()
     names = [n for n in ns.variants.split(",") if n]
@@ -520,6 +568,8 @@ def main() -> None:
           f"({os.cpu_count()} CPUs); {meta['model']}, AdamW; {ns.rounds} rounds, one step of each variant per "
           f"round, interleaved; every {LOG_EVERY}th step logged; took {time.time() - started:.0f} s")
     print_table(rows, syncs, notes)
+    if ns.markdown:
+        print_markdown(rows, syncs, meta)
     compare(rows, meta, ns.record_file)
     if ns.record:
         if ns.inject:
