@@ -66,7 +66,7 @@ class PoisonRareToken:
 
 def model_args(dim: int, layers: int) -> dict[str, Any]:
     return {"n_layers": layers, "dim": dim, "n_heads": max(2, dim // 64), "context_length": CONTEXT,
-            "dropout": 0.0}
+            "dropout": 0.0, "warmup_steps": 0}
 
 
 def capture(out: Path, dim: int, layers: int, batch: int) -> dict[str, Any]:
@@ -129,13 +129,22 @@ def snapshot_mb(dim: int, layers: int, batch: int) -> tuple[float, int]:
     return snaps.nbytes / 2**20, sum(p.numel() for p in model.parameters())
 
 
+def peak_mb() -> float:
+    """This process's peak resident memory (VmHWM: unlike ``ru_maxrss``, not inherited from the
+    process that forked it)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def child_main(ns: argparse.Namespace) -> None:
     torch.set_num_threads(ns.threads)
     import stabletrain
 
     if ns.load_only:
         stabletrain.load_nan_capture(ns.load_only).get_model()
-        print(json.dumps({}))
+        print(json.dumps({"peak_mb": peak_mb()}))
         return
     start = time.perf_counter()
     import stabletrain.debug.diagnose  # noqa: F401 (imports are not what grows with the model)
@@ -145,20 +154,16 @@ def child_main(ns: argparse.Namespace) -> None:
     start = time.perf_counter()
     d = stabletrain.diagnose(ns.diagnose, write=False)
     print(json.dumps({"seconds": time.perf_counter() - start, "imports": imports, "subset_replays": d.data.replays,
-                      "phases": d.timings, "verdict": str(d.verdict)[:80]}))
+                      "phases": d.timings, "verdict": str(d.verdict)[:80], "peak_mb": peak_mb()}))
 
 
-def peak_rss(args: list[str], threads: int) -> tuple[dict[str, Any], float]:
-    """Like :func:`in_child`, the peak RSS read with wait4 for that child alone."""
-    proc = subprocess.Popen([sys.executable, __file__, *args, "--threads", str(threads)], stdout=subprocess.PIPE,
-                            text=True)
-    assert proc.stdout is not None
-    out = proc.stdout.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
+def in_child(args: list[str], threads: int) -> dict[str, Any]:
+    """This script with ``args`` in a fresh process; its last line, JSON."""
+    proc = subprocess.run([sys.executable, __file__, *args, "--threads", str(threads)], capture_output=True,
+                          text=True)
     if proc.returncode:
-        raise RuntimeError(f"{args}: exit {proc.returncode}")
-    return json.loads(out.strip().splitlines()[-1]), usage.ru_maxrss / 1024
+        raise RuntimeError(f"{args}: exit {proc.returncode}: {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def slope(xs: list[float], ys: list[float]) -> float:
@@ -178,6 +183,8 @@ def fit_at(xs: list[float], ys: list[float], x: float) -> float:
 METRICS = [("capture_mb", "capture MB"), ("write_s", "write s"), ("replay_s", "replay s"),
            ("diagnose_s", "diagnose s"), ("subset_replays", "subset replays"), ("diagnose_mb", "diagnose +MB"),
            ("snapshot_mb", "snapshot MB")]
+#: Peaks include the interpreter and torch (about 0.9 GB here): printed, not fitted.
+PEAKS = [("diagnose_peak_mb", "diagnose peak MB"), ("load_peak_mb", "loading peak MB")]
 
 
 def main() -> None:
@@ -201,13 +208,14 @@ def main() -> None:
         for dim, layers in sizes:
             for batch in batches:
                 cap = capture(Path(tmp) / f"d{dim}_l{layers}_b{batch}", dim, layers, batch)
-                diag, diag_rss = peak_rss(["--diagnose", cap["path"]], ns.threads)
-                _, load_rss = peak_rss(["--load-only", cap["path"]], ns.threads)
+                diag = in_child(["--diagnose", cap["path"]], ns.threads)
+                diag_rss, load_rss = diag["peak_mb"], in_child(["--load-only", cap["path"]], ns.threads)["peak_mb"]
                 snap, n_params = snapshot_mb(dim, layers, batch)
                 row = {"dim": dim, "layers": layers, "batch": batch, "params": n_params, **cap,
                        "replay_s": replay_seconds(cap["path"]), "diagnose_s": diag["seconds"],
                        "subset_replays": diag["subset_replays"], "phases": diag["phases"],
-                       "diagnose_mb": diag_rss - load_rss, "diagnose_peak_mb": diag_rss, "snapshot_mb": snap}
+                       "diagnose_mb": diag_rss - load_rss, "diagnose_peak_mb": diag_rss, "load_peak_mb": load_rss,
+                       "snapshot_mb": snap}
                 row.pop("path")
                 rows.append(row)
                 print(f"  dim {dim:4d} x {layers} layers ({n_params / 1e6:6.2f}M), batch {batch:3d}: capture "
@@ -221,7 +229,8 @@ def main() -> None:
     header = f"{'params':>9}{'batch':>6}" + "".join(f"{label:>16}" for _, label in METRICS)
     print(header)
     for r in rows:
-        print(f"{r['params'] / 1e6:>8.2f}M{r['batch']:>6}" + "".join(f"{r[k]:>16.3g}" for k, _ in METRICS))
+        print(f"{r['params'] / 1e6:>8.2f}M{r['batch']:>6}" + "".join(f"{r[k]:>16.3g}" for k, _ in METRICS)
+              + "   peaks: " + ", ".join(f"{label} {r[k]:.0f}" for k, label in PEAKS))
     print("log-log slope against parameters (at each batch size):")
     for b in batches:
         at = [r for r in rows if r["batch"] == b]
