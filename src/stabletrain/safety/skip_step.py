@@ -81,11 +81,15 @@ class SkipStep:
     def _signature(self) -> tuple:
         """What :func:`supported` depends on, cheap to compute every step."""
         opt = self.optimizer
-        return (type(opt), tuple((id(g), len(g["params"]), g.get("foreach"), g.get("fused"), g.get("amsgrad"),
-                                  g.get("maximize"), g.get("capturable"), g.get("differentiable"),
-                                  g.get("weight_decay") != 0, g.get("momentum", 0) != 0, g.get("nesterov"),
-                                  type(g.get("lr")), g["params"][0].device if g["params"] else None)
-                                 for g in opt.param_groups))
+
+        def of(g: dict[str, Any]) -> tuple:
+            first = g["params"][0] if g["params"] else None
+            where = None if first is None else (first.device, first.dtype, type(first))
+            return (id(g), len(g["params"]), g.get("foreach"), g.get("fused"), g.get("amsgrad"), g.get("maximize"),
+                    g.get("capturable"), g.get("differentiable"), g.get("weight_decay") != 0,
+                    g.get("momentum", 0) != 0, g.get("nesterov"), type(g.get("lr")), where)
+
+        return (type(opt), tuple(of(g) for g in opt.param_groups))
 
     def can_skip_aware(self) -> bool:
         """Whether the next step can be the skip-aware one (see the module docstring)."""
