@@ -23,6 +23,12 @@ Sections, each printing PASS / FAIL / SKIP lines with the numbers behind them:
    their CPU goals but do not fail the check (timings scatter). LightlyTrain as a peer: only if
    ``import lightly_train`` works, else SKIP.
 
+5. ``skip_step``: the skip-aware AdamW / Adam / SGD step (``safety/skip_aware.py``) on the device,
+   for foreach on and off: its own check against torch must pass (else the copy is used, which is
+   correct but costs a copy), and over 8 steps of a small MLP with NaN/Inf gradients on the
+   skipped ones, kept steps must equal torch's own step bitwise and skipped ones change nothing,
+   with no host sync in the guard's calls.
+
 On an H200 the whole run should take 2-4 minutes (not measured yet). Without CUDA every section
 prints one SKIP line and the script exits 0. ``--device cpu`` runs the sections on the CPU instead,
 to test this script itself (fp16 then goes through Fabric's CPU GradScaler plugin; it takes
@@ -56,6 +62,7 @@ SECTIONS = {
     "bf16": "bf16-mixed training and capture",
     "fsdp": "FSDP2 on 1 GPU",
     "overhead": "monitor overheads and host syncs on the benchmark LM",
+    "skip_step": "skip-aware optimizer step bitwise against torch's",
 }
 NANCAPTURE = {"nancapture": {"enabled": True}}
 # The tiny fault runs of tests/debug/test_diagnose.py: 8 samples per step, SGD-free defaults.
@@ -341,7 +348,63 @@ def lightly_train_peer(ck: Checks) -> None:
         ck.skip(name, "lightly_train is importable, but no side-by-side benchmark for it exists in benchmarks/ yet")
 
 
-RUNNERS = {"fp16": section_fp16, "bf16": section_bf16, "fsdp": section_fsdp, "overhead": section_overhead}
+def section_skip_step(ck: Checks, device: str, tmp: Path) -> None:
+    import copy
+
+    import torch
+
+    from stabletrain.safety.instability_guard import InstabilityGuard
+    from stabletrain.utils.sync import CountSyncs
+
+    configs = [(torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}), (torch.optim.Adam, {"lr": 1e-2}),
+               (torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9, "weight_decay": 1e-3})]
+    for cls, kwargs in configs:
+        for foreach in (False, True):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 8)).to(device)
+            ref_model = copy.deepcopy(model)
+            opt = cls(model.parameters(), foreach=foreach, **kwargs)
+            ref = cls(ref_model.parameters(), foreach=foreach, **kwargs)
+            guard = InstabilityGuard(opt, warmup=100)
+            same, guard_syncs, step_syncs = True, 0, []
+            for step in range(8):
+                gen = torch.Generator().manual_seed(step)
+                grads = [torch.randn(p.shape, generator=gen).to(device) for p in model.parameters()]
+                bad = step in (3, 6)
+                if bad:
+                    grads[0].view(-1)[0] = float("nan")
+                for p, r, g in zip(model.parameters(), ref_model.parameters(), grads):
+                    p.grad, r.grad = g.clone(), g.clone()
+                loss = torch.tensor(float("nan") if bad else 1.0, device=device)
+                before = [p.detach().clone() for p in model.parameters()]
+                with CountSyncs() as c1:
+                    guard.check(step, loss, torch.tensor(1.0, device=device))
+                with CountSyncs() as ours:
+                    opt.step()
+                with CountSyncs() as c2:
+                    guard.after_step()
+                guard_syncs += c1.count + c2.count
+                if bad:
+                    same &= all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+                    for s_ref, s_ours in zip(ref.state.values(), opt.state.values()):
+                        if "step" in s_ours:
+                            s_ref["step"] = s_ours["step"].clone()
+                else:
+                    with CountSyncs() as theirs:
+                        ref.step()
+                    step_syncs.append(ours.count - theirs.count)
+                    same &= all(torch.equal(a.view(torch.int32), b.view(torch.int32))
+                                for a, b in zip(model.parameters(), ref_model.parameters()))
+            mode = guard.skipper.mode if guard.skipper is not None else None
+            added = max(step_syncs, default=0)
+            ck.check(f"skip_step {cls.__name__} foreach={foreach}", mode == "skip_aware" and same
+                     and guard_syncs == 0 and added == 0,
+                     f"step taken: {mode}; kept steps bitwise torch's and skipped ones unchanged: {same}; host syncs "
+                     f"in the guard's calls {guard_syncs}, added by the step over torch's own {added}")
+
+
+RUNNERS = {"fp16": section_fp16, "bf16": section_bf16, "fsdp": section_fsdp, "overhead": section_overhead,
+           "skip_step": section_skip_step}
 
 
 def main() -> int:
