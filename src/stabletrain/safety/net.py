@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from stabletrain.runfiles.checkpoint import CheckpointError, checkpoint_dir
+from stabletrain.runfiles.checkpoint import SHARDED, CheckpointError, checkpoint_dir
 from stabletrain.safety.checkpoint_health import HealthTracker, nonfinite_entries, verify_tensors
 from stabletrain.safety.guard import ORIGIN_OPTIMIZER, VERDICT_LEN, NonFiniteStepError, StepGuard
 from stabletrain.safety.interrupts import StopSignals
@@ -91,19 +91,15 @@ class SafetyNet:
         self.signals.restore()
 
     def _weight_norm(self) -> float:
-        """The L2 norm of the model's weights now: the full model's under FSDP2 too, where a
-        checkpoint-like gather to rank 0 gives it (once, at the start)."""
+        """The L2 norm of the model's weights now: the full model's under FSDP2 too, summed from
+        the shards' squared norms (one all-reduce, nothing gathered; once, at the start)."""
         t = self.trainer
-        if t.sharded:
-            from stabletrain.distributed.shards import gather_full_state
-
-            model = gather_full_state(t.model)[0]
-        else:
-            model = t.model.state_dict()
-        norm = verify_tensors({"model": model}, t.fabric.device)[3]
-        if t.sharded and t.world_size > 1:
-            norm = t.fabric.all_reduce(norm.clone(), reduce_op="max")  # rank 0's is the full one
-        return float(norm)
+        if not t.sharded:
+            return float(verify_tensors({"model": t.model.state_dict()}, t.fabric.device)[3])
+        square = verify_tensors({"model": t.model.state_dict()}, t.fabric.device, rank=t.rank)[3]
+        if t.world_size > 1:
+            square = t.fabric.all_reduce(square.clone(), reduce_op="sum")
+        return float(square.sqrt())
 
     # ------------------------------------------------------------------ every step
 
@@ -215,7 +211,9 @@ class SafetyNet:
         guard's verdict). Returns the ``health`` entry; raises when it must not be written."""
         t = self.trainer
         device = t.fabric.device
-        flags = verify_tensors(state, device)
+        # A sharded checkpoint's state is this rank's shards: flags and squared norms summed over the ranks.
+        sharded = state.get("layout") == SHARDED
+        flags = verify_tensors(state, device, rank=t.rank if sharded else None)
         if self._last is not None and self._last[0]:
             losses, gn = self._last
             loss = torch.stack([x.reshape(()).float().to(device) for x in losses]).mean()
@@ -223,8 +221,10 @@ class SafetyNet:
         else:
             loss = gn = torch.full((), math.nan, device=device)
         if t.world_size > 1:
-            flags = t.fabric.all_reduce(flags.clone(), reduce_op="max")
+            flags = t.fabric.all_reduce(flags.clone(), reduce_op="sum" if sharded else "max")
             loss = t.fabric.all_reduce(loss.clone(), reduce_op="mean")
+        if sharded:
+            flags = torch.cat([flags[:3], flags[3:].sqrt()])
         parts = [flags, loss.double().reshape(1), gn.double().reshape(1)]
         terms = self.verdict_terms()
         if terms is not None:
@@ -244,6 +244,10 @@ class SafetyNet:
         t = self.trainer
         names = [n for n, _ in t.model.named_parameters()]
         entries = nonfinite_entries(state, names)
+        if state.get("layout") == SHARDED and t.world_size > 1:  # each rank found its shards': join them
+            from stabletrain.utils.dist import gather_names
+
+            entries = gather_names(entries)
         remedy = failure_remedy(t, t.step)  # the command must not repeat the failure unchanged
         advice, _, _ = resume_advice(t, t.step, extra=remedy.change or None, note=remedy.why)
         kept = checkpoint_dir(t.out) / "last.ckpt"
@@ -292,6 +296,9 @@ class SafetyNet:
             from stabletrain.safety.optimizer_capture import capture_optimizer_step
 
             capture = capture_optimizer_step(t, failure)
+        settle = getattr(t, "settle_checkpoints", None)
+        if settle is not None:
+            settle()  # an asynchronous checkpoint still being written is the one the message may name
         message, best, command = guard_message(t, failure, capture)
         self._log_failure_rows(failure)
         t.log_event({

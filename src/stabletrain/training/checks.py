@@ -190,12 +190,41 @@ def is_fsdp(settings: TrainSettings) -> bool:
     return settings.strategy in ("fsdp", "fsdp2")
 
 
+def checkpoint_layout(settings: TrainSettings, sharded: bool) -> str:
+    """``"sharded"`` or ``"full"``: what ``checkpoint_format`` means for a run that does (``sharded``)
+    or does not shard its model. ``auto`` is sharded under FSDP2: a model sharded because it does
+    not fit one device is not gathered on one rank to be saved."""
+    fmt = settings.checkpoint_format
+    if fmt == "auto":
+        return "sharded" if sharded else "full"
+    return fmt
+
+
+def checkpoint_problems(settings: TrainSettings) -> list[str]:
+    """``checkpoint_format=sharded`` and ``checkpoint_async`` need FSDP2's shards."""
+    s = settings
+    problems = []
+    if s.checkpoint_format == "sharded" and not is_fsdp(s):
+        problems.append(
+            f"checkpoint_format: sharded needs strategy=fsdp (each rank writes the shards it holds); with "
+            f"strategy={s.strategy} every rank holds the whole model, which checkpoint_format=full writes in one "
+            "file; use checkpoint_format=full (or auto)"
+        )
+    if s.checkpoint_async and (s.checkpoint_format == "full" or not is_fsdp(s)):
+        problems.append(
+            "checkpoint_async: asynchronous saves are for sharded checkpoints (strategy=fsdp with "
+            f"checkpoint_format=sharded or auto; here strategy={s.strategy}, checkpoint_format={s.checkpoint_format}); "
+            "set checkpoint_async=false"
+        )
+    return problems
+
+
 def sharding_problems(settings: TrainSettings) -> list[str]:
     """What ``strategy=fsdp`` does not run yet, said before anything starts."""
     s = settings
     if not is_fsdp(s):
-        return []
-    problems = []
+        return checkpoint_problems(s)
+    problems = checkpoint_problems(s)
     if not s.torch_compile_args.disable:
         problems.append(
             "torch_compile_args.disable: torch.compile together with strategy=fsdp is not supported yet (compile "

@@ -30,9 +30,11 @@ from stabletrain.runfiles.checkpoint import (
     CheckpointError,
     CheckpointInfo,
     checkpoint_dir,
+    is_sharded_checkpoint,
     load_checkpoint,
     newest_healthy,
     remove_temporaries,
+    resolve_checkpoint,
     save_checkpoint,
 )
 from stabletrain.runfiles.lock import RunLock
@@ -152,6 +154,10 @@ class Trainer:
         self.lock: Optional[RunLock] = None
         #: A failed write on this process (full disk, ...): the run stops after the step, every rank with it.
         self.write_failure: Optional[OSError] = None
+        #: ``"full"`` (one file from rank 0) or ``"sharded"`` (every rank its shards; FSDP2 only).
+        self.checkpoint_layout = "full"
+        #: The sharded checkpoints' writer (:mod:`stabletrain.training.sharded_checkpoints`), None for full files.
+        self.checkpoints: Any = None
 
     # ----------------------------------------------------------------------------- setup
 
@@ -203,9 +209,14 @@ class Trainer:
         state, source = self._set_up()
         if state is not None and source is not None:
             # Restored last so that nothing in setup (model init, loader setup) draws from the RNGs.
-            set_rng_state(state["rng"][self.rank])
+            rng = trainer_state.rng_state_for(self, state)
+            if rng is not None:
+                set_rng_state(rng)
             self.callbacks("on_checkpoint_load", self, state=state)
             trainer_state.continue_history(self, state, source)
+            note = trainer_state.resharding_note(self, state)
+            if note is not None:
+                self.console.info(note)
         self.safety.start()
         try:
             try:
@@ -222,6 +233,7 @@ class Trainer:
                 wait_for_launcher()
             raise
         finally:
+            self.settle_checkpoints()
             self.safety.close()
             self._close()
         return TrainResult(
@@ -254,16 +266,22 @@ class Trainer:
         self.model = self.task.model
         source = Path(s.resume_from) if s.resume_from is not None else (
             checkpoint_dir(self.out) / "last.ckpt" if s.resume_interrupted else None)
-        state = None
-        if source is not None:
-            state = load_checkpoint(source)
-            trainer_state.check_resume(self, state, source)
-            self.model.load_state_dict(state["model"])  # under FSDP2 too: every rank, before sharding
         from stabletrain.distributed.fsdp import is_sharded
 
         self.sharded = is_sharded(fabric)
+        self.checkpoint_layout = checks.checkpoint_layout(s, self.sharded)
+        state = None
+        shards: Optional[Path] = None  # a sharded checkpoint that a sharded run loads with DCP, after sharding
+        if source is not None:
+            source = resolve_checkpoint(source)
+            if self.sharded and is_sharded_checkpoint(source):
+                shards = source
+            state = load_checkpoint(source, tensors=shards is None)
+            trainer_state.check_resume(self, state, source)
+            if shards is None:
+                self.model.load_state_dict(state["model"])  # under FSDP2 too: every rank, before sharding
         if self.sharded:
-            self._set_up_sharded(state)
+            self._set_up_sharded(state, shards)
         else:
             self.optimizer = optim.build_optimizer(self.model, s.model_args)
             if state is not None:
@@ -281,19 +299,28 @@ class Trainer:
         self.loggers = build_loggers(s, self.out) if self.is_rank_zero else []
         self.callbacks = CallbackList([*build_debug_callbacks(self), *s.callbacks])
         self.safety = SafetyNet(self)
+        if self.checkpoint_layout == "sharded":
+            from stabletrain.training.sharded_checkpoints import ShardedCheckpoints
+
+            self.checkpoints = ShardedCheckpoints(self)
         if self.is_rank_zero:
             write_settings(self)
         return state, source
 
-    def _set_up_sharded(self, state: Optional[dict[str, Any]]) -> None:
+    def _set_up_sharded(self, state: Optional[dict[str, Any]], shards: Optional[Path] = None) -> None:
         """FSDP2: shard first (``fully_shard`` replaces every parameter by a sharded one), then
-        build the optimizer from the sharded parameters and load its state (docs/distributed.md)."""
+        build the optimizer from the sharded parameters and load its state (docs/distributed.md);
+        from a sharded checkpoint (``shards``) each rank loads its part of model and optimizer."""
         from stabletrain.distributed.checkpoint_state import load_optimizer_checkpoint
 
         self.fabric_module = self.fabric.setup_module(_TrainingStep(self.model))
         self.optimizer = optim.build_optimizer(self.model, self.settings.model_args)
         self.fabric_optimizer = self.fabric.setup_optimizers(self.optimizer)
-        if state is not None:
+        if shards is not None:
+            from stabletrain.distributed.dcp import load_shards
+
+            load_shards(self.model, self.optimizer, shards)
+        elif state is not None:
             load_optimizer_checkpoint(self.model, self.optimizer, state["optimizer"])
 
     def build_loader(self) -> None:
@@ -366,6 +393,8 @@ class Trainer:
         while self.step < s.steps and self.stop_reason is None:
             self.train_step()
             self.step += 1
+            if self.checkpoints is not None:
+                self.checkpoints.poll()  # an asynchronous write that finished is committed
             self.safety.end_of_step()
             if self.lock is not None:
                 self.lock.heartbeat()
@@ -376,7 +405,7 @@ class Trainer:
         if self.stop_reason is not None and self.safety.interrupted is None:
             # A signal's stop is said once, by interrupt_message below, with the checkpoint and command.
             self.console.info(f"Stopped after step {self.step - 1}: {self.stop_reason}")
-        path = self._save_checkpoint(periodic=False)
+        path = self._save_checkpoint(periodic=False, final=True)
         self.callbacks("on_train_end", self)
         if self.safety.interrupted is not None:
             from stabletrain.safety.stop_messages import interrupt_message
@@ -499,12 +528,17 @@ class Trainer:
         a copy on the CPU instead of references to the live tensors."""
         return trainer_state.checkpoint_state(self, on_cpu)
 
-    def _save_checkpoint(self, periodic: bool) -> Optional[Path]:
-        """Checkpoint the state after ``self.step`` completed steps (rank 0 writes), once it is
-        verified finite; its health goes into it."""
+    def _save_checkpoint(self, periodic: bool, final: bool = False) -> Optional[Path]:
+        """Checkpoint the state after ``self.step`` completed steps (rank 0 writes; under
+        ``checkpoint_format=sharded`` every rank its shards), once it is verified finite; its
+        health goes into it. ``final``: the end of training (never asynchronous)."""
+        if self.checkpoints is not None:
+            self.checkpoints.finish()  # one write at a time: the previous asynchronous one first
         state = self.checkpoint_state()
         self.callbacks("on_checkpoint_save", self, step=self.step, state=state)
         state["health"] = self.safety.verify(state)
+        if self.checkpoints is not None:
+            return self.checkpoints.save(state, periodic=periodic, final=final)
         path = None
         if self.is_rank_zero:
             try:
@@ -519,6 +553,12 @@ class Trainer:
         if failed:
             raise write_failed_error(self, self.write_failure)
         return path
+
+    def settle_checkpoints(self) -> None:
+        """Before a stop message names a checkpoint: an asynchronous write still running is waited
+        for and committed (no collective; see :class:`~stabletrain.training.sharded_checkpoints.ShardedCheckpoints`)."""
+        if self.checkpoints is not None:
+            self.checkpoints.close()
 
     def _close(self) -> None:
         for logger in self.loggers:

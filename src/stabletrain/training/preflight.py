@@ -95,8 +95,9 @@ def out_dir_problems(settings: TrainSettings) -> list[str]:
         ]
     if s.resume_from is not None:
         source = Path(s.resume_from)
-        if not source.is_file():
-            return [f"resume_from: no checkpoint file at {source}; pass a .ckpt file, e.g. {last}"]
+        if not source.is_file() and not (source.is_dir() and source.suffix == ".ckpt"):  # a file, or a sharded folder
+            return [f"resume_from: no checkpoint file at {source}; pass a .ckpt file (or a sharded checkpoint's "
+                    f".ckpt folder), e.g. {last}"]
         return _unreadable("resume_from", source, s)
     if s.resume_interrupted:
         if not last.exists():

@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["rank_and_world_size", "max_over_ranks", "any_rank", "ranks_with"]
+__all__ = ["rank_and_world_size", "max_over_ranks", "any_rank", "ranks_with", "gather_names"]
 
 
 def _process_group() -> Optional[Any]:
@@ -85,3 +85,17 @@ def ranks_with(flag: bool | Tensor, fabric: Any = None) -> list[int]:
     votes = torch.zeros(world_size, dtype=torch.float32, device=device)
     votes[rank] = torch.as_tensor(flag, dtype=torch.float32, device=device)
     return [r for r, v in enumerate(_all_reduce(votes, "sum", fabric).tolist()) if v > 0]
+
+
+def gather_names(names: list[str]) -> list[str]:
+    """Every rank's ``names`` joined, on every rank: rank 0's first, then those only later ranks
+    found, in order, each once (``all_gather_object``; one process: ``names`` itself).
+
+    Every rank must call it at the same point (a failure path: it costs a host round trip).
+    """
+    dist = _process_group()
+    if dist is None or dist.get_world_size() == 1:
+        return list(names)
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, list(names))
+    return list(dict.fromkeys(n for part in gathered for n in part))
