@@ -36,13 +36,9 @@ FSDP = tiny_lm(strategy="fsdp", accelerator="cpu", devices=1, steps=6, checkpoin
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _process_group():
-    """Fabric starts a process group of one for FSDP2 in this process; it is ended after the module."""
+def _process_group(fsdp_in_process):
+    """Fabric's process group of one for FSDP2 in this process, ended after the module."""
     yield
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -30,11 +30,22 @@ if TYPE_CHECKING:
 __all__ = ["sharded_state", "write_shards", "load_shards", "load_full", "positional_optimizer_state"]
 
 
-def sharded_state(model: "nn.Module", optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def sharded_state(model: "nn.Module", optimizer: torch.optim.Optimizer, init: bool = False) -> dict[str, Any]:
     """``{"model": ..., "optimizer": ...}`` as this rank holds them: DTensor shards (no copy, no
-    collective), the optimizer state keyed by parameter name (``get_optimizer_state_dict``)."""
+    collective), the optimizer state keyed by parameter name (``get_optimizer_state_dict``).
+
+    An optimizer that has not stepped yet has no state, and ``get_optimizer_state_dict`` would
+    create it by running a step with zero gradients and lr 0: AdamW's step count would then start
+    at 1, and the first real update would differ from an unsharded run's. Without ``init`` such an
+    optimizer gives ``{"state": {}, "param_groups": [...]}`` instead; ``init=True`` (a template
+    to load a checkpoint into, whose values replace it) lets it create the state."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
+    if not optimizer.state and not init:
+        names = {id(p): n for n, p in model.named_parameters()}
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+                  for g in optimizer.param_groups]
+        return {"model": get_model_state_dict(model), "optimizer": {"state": {}, "param_groups": groups}}
     return {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
 
 
@@ -76,9 +87,25 @@ def load_shards(model: "nn.Module", optimizer: torch.optim.Optimizer, folder: Pa
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     keep = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    state = sharded_state(model, optimizer)
+    state = sharded_state(model, optimizer, init=True)
     dcp.load(state, storage_reader=_SafeReader(str(folder)), planner=_SafeLoadPlanner())
     set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    for group, kept in zip(optimizer.param_groups, keep):
+        group.update(kept)
+
+
+def set_sharded_state(model: "nn.Module", optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Put a :func:`sharded_state` (or a copy of it kept in memory) back, each rank its own shards; an
+    optimizer state taken before the first step (empty) empties the optimizer's. The optimizer keeps
+    its hyperparameters (lr, ...), as every resume does."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    set_model_state_dict(model, state["model"])
+    if not state["optimizer"]["state"]:
+        optimizer.state.clear()
+        return
+    keep = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
     for group, kept in zip(optimizer.param_groups, keep):
         group.update(kept)

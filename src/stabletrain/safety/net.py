@@ -17,7 +17,7 @@ from torch import Tensor
 
 from stabletrain.runfiles.checkpoint import SHARDED, CheckpointError, checkpoint_dir
 from stabletrain.safety.checkpoint_health import HealthTracker, nonfinite_entries, verify_tensors
-from stabletrain.safety.guard import ORIGIN_OPTIMIZER, VERDICT_LEN, NonFiniteStepError, StepGuard
+from stabletrain.safety.guard import ORIGIN_OPTIMIZER, VERDICT_LEN, NonFiniteStepError, StepGuard, join_rank_failures
 from stabletrain.safety.interrupts import StopSignals
 
 _NO_STEP = -1e18
@@ -80,9 +80,9 @@ class SafetyNet:
             import torch.distributed as dist
 
             self._group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-        # Under FSDP2 the optimizer-step re-run is not available (it reloads unsharded state).
-        if t.settings.debug_args.nancapture.enabled and t.step == 0 and not t.sharded:
-            self.start_state = t.checkpoint_state(on_cpu=True)
+        # Under FSDP2 each rank keeps its own shards (1/world size of the model), nothing gathered.
+        if t.settings.debug_args.nancapture.enabled and t.step == 0:
+            self.start_state = t.checkpoint_state(on_cpu=True, layout="sharded" if t.sharded else None)
         if self.health.initial_weight_norm is None:  # one read, before the first step
             self.health.initial_weight_norm = self._weight_norm()
         self.signals.install()
@@ -287,18 +287,23 @@ class SafetyNet:
 
         assert self.guard is not None
         t = self.trainer
+        settle = getattr(t, "settle_checkpoints", None)
+        if settle is not None:
+            # An asynchronous checkpoint still being written is committed first: the re-run of an
+            # optimizer step and the message look for checkpoints; every rank sees it once rank 0 has.
+            settle()
+            if t.world_size > 1:
+                t.fabric.barrier()
         if host is None:
             host = self.guard.read()
         failure = self.guard.failure(host, stopped_at=stopped_at, other_rank_step=other_step if host[0] < 0 else None)
+        if t.sharded and t.world_size > 1:  # each rank read its own shards: every rank names all ranks' tensors
+            failure = join_rank_failures(failure)
         capture: Optional[Path] = None
-        if (failure.origin == ORIGIN_OPTIMIZER and failure.step >= 0 and t.settings.debug_args.nancapture.enabled
-                and not t.sharded):
+        if failure.origin == ORIGIN_OPTIMIZER and failure.step >= 0 and t.settings.debug_args.nancapture.enabled:
             from stabletrain.safety.optimizer_capture import capture_optimizer_step
 
             capture = capture_optimizer_step(t, failure)
-        settle = getattr(t, "settle_checkpoints", None)
-        if settle is not None:
-            settle()  # an asynchronous checkpoint still being written is the one the message may name
         message, best, command = guard_message(t, failure, capture)
         self._log_failure_rows(failure)
         t.log_event({

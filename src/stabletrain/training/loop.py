@@ -521,12 +521,14 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def checkpoint_state(self, on_cpu: bool = False) -> dict[str, Any]:
+    def checkpoint_state(self, on_cpu: bool = False, layout: Optional[str] = None) -> dict[str, Any]:
         """The resumable state between steps; ``step`` is the next step to run.
 
         Collective when distributed (the RNG states of all ranks are gathered). ``on_cpu``:
-        a copy on the CPU instead of references to the live tensors."""
-        return trainer_state.checkpoint_state(self, on_cpu)
+        a copy on the CPU instead of references to the live tensors. ``layout`` (FSDP2):
+        ``"sharded"`` for each rank's own shards, ``"full"`` for the state gathered on rank 0; by
+        default the checkpoints' (``checkpoint_layout``)."""
+        return trainer_state.checkpoint_state(self, on_cpu, layout)
 
     def _save_checkpoint(self, periodic: bool, final: bool = False) -> Optional[Path]:
         """Checkpoint the state after ``self.step`` completed steps (rank 0 writes; under
