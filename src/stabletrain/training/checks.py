@@ -225,11 +225,6 @@ def sharding_problems(settings: TrainSettings) -> list[str]:
     if not is_fsdp(s):
         return checkpoint_problems(s)
     problems = checkpoint_problems(s)
-    if not s.torch_compile_args.disable:
-        problems.append(
-            "torch_compile_args.disable: torch.compile together with strategy=fsdp is not supported yet (compile "
-            "would have to wrap each sharded block, which is untested); set torch_compile_args.disable=true"
-        )
     if s.on_instability.policy != "stop":
         problems.append(
             f"on_instability.policy: {s.on_instability.policy} is not supported with strategy=fsdp yet (its "

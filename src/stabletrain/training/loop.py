@@ -313,7 +313,9 @@ class Trainer:
         from a sharded checkpoint (``shards``) each rank loads its part of model and optimizer."""
         from stabletrain.distributed.checkpoint_state import load_optimizer_checkpoint
 
-        self.fabric_module = self.fabric.setup_module(_TrainingStep(self.model))
+        # Compiled after sharding: Fabric unwraps a compiled module, shards it, and compiles the result.
+        module = compile_module(_TrainingStep(self.model), self.settings.torch_compile_args)
+        self.fabric_module = self.fabric.setup_module(module)
         self.optimizer = optim.build_optimizer(self.model, self.settings.model_args)
         self.fabric_optimizer = self.fabric.setup_optimizers(self.optimizer)
         if shards is not None:
