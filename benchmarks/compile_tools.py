@@ -85,7 +85,8 @@ def main() -> None:
           f"loaded machine: {machine()})")
     for name, values in times.items():
         t = statistics.median(values)
-        print(f"  {name:<42} {t * 1000:8.1f} ms/step  {t / alone:5.2f}x  ({', '.join(f'{v * 1000:.0f}' for v in values)})")
+        runs = ", ".join(f"{v * 1000:.0f}" for v in values)
+        print(f"  {name:<42} {t * 1000:8.1f} ms/step  {t / alone:5.2f}x  ({runs})")
 
 
 if __name__ == "__main__":

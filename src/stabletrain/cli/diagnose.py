@@ -12,7 +12,7 @@ import json
 import sys
 
 from stabletrain.cli import user_code
-from stabletrain.cli.paths import check_capture_path
+from stabletrain.cli.paths import check_capture_path, is_run_without_capture
 
 HELP = "which op, module and sample made a captured step NaN, and why: stabletrain diagnose PATH [--json]"
 
@@ -40,6 +40,8 @@ def run(argv: list[str]) -> int:
     user_code.add_options(parser)
     parser.add_argument("--no-write", action="store_true", help="do not write diagnosis.md and diagnosis.json")
     ns = parser.parse_args(argv)
+    if is_run_without_capture(ns.path):  # never went non-finite: what its signals say (no torch needed)
+        return _run_diagnosis(ns)
     check_capture_path(ns.path, "diagnose")  # before torch: a wrong path is answered at once
     from stabletrain.debug.diagnose import diagnose
     from stabletrain.debug.nan_capture import NaNCaptureError
@@ -51,6 +53,19 @@ def run(argv: list[str]) -> int:
     except NaNCaptureError as exc:
         # The loader's hints name the replay command; the same options work here.
         raise NaNCaptureError(str(exc).replace("stabletrain replay ", "stabletrain diagnose "), exc.path) from None
+    if ns.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(result.to_markdown())
+        if result.files:
+            print(f"\nWritten: {', '.join(result.files)}")
+    return 0
+
+
+def _run_diagnosis(ns: argparse.Namespace) -> int:
+    from stabletrain.debug.diagnose.run_signals import diagnose_run
+
+    result = diagnose_run(ns.path, write=not ns.no_write)
     if ns.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:

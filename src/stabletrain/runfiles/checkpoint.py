@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from stabletrain.errors import StabletrainError
+from stabletrain.runfiles.history import mechanism_spans
 from stabletrain.utils.text import shell_path
 
 # torch is imported where a checkpoint is written or read, so that the command line can check
@@ -90,8 +91,7 @@ def save_checkpoint(state: dict[str, Any], out: Path, periodic: bool, keep: int)
     }
     last = folder / "last.ckpt"
     check_free_space(state, folder, periodic)
-    if (state.get("health") or {}).get("healthy") is False:
-        _keep_newest_healthy(folder)
+    _protect_healthy(folder, state.get("health") or {})
     if periodic:
         target = folder / periodic_name(int(state["step"]))
         atomic_torch_save(state, target)
@@ -186,8 +186,7 @@ def commit_sharded(meta: dict[str, Any], out: Path, periodic: bool, keep: int) -
     }
     atomic_torch_save(meta, tmp / META_NAME)
     _fsync_dir(tmp)
-    if (meta.get("health") or {}).get("healthy") is False:
-        _keep_newest_healthy(folder)
+    _protect_healthy(folder, meta.get("health") or {})
     _replace(tmp, target)
     _fsync_dir(folder)
     last = folder / "last.ckpt"
@@ -307,10 +306,20 @@ def checkpoint_size(path: str | Path) -> int:
     return 0
 
 
-def _keep_newest_healthy(folder: Path) -> None:
-    """Before an unhealthy state overwrites last.ckpt: if last.ckpt holds the only copy of the
-    newest healthy checkpoint (its step_N.ckpt was rotated away), give it its periodic name."""
-    best = newest_healthy(folder)
+def _protect_healthy(folder: Path, health: dict[str, Any]) -> None:
+    """Before a checkpoint with ``health`` replaces last.ckpt: keep the newest healthy one (from before
+    a pending mechanism's step) under its periodic name (:func:`_keep_newest_healthy`)."""
+    if health.get("healthy") is False:
+        _keep_newest_healthy(folder)
+    elif isinstance(health.get("pending_since"), int):  # a mechanism may be named that began at that step
+        _keep_newest_healthy(folder, before_step=health["pending_since"])
+
+
+def _keep_newest_healthy(folder: Path, before_step: Optional[int] = None) -> None:
+    """Before an unhealthy (or pending) state overwrites last.ckpt: if last.ckpt holds the only copy of
+    the newest healthy checkpoint (holding at most ``before_step`` steps; its step_N.ckpt was rotated
+    away), give it its periodic name."""
+    best = newest_healthy(folder, before_step=before_step)
     if best is not None and best.path.name == "last.ckpt":
         _atomic_copy(best.path, folder / periodic_name(best.step))
 
@@ -351,19 +360,26 @@ def link_tree(src: Path, dst: Path) -> Path:
 
 def _prune(folder: Path, keep: int) -> None:
     """Keep the newest ``keep`` periodic files; while the newest checkpoint is not healthy,
-    also the newest healthy one (the place to resume from after the instability)."""
+    also the newest healthy one (the place to resume from after the instability); while a mechanism
+    rule is pending (the newest checkpoint's ``health["pending_since"]``), also the newest healthy one
+    from before the step it would begin at."""
     periodic = sorted((int(m.group(1)), p) for p in folder.iterdir()
                       if (m := _PERIODIC.match(p.name)) and is_checkpoint(p))
     doomed = [path for _, path in periodic[: max(0, len(periodic) - keep)]]
     if not doomed:
         return
     infos = list_checkpoints(folder)
-    protect = None
-    if infos and infos[-1].healthy is False:
-        healthy = [c for c in infos if c.healthy and c.path.name != "last.ckpt"]
-        protect = healthy[-1].path if healthy else None
+    protect = set()
+    healthy = [c for c in infos if c.healthy and c.path.name != "last.ckpt"]
+    if infos and infos[-1].healthy is False and healthy:
+        protect.add(healthy[-1].path)
+    pending = (infos[-1].health or {}).get("pending_since") if infos else None
+    if isinstance(pending, int):  # a mechanism may be named that began at `pending`: keep one from before it
+        before = [c for c in healthy if c.step <= pending]
+        if before:
+            protect.add(before[-1].path)
     for path in doomed:
-        if path != protect:
+        if path not in protect:
             _remove(path)
 
 
@@ -638,7 +654,9 @@ def read_checkpoint_health(path: str | Path) -> tuple[int, Optional[dict[str, An
 def list_checkpoints(folder: str | Path) -> list[CheckpointInfo]:
     """The run's checkpoints oldest first, one per step: ``step_*.ckpt`` files, and
     ``last.ckpt`` where no periodic file holds its step (a periodic file is preferred: the
-    next run overwrites last.ckpt). Unreadable files are skipped."""
+    next run overwrites last.ckpt). Unreadable files are skipped. A checkpoint recorded healthy
+    but written after a mechanism began (named later, in the run's metrics.jsonl:
+    :func:`~stabletrain.runfiles.history.mechanism_spans`) is listed as not healthy."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
@@ -654,7 +672,12 @@ def list_checkpoints(folder: str | Path) -> list[CheckpointInfo]:
         if step in seen:
             continue
         healthy = None if health is None else bool(health.get("healthy"))
-        seen[step] = CheckpointInfo(path, step, healthy, str((health or {}).get("why", "")), health)
+        why = str((health or {}).get("why", ""))
+        if healthy:  # recorded healthy when written; a mechanism named later may have begun before it
+            span = next((m for m in mechanism_spans(folder.parent) if m.covers(step)), None)
+            if span is not None:
+                healthy, why = False, span.why()
+        seen[step] = CheckpointInfo(path, step, healthy, why, health)
     return [seen[s] for s in sorted(seen)]
 
 

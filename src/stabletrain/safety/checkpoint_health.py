@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from statistics import median
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import torch
 from torch import Tensor
@@ -20,6 +20,9 @@ from torch import Tensor
 from stabletrain.config import TrendAlertArgs
 from stabletrain.distributed.norms import dtensor_type, local_tensor
 from stabletrain.safety.guard import finite_norms
+
+if TYPE_CHECKING:
+    from stabletrain.debug.mechanisms.rules import MechanismDetector
 
 #: A weight norm this many times the one at the start of the run is a divergence, not learning.
 WEIGHT_GROWTH = 100.0
@@ -96,11 +99,15 @@ class HealthTracker:
         warmup_steps: lr warmup; spikes during it do not count.
     """
 
-    def __init__(self, settings: Optional[TrendAlertArgs] = None, warmup_steps: int = 0):
+    def __init__(self, settings: Optional[TrendAlertArgs] = None, warmup_steps: int = 0,
+                 mechanisms: Optional["MechanismDetector"] = None):
         from stabletrain.debug.trends import TrendDetector
 
         self.args = settings or TrendAlertArgs()
         self.detector = TrendDetector(self.args, warmup_steps=warmup_steps)
+        #: The rules that name a silent instability in the logged signals: a checkpoint written after one
+        #: began is not healthy (docs/mechanisms.md). None: not judged.
+        self.mechanisms = mechanisms
         self.recent: dict[str, deque[float]] = {s: deque(maxlen=self.args.window) for s in ("loss", "gradient_norm")}
         self.initial_weight_norm: Optional[float] = None
         #: The recovery whose spike is still open: ``{"step", "trigger", "reference", "calm"}``; None when none is.
@@ -123,8 +130,10 @@ class HealthTracker:
         return self.spike is not None
 
     def observe(self, step: int, metrics: Mapping[str, Any]) -> None:
-        """Feed one logged step (``loss``, ``gradient_norm``)."""
+        """Feed one logged step (``loss``, ``gradient_norm``, the ``signals/...``)."""
         self.detector.update(step, metrics)
+        if self.mechanisms is not None:
+            self.mechanisms.update(step, metrics)
         for signal, values in self.recent.items():
             v = metrics.get(signal)
             if isinstance(v, (int, float)) and math.isfinite(v):
@@ -167,6 +176,11 @@ class HealthTracker:
             now = f" (now {_f(sp['last_loss'])})" if sp.get("last_loss") is not None else ""
             problems.append(f"the {sp['trigger']} episode the self-healing recovered from at {since} is still open: "
                             f"the loss has not been {level}for {self.args.persist} logged steps in a row{now}")
+        for m in self.mechanisms.found if self.mechanisms is not None else ():
+            if m.start_step < step and (m.end_step is None or step - 1 <= m.end_step):
+                where = f" in {m.where}" if m.where else ""
+                problems.append(f"{m.name}{where} began at step {m.start_step} (named at step {m.detected_step}): "
+                                f"{m.evidence}")
         reference: dict[str, Optional[float]] = {}
         limits = {"loss": self.args.loss_explode_factor, "gradient_norm": self.args.explode_factor}
         for signal, value in (("loss", loss), ("gradient_norm", gradient_norm)):
@@ -185,12 +199,15 @@ class HealthTracker:
             problems.append(f"the weight norm is {weight_norm:.3g}, {weight_norm / start:.3g}x its {start:.3g} at the "
                             f"start of the run (limit {WEIGHT_GROWTH:g}x)")
         healthy = not problems
+        pending = self.mechanisms.pending_since() if self.mechanisms is not None else None
         if healthy:
             parts = ["every tensor finite"]
             if any(reference.values()) and last_step >= 0:
                 parts.append(f"loss {_f(loss)} and gradient_norm {_f(gradient_norm)} at step {last_step} within "
                              f"{limits['loss']:g}x / {limits['gradient_norm']:g}x of the recent logged medians")
             parts.append("no exploding or non-finite episode open")
+            if self.mechanisms is not None:
+                parts.append("no mechanism named in the signals")
             why = "; ".join(parts)
         else:
             why = "; ".join(problems)
@@ -206,6 +223,9 @@ class HealthTracker:
             "weight_norm": _jf(weight_norm),
             "initial_weight_norm": None if start is None else _jf(start),
             "reference": {k: (None if v is None else _jf(v)) for k, v in reference.items()},
+            # A mechanism rule held once and may name one that began at this step: rotation keeps a checkpoint
+            # from before it until the rule decides (docs/mechanisms.md).
+            "pending_since": pending if healthy else None,
         }
 
 

@@ -54,7 +54,8 @@ class SafetyNet:
                 max_skipped_steps=s.debug_args.nancapture.max_skipped_steps,
                 rank=trainer.rank, world_size=trainer.world_size,
             )
-        self.health = HealthTracker(s.trend_alerts, warmup_steps=s.model_args.warmup_steps)
+        self.health = HealthTracker(s.trend_alerts, warmup_steps=s.model_args.warmup_steps,
+                                    mechanisms=_mechanism_detector(trainer))
         self.signals = StopSignals()
         self.interrupted: Optional[str] = None
         self._group: Any = None
@@ -313,3 +314,15 @@ class SafetyNet:
         })
         raise NonFiniteStepError(message, failure, capture_path=capture,
                                  checkpoint=None if best is None else best.path, command=command)
+
+
+def _mechanism_detector(trainer: Any) -> Any:
+    """The mechanism rules for the checkpoints' health (None when the signals are off)."""
+    s = trainer.settings
+    if not s.debug_args.mechanisms.enabled:
+        return None
+    from stabletrain.debug.mechanisms.rules import MechanismDetector, RuleContext
+
+    context = RuleContext.from_settings(s.to_json_dict())
+    context.precision = getattr(trainer, "precision", None) or context.precision
+    return MechanismDetector(s.debug_args.mechanisms, context)

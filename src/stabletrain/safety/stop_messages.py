@@ -231,8 +231,7 @@ def _resume_advice(trainer: Any, failing_step: Optional[int], extra: Optional[di
             when = f" before step {failing_step}" if failing_step is not None else ""
             return (f"No checkpoint was written{when} (checkpoint_every_num_steps={every}): start again with "
                     f"overwrite=true: {command}", None, command)
-        listed = "; ".join(f"step {c.step}: {(c.health or {}).get('problems', [c.why])[0] if c.health else c.why}"
-                           for c in infos[-3:])
+        listed = "; ".join(f"step {c.step}: {((c.health or {}).get('problems') or [c.why])[0]}" for c in infos[-3:])
         return (f"No checkpoint of this run is healthy ({listed}): start again with overwrite=true: {command}",
                 None, command)
     last = folder / "last.ckpt"

@@ -124,6 +124,16 @@ def done_line(first: int, end: int, steps: int, seconds: float) -> str:
     return f"Done: {which} of {steps} in {took} ({this_run}, resumed from step {first})"
 
 
+def mechanisms_line(named: list[Any], best: Optional[CheckpointInfo], out: Path) -> str:
+    """What a run that ends "Done" with a silent instability must still say (docs/mechanisms.md)."""
+    first = named[0]
+    which = "; ".join(f"{m.name}{' in ' + m.where if m.where else ''} from step {m.start_step}" for m in named)
+    since = (f"the newest healthy checkpoint is {best.path} (step {best.step})" if best is not None
+             else f"no checkpoint from before step {first.start_step} is healthy")
+    return (f"The run finished, but not stable: {which} (named in its signals; docs/mechanisms.md). Checkpoints "
+            f"written since step {first.start_step} are not healthy: {since}. Details: stabletrain report {out}")
+
+
 class Trainer:
     """Runs one training job; see :mod:`stabletrain.events` for the loop it runs.
 
@@ -423,6 +433,9 @@ class Trainer:
                 f"{done_line(first, self.step, s.steps, time.perf_counter() - self.clock.start)}, "
                 f"final loss {loss:.4f}. Checkpoint: {checkpoint_dir(self.out) / 'last.ckpt'}"
             )
+            named = self.safety.health.mechanisms.found if self.safety.health.mechanisms is not None else []
+            if named:
+                self.console.info(mechanisms_line(named, self.healthy_checkpoint(), self.out))
 
     def train_step(self) -> None:
         """One optimizer step: accumulate microbatches, norm, guard, clip, step, guard, log."""

@@ -131,6 +131,10 @@ def build_debug_callbacks(trainer: Any) -> list[Any]:
         from stabletrain.debug.mechanisms import MechanismSignals
 
         callbacks.append(MechanismSignals(debug.mechanisms))
+        if debug.mechanisms.alerts:
+            from stabletrain.debug.mechanisms.alerts import MechanismAlerts
+
+            callbacks.append(MechanismAlerts(debug.mechanisms))
     return callbacks
 
 
