@@ -125,6 +125,15 @@ class _Bench:
     def meta(step_no: int) -> dict:
         return {"step": step_no, "health": {"healthy": True}}
 
+    def snapshot(self, step_no: int) -> None:
+        """What ``on_instability.policy=rollback`` keeps under FSDP2: a CPU copy of this rank's shards."""
+        from torch.utils._pytree import tree_map
+
+        from stabletrain.distributed.dcp import sharded_state
+
+        self.kept = tree_map(lambda x: x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor) else x,
+                             sharded_state(self.lm, self.optimizer))
+
     def peak_above_before(self, save) -> float:  # type: ignore[no-untyped-def]
         """MiB: rank 0's peak resident memory during ``save(1)`` above its level just before."""
         self.fabric.barrier()
@@ -160,12 +169,14 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     bench = _Bench(args)
-    memory: dict[str, list[float]] = {"sharded": [], "full": []}
+    memory: dict[str, list[float]] = {"sharded": [], "full": [], "rollback snapshot": []}
     blocks: dict[str, list[float]] = {"sync save": [], "async save": []}
     totals: dict[str, list[float]] = {"no save": [], "sync save": [], "async save": []}
     for _ in range(args.repeats):  # interleaved: each repeat measures every kind once
         memory["sharded"].append(bench.peak_above_before(bench.save_sharded))
         memory["full"].append(bench.peak_above_before(bench.save_full))
+        bench.kept = None
+        memory["rollback snapshot"].append(bench.peak_above_before(bench.snapshot))
         for kind in totals:
             blocked, total = bench.timed(kind)
             totals[kind].append(total)
@@ -187,8 +198,12 @@ def report(bench: _Bench, args: argparse.Namespace, memory: dict, blocks: dict, 
     print(f"model: {n_params:,} parameters; float32 AdamW state {full_bytes / 2**20:,.1f} MiB in all, rank 0's "
           f"shards {mine / 2**20:,.1f} MiB (2 CPU processes, loaded 2-core machine, {args.repeats} repeats)")
     for kind, values in memory.items():
-        print(f"rank 0 peak host memory during a {kind:>7} save, above its level before it: median "
+        what = f"a {kind} save" if kind != "rollback snapshot" else "a rollback snapshot (a CPU copy of its shards)"
+        print(f"rank 0 peak host memory during {what}, above its level before it: median "
               f"{statistics.median(values):7.1f} MiB  ({', '.join(f'{v:.1f}' for v in values)})")
+    from stabletrain.safety.healing import snapshot_bytes
+
+    print(f"the rollback snapshot holds {snapshot_bytes(bench.kept) / 2**20:.1f} MiB on rank 0 (snapshot_bytes)")
     base = statistics.median(totals["no save"])
     for kind in blocks:
         total = statistics.median(totals[kind])

@@ -1,7 +1,7 @@
 """Runs with faults planted at known steps, for the self-healing tests (``on_instability``).
 
-Importable by the tests; run as a script (``python heal_faults.py OUT POLICY``) it trains the
-same run with DDP on 2 CPU processes.
+Importable by the tests; run as a script (``python heal_faults.py OUT POLICY [ddp|fsdp]``) it trains the
+same run with DDP (default) or FSDP2 on 2 CPU processes.
 """
 
 from __future__ import annotations
@@ -45,4 +45,5 @@ if __name__ == "__main__":
     import stabletrain
 
     out, policy = sys.argv[1], sys.argv[2]
-    stabletrain.train(**settings(out, policy, world_size=2, devices=2, strategy="ddp", accelerator="cpu"))
+    strategy = sys.argv[3] if len(sys.argv) > 3 else "ddp"
+    stabletrain.train(**settings(out, policy, world_size=2, devices=2, strategy=strategy, accelerator="cpu"))

@@ -131,9 +131,10 @@ def test_a_trend_alert_reports_the_compiled_step_that_went_nonfinite(tmp_path, f
     assert math.isnan({r["step"]: r for r in rows}[NAN_STEP]["loss"])
 
 
-def test_skip_step_recovers_the_planted_compiled_steps_exactly(tmp_path):
+@FSDP
+def test_skip_step_recovers_the_planted_compiled_steps_exactly(tmp_path, fsdp):
     out = tmp_path / "run"
-    result = stabletrain.train(**_settings(out, False, data=_data(spike=True),
+    result = stabletrain.train(**_settings(out, fsdp, data=_data(spike=True),
                                            on_instability={"policy": "skip_step", "warmup": 4}))
     assert GRAPHS and result.steps_done == STEPS
     events = read_metrics(out / "metrics.jsonl")[1]

@@ -220,18 +220,8 @@ def checkpoint_problems(settings: TrainSettings) -> list[str]:
 
 
 def sharding_problems(settings: TrainSettings) -> list[str]:
-    """What ``strategy=fsdp`` does not run yet, said before anything starts."""
-    s = settings
-    if not is_fsdp(s):
-        return checkpoint_problems(s)
-    problems = checkpoint_problems(s)
-    if s.on_instability.policy != "stop":
-        problems.append(
-            f"on_instability.policy: {s.on_instability.policy} is not supported with strategy=fsdp yet (its "
-            "snapshots and restores are written for unsharded tensors); use policy=stop, which keeps every "
-            "checkpoint finite and says where to resume"
-        )
-    return problems
+    """What sharding (``strategy=fsdp``) needs of the other settings, said before anything starts."""
+    return checkpoint_problems(settings)
 
 
 def resolve_precision(precision: str, accelerator: str) -> str:

@@ -109,6 +109,17 @@ class _TrainingStep(nn.Module):
         return self.model.training_step(batch)  # type: ignore[operator]
 
 
+def _meta_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` whose parameters and buffers are on the meta device (no memory)."""
+    import copy
+
+    memo: dict[int, Any] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        meta = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(model, memo)
+
+
 def done_line(first: int, end: int, steps: int, seconds: float) -> str:
     """``Done: 500 steps in 0:03:10``; for a resumed run the steps of this run, where it began and
     the total: ``Done: steps 20-99 of 100 in 0:00:35 (80 steps in this run, resumed from step 20)``.
@@ -323,6 +334,7 @@ class Trainer:
         from a sharded checkpoint (``shards``) each rank loads its part of model and optimizer."""
         from stabletrain.distributed.checkpoint_state import load_optimizer_checkpoint
 
+        self._skeleton = _meta_copy(self.model)  # the structure, no memory: for replays in one process
         # Compiled after sharding: Fabric unwraps a compiled module, shards it, and compiles the result.
         module = compile_module(_TrainingStep(self.model), self.settings.torch_compile_args)
         self.fabric_module = self.fabric.setup_module(module)
@@ -570,6 +582,15 @@ class Trainer:
         if failed:
             raise write_failed_error(self, self.write_failure)
         return path
+
+    def unsharded_model(self) -> nn.Module:
+        """Under FSDP2: the model as it was before sharding, its parameters and buffers allocated
+        empty on the CPU (full size: a capture's weights are loaded into it), for replays in this
+        process (the self-healing's search for culprit samples, its diagnosis)."""
+        import copy
+
+        model = copy.deepcopy(self._skeleton)
+        return model.to_empty(device="cpu")
 
     def settle_checkpoints(self) -> None:
         """Before a stop message names a checkpoint: an asynchronous write still running is waited
