@@ -1,12 +1,15 @@
 """The compiled training step with each tool on, against compile alone (torch.compile, inductor).
 
 Each variant is a ``stabletrain.train`` run of the benchmark language model (benchmarks/common.py) with
-``torch_compile_args.disable=false``; the time per step is taken from its metrics rows (``elapsed_s``)
-over the steps after the first ``--warmup`` (which compile), and the variants are run in turn, in rotated
-order, ``--rounds`` times in one process; the medians are compared with compile alone (every tool off:
-guard, trend alerts, mechanism signals). ``--fsdp`` runs them under strategy=fsdp on one process.
+``torch_compile_args.disable=false``. Interleaved step by step in one process (as trainer_overhead.py):
+at the start of each of its steps a callback runs one step of a reference loop (the same model compiled
+alone, AdamW, no tool, one fixed batch, compiled once for the whole process) and times it; the variant's
+step is the time between the end of that reference step and the next one. Adjacent steps see the same
+machine, so the per-step ratio variant / reference cancels most noise; a tool's cost is its variant's
+median ratio over the "compile alone" variant's (every tool off: guard, trend alerts, mechanism signals).
+The steps before ``--warmup`` (which compile) are left out. ``--fsdp``: under strategy=fsdp on one process.
 
-    python benchmarks/compile_tools.py [--steps 40] [--warmup 10] [--rounds 2] [--backend inductor] [--fsdp]
+    OMP_NUM_THREADS=1 python benchmarks/compile_tools.py [--steps 40] [--warmup 8] [--backend inductor] [--fsdp]
 """
 
 from __future__ import annotations
@@ -14,13 +17,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
-from common import BENCH_SETTINGS, machine
+from common import BENCH_SETTINGS, bench_model_and_batches, machine
 
 import stabletrain
-from stabletrain.loggers.jsonl import read_metrics
 
 OFF: dict[str, Any] = {"guard": {"enabled": False}, "trend_alerts": {"enabled": False},
                        "debug_args": {"mechanisms": {"enabled": False}}}
@@ -49,18 +52,46 @@ def variants() -> dict[str, dict[str, Any]]:
     }
 
 
-def step_seconds(out: Path, warmup: int) -> float:
-    rows = [r for r in read_metrics(out / "metrics.jsonl")[0] if "elapsed_s" in r]
-    first = next(r for r in rows if r["step"] >= warmup)
-    last = rows[-1]
-    return (last["elapsed_s"] - first["elapsed_s"]) / (last["step"] - first["step"])
+class Reference:
+    """The benchmark model compiled alone with AdamW, stepped on one fixed batch."""
+
+    def __init__(self, backend: str):
+        import torch
+
+        model, batches = bench_model_and_batches(num_batches=1)
+        self.step_fn = torch.compile(model.training_step, backend=backend)
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        self.batch = batches[0]
+
+    def step(self) -> None:
+        self.step_fn(self.batch).backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+class Interleave:
+    """stabletrain callback: one reference step before each stabletrain step, both timed."""
+
+    def __init__(self, reference: Reference, skip: int):
+        self.reference, self.skip = reference, skip
+        self.ratios: list[float] = []
+        self._ref: float = 0.0
+        self._end: float | None = None
+
+    def on_step_start(self, trainer: Any, *, step: int) -> None:
+        now = time.perf_counter()
+        if self._end is not None and step > self.skip:
+            self.ratios.append((now - self._end) / self._ref)
+        t0 = time.perf_counter()
+        self.reference.step()
+        self._end = time.perf_counter()
+        self._ref = self._end - t0
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--fsdp", action="store_true")
@@ -71,22 +102,23 @@ def main() -> None:
     if args.fsdp:
         base.update(strategy="fsdp", devices=1)
     kinds = variants()
-    times: dict[str, list[float]] = {k: [] for k in kinds}
+    reference = Reference(args.backend)
+    for _ in range(args.warmup):  # its compile, before any variant's
+        reference.step()
+    ratios: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        names = list(kinds)
-        for r in range(args.rounds):
-            for name in names[r % len(names):] + names[: r % len(names)]:
-                out = Path(tmp) / f"{r}_{len(times[name])}_{abs(hash(name))}"
-                stabletrain.train(out=out, **base, **kinds[name])
-                times[name].append(step_seconds(out, args.warmup))
-    alone = statistics.median(times["compile alone"])
-    print(f"compiled step time with each tool (median of {args.rounds} runs, steps {args.warmup}-{args.steps - 1}, "
-          f"log_every_num_steps={args.log_every}, backend {args.backend}{', fsdp' if args.fsdp else ''}; "
-          f"loaded machine: {machine()})")
-    for name, values in times.items():
-        t = statistics.median(values)
-        runs = ", ".join(f"{v * 1000:.0f}" for v in values)
-        print(f"  {name:<42} {t * 1000:8.1f} ms/step  {t / alone:5.2f}x  ({runs})")
+        for i, (name, kind) in enumerate(kinds.items()):
+            inter = Interleave(reference, skip=args.warmup)
+            stabletrain.train(out=Path(tmp) / str(i), callbacks=[inter], **base, **kind)
+            ratios[name] = inter.ratios
+    alone = statistics.median(ratios["compile alone"])
+    print(f"compiled step with each tool against compile alone ({args.backend}{', fsdp' if args.fsdp else ''}; "
+          f"steps {args.warmup + 1}-{args.steps - 1} of each run, each timed against the reference step run just "
+          f"before it; log_every_num_steps={args.log_every}; {machine()})")
+    for name, values in ratios.items():
+        q = statistics.quantiles(values, n=4)
+        print(f"  {name:<42} {statistics.median(values) / alone:5.2f}x  (per-step ratio to the reference: median "
+              f"{statistics.median(values):.2f}, quartiles {q[0]:.2f}-{q[2]:.2f})")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """``stabletrain.train(strategy="fsdp")`` on 2 CPU processes with an optimizer that writes Inf into rank 1's
 shard only, at its 4th step (a function of the optimizer state: a re-run from a checkpoint does it again).
-Rank 0's shards stay finite: only rank 1's guard sees the damage.
+Rank 0's shards stay finite: only rank 1's guard sees the damage. Rank 1 also builds its model with other
+weights (as an unseeded script would): the trainer trains rank 0's, broadcast before sharding.
 
     python fsdp_optimizer_fault.py OUT
 
@@ -41,10 +42,13 @@ class RankOneBrokenAdamW(torch.optim.AdamW):
 
 
 class Regression(nn.Module):
-    def __init__(self):
+    def __init__(self, offset: float = 0.0):
         super().__init__()
         torch.manual_seed(0)
         self.body = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 2))
+        with torch.no_grad():
+            for p in self.parameters():
+                p.add_(offset)
 
     def training_step(self, batch):
         return nn.functional.mse_loss(self.body(batch["x"]), batch["y"].expand(-1, 2))
@@ -72,7 +76,8 @@ def main() -> None:
     out = sys.argv[1]
     result: dict = {}
     try:
-        stabletrain.train(out=out, model=Regression(), data=LinearData(), strategy="fsdp", accelerator="cpu", devices=2,
+        offset = 1.0 if os.environ.get("LOCAL_RANK", "0") == "1" else 0.0  # Fabric sets it for the process it starts
+        stabletrain.train(out=out, model=Regression(offset), data=LinearData(), strategy="fsdp", accelerator="cpu", devices=2,
                           steps=10, batch_size=16, log_every_num_steps=1, checkpoint_every_num_steps=2,
                           num_workers=0, debug_args={"nancapture": {"enabled": True}},
                           model_args={"lr": 0.01, "warmup_steps": 0})

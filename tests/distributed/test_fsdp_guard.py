@@ -44,6 +44,25 @@ def test_every_rank_names_the_parameter_only_rank_1_holds_damaged(run):
         assert f"Parameters with NaN/Inf: 1: {DAMAGED} (1)." in r["message"]
 
 
+def test_every_rank_trains_rank_0_s_weights(run):
+    """Rank 1 built its model with other weights; the step-0 loss is the mean of both ranks' losses of rank
+    0's weights on their own samples (computed here in one process)."""
+    from fsdp_optimizer_fault import LinearData
+    from nan_models import samples_of_step
+
+    from stabletrain.runfiles.history import read_run
+
+    out, _ = run
+    data, model = LinearData(), Regression()
+    losses = []
+    for rank in (0, 1):
+        idx = samples_of_step(0, n=64, batch_size=16, world_size=2, rank=rank)
+        batch = {"x": data.x[idx], "y": data.y[idx]}
+        losses.append(float(model.training_step(batch)))
+    row = read_run(out / "metrics.jsonl").rows[0]
+    assert row["step"] == 0 and row["loss"] == pytest.approx(sum(losses) / 2, rel=1e-6)
+
+
 def test_each_rank_captures_its_shards_of_the_rerun_from_the_sharded_checkpoint(run):
     out, results = run
     for rank in (0, 1):

@@ -42,8 +42,11 @@ def settings(out, policy: str, **more):
 
 
 if __name__ == "__main__":
+    import torch
+
     import stabletrain
 
     out, policy = sys.argv[1], sys.argv[2]
     strategy = sys.argv[3] if len(sys.argv) > 3 else "ddp"
+    torch.manual_seed(0)  # PoisonNet's weights: the same in every run of this script (DDP and FSDP2 compared)
     stabletrain.train(**settings(out, policy, world_size=2, devices=2, strategy=strategy, accelerator="cpu"))

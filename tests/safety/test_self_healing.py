@@ -291,8 +291,12 @@ def test_two_ddp_ranks_agree_and_record_every_rank_s_samples_and_fsdp2_recovers_
             assert json.loads((step_folder / "diagnosis.json").read_text())["world_size"] == 2, "diagnosed after"
         finals[strategy] = load_checkpoint(out / "checkpoints" / "last.ckpt")
         assert finals[strategy]["step"] == 40 and all(torch.isfinite(v).all() for v in finals[strategy]["model"].values())
-        logged[strategy] = [(r["step"], r["loss"], r["gradient_norm"]) for r in read_run(out / "metrics.jsonl").rows]
-    assert logged["fsdp"] == logged["ddp"], "every kept step bitwise the DDP run's"
+        logged[strategy] = read_run(out / "metrics.jsonl").rows
+    # Every kept step's loss and the final weights bitwise; the global gradient norm, summed from the shards'
+    # squared norms, equal to float32 rounding.
+    assert [(r["step"], r["loss"]) for r in logged["fsdp"]] == [(r["step"], r["loss"]) for r in logged["ddp"]]
+    for a, b in zip(logged["fsdp"], logged["ddp"]):
+        assert a["gradient_norm"] == pytest.approx(b["gradient_norm"], rel=1e-6, nan_ok=True), a["step"]
     for name, value in finals["ddp"]["model"].items():
         assert torch.equal(finals["fsdp"]["model"][name], value), name
 

@@ -276,7 +276,9 @@ class Healer:
         """The samples that cause a non-finite step, with evidence (every rank's); [] when none is isolated."""
         t = self.trainer
         found: list[dict[str, Any]] = []
-        if capture is not None and rec.trigger in _NONFINITE:
+        # A sharded capture is every rank's microbatches put together: one rank searches them all.
+        searches = not t.sharded or t.rank == 0
+        if capture is not None and rec.trigger in _NONFINITE and searches:
             custom = t.resolved_settings().get("task") == "custom"
             try:
                 found = isolate_samples(capture.parent, model=(_replay_model(t) if t.sharded else t.model)

@@ -109,6 +109,19 @@ class _TrainingStep(nn.Module):
         return self.model.training_step(batch)  # type: ignore[operator]
 
 
+def _broadcast_from_rank0(model: nn.Module) -> None:
+    """Rank 0's parameters and buffers on every rank, before FSDP2 shards them. A model given as an
+    object was built by each process on its own (the script runs once per rank): unseeded, the
+    processes hold different weights, and ``fully_shard`` keeps each rank's rows of its own copy,
+    where DDP would have broadcast rank 0's. Over gloo (the tensors are still on the CPU)."""
+    import torch.distributed as dist
+
+    group: Any = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(t.data, src=0, group=group)
+
+
 def _meta_copy(model: nn.Module) -> nn.Module:
     """A deep copy of ``model`` whose parameters and buffers are on the meta device (no memory)."""
     import copy
@@ -335,6 +348,8 @@ class Trainer:
         from stabletrain.distributed.checkpoint_state import load_optimizer_checkpoint
 
         self._skeleton = _meta_copy(self.model)  # the structure, no memory: for replays in one process
+        if state is None and shards is None and isinstance(self.settings.model, nn.Module) and self.world_size > 1:
+            _broadcast_from_rank0(self.model)
         # Compiled after sharding: Fabric unwraps a compiled module, shards it, and compiles the result.
         module = compile_module(_TrainingStep(self.model), self.settings.torch_compile_args)
         self.fabric_module = self.fabric.setup_module(module)
