@@ -115,6 +115,10 @@ class _Bench:
             self.commit(step_no)
         return future
 
+    def save_async_and_wait(self, step_no: int) -> None:
+        self.save_sharded(step_no, asynchronous=True).result()
+        self.commit(step_no)
+
     def commit(self, step_no: int) -> None:
         from stabletrain.runfiles.checkpoint import commit_sharded
 
@@ -169,11 +173,12 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     bench = _Bench(args)
-    memory: dict[str, list[float]] = {"sharded": [], "full": [], "rollback snapshot": []}
+    memory: dict[str, list[float]] = {"sharded": [], "sharded asynchronous": [], "full": [], "rollback snapshot": []}
     blocks: dict[str, list[float]] = {"sync save": [], "async save": []}
     totals: dict[str, list[float]] = {"no save": [], "sync save": [], "async save": []}
     for _ in range(args.repeats):  # interleaved: each repeat measures every kind once
         memory["sharded"].append(bench.peak_above_before(bench.save_sharded))
+        memory["sharded asynchronous"].append(bench.peak_above_before(bench.save_async_and_wait))
         memory["full"].append(bench.peak_above_before(bench.save_full))
         bench.kept = None
         memory["rollback snapshot"].append(bench.peak_above_before(bench.snapshot))
