@@ -114,6 +114,14 @@ class MechanismArgs(SettingsGroup):
             "parameters (their own dtype, this rank's shard) to compare the weights before and after a logged step."
         ),
     )
+    probes: bool = Field(
+        True,
+        description=(
+            "Measure signals/attn_* and signals/output_*: probes follow the torch calls of a logged step's forward "
+            "pass. Under torch.compile a logged step's forward then runs eagerly (the probes are Python a compiled "
+            "graph does not run); false keeps every step compiled, without these keys."
+        ),
+    )
     alerts: bool = Field(
         True,
         description="Name a mechanism (attention-logit growth, the Adam eps regime, ...) in a live alert when the "

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from stabletrain.config import TrendAlertArgs
+from stabletrain.distributed.norms import dtensor_type, local_tensor
 from stabletrain.safety.guard import finite_norms
 
 if TYPE_CHECKING:
@@ -42,26 +43,40 @@ def _floating(obj: Any) -> list[Tensor]:
     return []
 
 
-def verify_tensors(state: Mapping[str, Any], device: torch.device) -> Tensor:
+def verify_tensors(state: Mapping[str, Any], device: torch.device, rank: Optional[int] = None) -> Tensor:
     """``[model_bad, optimizer_bad, scaler_bad, weight_norm]`` as a float64 device vector, no
     host sync: each flag is 1 when that part holds a NaN/Inf (or values whose float32 norm
-    overflows); ``weight_norm`` is the L2 norm of the model's floating tensors."""
-    model = finite_norms(_floating(state.get("model", {})), device)
+    overflows); ``weight_norm`` is the L2 norm of the model's floating tensors.
+
+    ``rank``: ``state`` holds this rank's shards (FSDP2 DTensors, a sharded checkpoint): the
+    flags are then this rank's, and the last entry is this rank's share of the *squared* weight
+    norm (its shards, plus the unsharded tensors, which every rank holds whole, on rank 0 only):
+    summed over the ranks (one all-reduce) they give the whole model's, with nothing gathered.
+    """
+    tensors = _floating(state.get("model", {}))
+    model = finite_norms(tensors, device)
     optimizer = finite_norms(_floating((state.get("optimizer") or {}).get("state", {})), device)
     scaler = finite_norms(_floating(state.get("scaler") or {}), device)
     flags = [~torch.isfinite(x) for x in (model, optimizer, scaler)]
-    return torch.stack([*(f.double() for f in flags), model.double()])
+    if rank is None:
+        return torch.stack([*(f.double() for f in flags), model.double()])
+    dt = dtensor_type()
+    shards = [t for t in tensors if dt is not None and isinstance(t, dt)]
+    whole = [t for t in tensors if not (dt is not None and isinstance(t, dt))] if rank == 0 else []
+    square = finite_norms(shards, device).double() ** 2 + finite_norms(whole, device).double() ** 2
+    return torch.stack([*(f.double() for f in flags), square])
 
 
 def nonfinite_entries(state: Mapping[str, Any], param_names: Optional[list[str]] = None, limit: int = 8) -> list[str]:
-    """Which entries of a checkpoint state hold NaN/Inf (host reads: for the failure path)."""
+    """Which entries of a checkpoint state hold NaN/Inf (host reads: for the failure path). Of a
+    sharded state, this rank's shards only: :func:`stabletrain.utils.dist.gather_names` joins the ranks'."""
     found: list[str] = []
     for name, t in (state.get("model") or {}).items():
-        if isinstance(t, Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        if isinstance(t, Tensor) and t.is_floating_point() and not bool(torch.isfinite(local_tensor(t)).all()):
             found.append(f"model {name}")
     for index, entry in ((state.get("optimizer") or {}).get("state") or {}).items():
         for key, t in entry.items():
-            if isinstance(t, Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            if isinstance(t, Tensor) and t.is_floating_point() and not bool(torch.isfinite(local_tensor(t)).all()):
                 known = param_names and isinstance(index, int) and index < len(param_names)
                 who = param_names[index] if known else index  # type: ignore[index]
                 found.append(f"optimizer state {key} of {who}")

@@ -497,3 +497,45 @@ def _counted(names: Sequence[str], counts: dict[str, int], limit: int = 6) -> st
     text = ", ".join(f"{n} ({counts[n]:,})" if n in counts else n for n in names[:limit])
     return f"{len(names)}: " + text + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
 
+
+
+def join_rank_failures(failure: GuardFailure) -> GuardFailure:
+    """Under FSDP2 each rank reads only its own shards: every rank's failure, joined on every rank
+    (collective: ``all_gather_object``; every rank must call it at the same point, which the guard's
+    agreed stop is). See :func:`joined_failure`."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return failure
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, failure)
+    return joined_failure(failure, parts)
+
+
+def joined_failure(own: GuardFailure, parts: Sequence[GuardFailure]) -> GuardFailure:
+    """``own`` (this rank's failure) with what every rank's ``parts`` found: the names (parameters,
+    gradients, optimizer state) of all ranks in rank order, counts summed; the step, origin and
+    values of ``own`` when this rank found the failure, else of the lowest rank that did; ``rank``
+    and ``stopped_at`` stay this rank's. A rank that found nothing itself then describes the
+    failure the others found instead of "another rank found ..."."""
+    found = [p for p in parts if p.step >= 0]
+    if not found:
+        return own
+    base = own if own.step >= 0 else found[0]
+    joined = GuardFailure(**{f: getattr(base, f) for f in base.__dataclass_fields__})
+    joined.rank, joined.other_rank_step, joined.stopped_at = own.rank, None, own.stopped_at
+    joined.nonfinite = [w for w in WHAT if any(w in p.nonfinite for p in found)]
+    joined.param_names = list(dict.fromkeys(n for p in found for n in p.param_names))
+    joined.param_counts = {}
+    for p in found:
+        for name, count in p.param_counts.items():
+            joined.param_counts[name] = joined.param_counts.get(name, 0) + count
+    joined.state_entries = list(dict.fromkeys(e for p in found for e in p.state_entries))
+    joined.explanation = base.explanation or next((p.explanation for p in found if p.explanation), "")
+    joined.trips = sorted({t.name: t for p in found for t in p.trips}.values(), key=lambda t: -t.abs_max)
+    checked = [p.gradients_elementwise_finite for p in found if p.gradients_elementwise_finite is not None]
+    joined.gradients_elementwise_finite = all(checked) if checked else None
+    largest = max((p for p in found if p.largest_name), key=lambda p: p.largest_abs, default=None)
+    if largest is not None:
+        joined.largest_name, joined.largest_abs = largest.largest_name, largest.largest_abs
+    return joined

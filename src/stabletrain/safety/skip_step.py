@@ -17,11 +17,13 @@ Neither reads the flag on the host. See docs/self_healing.md.
 from __future__ import annotations
 
 import types
+import weakref
 from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
+from stabletrain.distributed.norms import dtensor_type
 from stabletrain.safety.skip_aware import skip_aware_step, supported
 
 __all__ = ["SkipStep", "optimizer_tensors"]
@@ -29,14 +31,15 @@ __all__ = ["SkipStep", "optimizer_tensors"]
 
 def optimizer_tensors(optimizer: Any) -> list[Tensor]:
     """The parameters and the floating per-parameter state tensors (not 0-dim counts), in a
-    fixed order."""
+    fixed order. Under FSDP2 each rank's local shards (:func:`local_view`): the step is saved and
+    restored per shard, on the device, with the flag every rank agreed on."""
     out: list[Tensor] = []
     for group in optimizer.param_groups:
         for p in group["params"]:
-            out.append(p)
+            out.append(local_view(p))
             for v in optimizer.state.get(p, {}).values():
                 if isinstance(v, Tensor) and v.is_floating_point() and v.ndim > 0:
-                    out.append(v)
+                    out.append(local_view(v))
     return out
 
 
@@ -45,6 +48,31 @@ def _replaceable(own_step: Any) -> bool:
     not when something else wrapped it, except torch's lr schedulers, whose wrapper only records
     that the step was called (the skip-aware step records it too)."""
     return own_step is None or bool(getattr(own_step, "_wrapped_by_lr_sched", False))
+
+
+#: id(DTensor) -> (a weak reference to it, its local view); an entry goes when its DTensor does. (Not a
+#: WeakKeyDictionary: that compares keys with ``==``, which for tensors is elementwise.)
+_LOCAL_VIEWS: dict[int, tuple[Any, Tensor]] = {}
+
+
+def local_view(t: Tensor) -> Tensor:
+    """``t`` itself, or for an FSDP2 DTensor its local shard: the same view object on every call
+    (``to_local()`` makes a new one each time, and the saved copies are matched to the live
+    tensors by identity), sharing the shard's memory, so writing it writes the DTensor."""
+    dt = dtensor_type()
+    if dt is None or not isinstance(t, dt):
+        return t
+    with torch.no_grad():
+        local = t.to_local()
+    key = id(t)
+    entry = _LOCAL_VIEWS.get(key)
+    if entry is not None and entry[0]() is t:
+        view = entry[1]
+        if view.data_ptr() == local.data_ptr() and view.shape == local.shape:
+            return view
+    # The first call, or the shard moved: its memory from now on.
+    _LOCAL_VIEWS[key] = (weakref.ref(t, lambda _, k=key: _LOCAL_VIEWS.pop(k, None)), local)  # type: ignore[misc]
+    return local
 
 
 class SkipStep:

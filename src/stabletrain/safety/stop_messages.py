@@ -26,10 +26,10 @@ def _last_step(folder: Path) -> Optional[int]:
     for c in reversed(infos):
         if c.path == last:
             return c.step
-    from stabletrain.runfiles.checkpoint import read_checkpoint_health
+    from stabletrain.runfiles.checkpoint import is_checkpoint, read_checkpoint_health
 
     try:
-        return read_checkpoint_health(last)[0] if last.is_file() else None
+        return read_checkpoint_health(last)[0] if is_checkpoint(last) else None
     except Exception:
         return None
 
