@@ -119,3 +119,32 @@ def test_names_are_distinct_and_not_the_baseline(tmp_path):
         verify(plan(tmp_path), [candidate("a"), candidate("a")], FakeRunner({}), progress=None)
     with pytest.raises(ValueError, match="'as run'"):
         verify(plan(tmp_path), [Candidate("as run", {"x": 1}, "")], FakeRunner({}), progress=None)
+
+
+def lr(value: float) -> Candidate:
+    return Candidate(f"model_args.lr={value:g}", {"model_args.lr": value}, "test")
+
+
+def test_when_the_lowest_lr_tried_trains_best_the_next_one_down_is_tried_until_one_is_worse(tmp_path):
+    # The run's lr is 1: candidates x0.3 and x0.1. Lower trains better down to 0.03, then worse at 0.009.
+    runner = FakeRunner({"model_args.lr=0.3": -0.2, "model_args.lr=0.1": -0.4, "model_args.lr=0.03": -0.6,
+                         "model_args.lr=0.009": -0.5})
+    lines: list[str] = []
+    report = verify(plan(tmp_path), [lr(0.3), lr(0.1)], runner, progress=lines.append)
+    assert [r.candidate.name for r in runner.calls] == ["model_args.lr=0.3", "model_args.lr=0.1",
+                                                        "model_args.lr=0.03", "model_args.lr=0.009"]
+    assert report.best.name == "model_args.lr=0.03"
+    added = next(o for o in report.ranked if o.name == "model_args.lr=0.03").candidate
+    assert added.overrides == {"model_args.lr": 0.03} and "the next one down" in added.why
+    assert lines[3].startswith("[3/3] model_args.lr=0.03: 100 steps") and lines[4].startswith("[4/4] model_args.lr=0.009")
+
+
+def test_no_lower_lr_when_a_higher_one_trains_best_and_at_most_two_below_the_candidates(tmp_path):
+    runner = FakeRunner({"model_args.lr=0.3": -0.5, "model_args.lr=0.1": -0.4})
+    verify(plan(tmp_path), [lr(0.3), lr(0.1)], runner, progress=None)
+    assert len(runner.calls) == 2  # the best is bracketed
+    steady = FakeRunner({f"model_args.lr={v:g}": -v0 for v, v0 in ((0.3, 0.1), (0.1, 0.2), (0.03, 0.3),
+                                                                   (0.009, 0.4), (0.0027, 0.5))})
+    report = verify(plan(tmp_path / "b"), [lr(0.3), lr(0.1)], steady, progress=None)
+    assert [r.candidate.name for r in steady.calls][2:] == ["model_args.lr=0.03", "model_args.lr=0.009"]
+    assert report.best.name == "model_args.lr=0.009"  # 0.0027 would be the third below the candidates: not tried

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -146,6 +146,42 @@ def _budget_refusal(planned: int, steps: int, seconds: float, budget_steps: Opti
     return None
 
 
+def _against(outcome: Outcome, baseline: Outcome) -> str:
+    """``, beats as run (-0.41)`` for a candidate that trains; "" otherwise."""
+    if not outcome.trains:
+        return ""
+    ok, gain, _ = beats(outcome, baseline)
+    if not math.isfinite(gain):
+        return ""
+    return f", {'beats' if ok else 'does not beat'} as run ({'-' if gain > 0 else '+'}{abs(gain):.3g})"
+
+
+#: How many lrs below the candidates' lowest the verification tries at most (x0.3 each).
+MAX_LOWER_LRS = 2
+LR = "model_args.lr"
+_LOWER_WHY = "the lowest lr tried ({:g}) trained best: the next one down (x0.3) may train better still"
+
+
+def lower_lr(tried: Sequence[Outcome], names: set[str]) -> Optional[Candidate]:
+    """When the best of the lr candidates that trained is the lowest lr tried (a lower one may be
+    better still), the next one down: its lr x0.3, at most ``MAX_LOWER_LRS`` times past the given
+    candidates. None otherwise: the lr candidates bracket the best."""
+    lrs = [o for o in tried if set(o.candidate.overrides) == {LR} and o.trains]
+    if not lrs:
+        return None
+    best = min(lrs, key=lambda o: math.inf if o.final_loss is None else o.final_loss)
+    lr = float(best.candidate.overrides[LR])
+    if lr != min(float(o.candidate.overrides[LR]) for o in lrs):
+        return None
+    if sum(o.candidate.why.startswith(_LOWER_WHY.split("(")[0]) for o in tried) >= MAX_LOWER_LRS:
+        return None
+    nxt = float(f"{lr * 0.3:.3g}")
+    name = f"{LR}={nxt:g}"
+    if name in names:
+        return None
+    return replace(best.candidate, name=name, overrides={LR: nxt}, why=_LOWER_WHY.format(lr))
+
+
 def verify(plan: Plan, candidates: Sequence[Candidate], runner: Runner, *, budget_steps: Optional[int] = None,
            budget_seconds: Optional[float] = None, progress: Optional[Callable[[str], Any]] = print,
            notes: Sequence[str] = (), command_for: Optional[Callable[[Outcome], Optional[str]]] = None,
@@ -184,7 +220,10 @@ def verify(plan: Plan, candidates: Sequence[Candidate], runner: Runner, *, budge
     not_tried: list[tuple[Candidate, str]] = []
     extra_notes: list[str] = []
     steps, seconds = 0, 0.0
-    for i, candidate in enumerate(queue, 1):
+    i = 0
+    while i < len(queue):
+        candidate = queue[i]
+        i += 1
         first = candidate.starts_at(plan.start_step)
         planned = plan.end_step - first
         rate = seconds / steps if steps else plan.seconds_per_step
@@ -207,12 +246,12 @@ def verify(plan: Plan, candidates: Sequence[Candidate], runner: Runner, *, budge
                 baseline = outcome
         else:
             tried.append(outcome)
-        what = outcome.result_text()
-        if candidate is not AS_RUN and outcome.trains:
-            ok, gain, _ = beats(outcome, baseline)
-            if math.isfinite(gain):
-                what += f", {'beats' if ok else 'does not beat'} as run ({'-' if gain > 0 else '+'}{abs(gain):.3g})"
+        what = outcome.result_text() + ("" if candidate is AS_RUN else _against(outcome, baseline))
         say(f"[{i}/{len(queue)}] {label}: {outcome.steps_run} steps, {what} ({_seconds(outcome.seconds)})")
+        if i == len(queue):
+            lower = lower_lr(tried, {c.name for c in queue})
+            if lower is not None:
+                queue.append(lower)
     ranked = rank(tried)
     best = next((o for o in ranked if beats(o, baseline)[0]), None)
     report = RemedyReport(plan=plan, baseline=baseline, ranked=ranked, best=best, not_tried=not_tried,
