@@ -92,11 +92,12 @@ def test_sgd_blowup_candidates_run_from_the_newest_healthy_checkpoint_and_the_lr
 
     # The lr candidates: the run's own lr x0.3 and x0.1 (never AdamW's 0.001), both finite, ranked by loss.
     lrs = {o.candidate.overrides["model_args.lr"]: o for o in report.ranked if "model_args.lr" in o.candidate.overrides}
-    assert sorted(lrs) == [0.1, 0.3]
+    # 0.1 trained best of the two, so the next one down (0.03) is tried too, and trains worse: 0.1 is bracketed.
+    assert sorted(lrs) == [0.03, 0.1, 0.3] and "the next one down" in lrs[0.03].candidate.why
     assert all(o.status == "finite" and o.steps_run == plan.end_step - plan.start_step for o in lrs.values())
     order = [o.name for o in report.ranked]
     assert order.index("model_args.lr=0.1") < order.index("model_args.lr=0.3")
-    assert lrs[0.1].final_loss < lrs[0.3].final_loss
+    assert lrs[0.1].final_loss < min(lrs[0.3].final_loss, lrs[0.03].final_loss)
     assert not any(o.candidate.overrides.get("model_args.lr") == 0.001 for o in report.ranked)
 
     # The verified remedy: lr 0.1 trains (its final loss below its start) where the run went NaN.
@@ -109,7 +110,8 @@ def test_sgd_blowup_candidates_run_from_the_newest_healthy_checkpoint_and_the_lr
 
     # One progress line per re-run, then the cost.
     progress = [line for line in report.lines if line.startswith("[")]
-    assert len(progress) == 1 + len(report.ranked) and progress[0].startswith(f"[1/{len(progress)}] as run: ")
+    assert len(progress) == 1 + len(report.ranked) and progress[0].startswith("[1/") and "] as run: " in progress[0]
+    assert progress[-1].startswith(f"[{len(progress)}/{len(progress)}] model_args.lr=0.03: ")  # the next lr down, added last
     assert report.lines[-1].startswith(f"verification cost: {report.steps} steps = ")
     assert report.steps == report.baseline.steps_run + sum(o.steps_run for o in report.ranked)
 
