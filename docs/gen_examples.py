@@ -438,8 +438,8 @@ BLOCKS: dict[str, Block] = {
     "lr-sensitivity": Block(("lr-sensitivity",), console_then_markdown("lr-sensitivity").render,
                             copy={"out/lr_sensitivity/lr_sensitivity.png": "docs/img/lr_sensitivity.png"}),
     # docs/remedies.md
-    "remedies": console("diagnose-verify", trim=pick(r"^Verifying ", r"^\[\d+/\d+\] ", r"^verification cost",
-                                                     sections=(r"^# Verified remedies",))),
+    "remedies": console("diagnose-verify", trim=pick(r"^Verifying ", r"^\[\d+/\d+\] ", r"^Added ",
+                                                     r"^verification cost", sections=(r"^# Verified remedies",))),
     "remedies-attention": console("attention", "attention-verify", trim=pick(
         r"^Done", r"^verdict:", r"^Verifying ", r"^\[\d+/\d+\] ", r"^Next actions", r"^\d+\. ",
         sections=(r"^# Verified remedies",))),

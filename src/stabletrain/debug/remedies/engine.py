@@ -252,6 +252,7 @@ def verify(plan: Plan, candidates: Sequence[Candidate], runner: Runner, *, budge
             lower = lower_lr(tried, {c.name for c in queue})
             if lower is not None:
                 queue.append(lower)
+                say(f"Added {lower.name}: {lower.why}")
     ranked = rank(tried)
     best = next((o for o in ranked if beats(o, baseline)[0]), None)
     report = RemedyReport(plan=plan, baseline=baseline, ranked=ranked, best=best, not_tried=not_tried,
