@@ -212,6 +212,16 @@ def test_the_output_logits_drift_at_lr_0_5_without_weight_decay_and_weight_decay
     # Not first: the attention failed before it, and the event says the output drift follows it.
     assert output["follows"] == "attention_logit_growth" and output["start_step"] > named[output["follows"]]["step"]
     assert min(values(drift, "signals/output_logit_mean")) < -20
+    # Named in the three places, as a consequence of the attention's failure.
+    import stabletrain
+
+    assert f"WARNING mechanism: {output['message']}" in drift.console
+    report = stabletrain.report(drift.out, quiet=True, plots=False)
+    told = {m.id: m for m in report.mechanisms}
+    assert told["output_logit_divergence"].follows == "attention_logit_growth"
+    assert report.status["signals"] == "attention-logit growth"  # the first cause leads
+    d = stabletrain.diagnose(drift.out, write=False)
+    assert [m.id for m in d.mechanisms][:2] == ["attention_logit_growth", "output_logit_divergence"]
     decayed = run_once(runs.run_output_drift, weight_decay=0.1)
     # lr 0.5 is still too high for the attention (named there too); the output drift is gone.
     assert "output_logit_divergence" not in {e["id"] for e in runs.mechanism_events(decayed)}
