@@ -52,12 +52,15 @@ def device_sync(device: str) -> Callable[[], None]:
 
 
 def interleaved(variants: dict[str, Callable[[], None]], repeats: int, rounds: int,
-                sync: Callable[[], None] = lambda: None) -> dict[str, list[float]]:
+                sync: Callable[[], None] = lambda: None,
+                clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
     """Seconds per call of each variant, measured round-robin so machine noise hits all alike.
 
     Each round runs every variant ``repeats`` times in turn (order rotated per round); the
     first round is a warm-up and is discarded. Returns per-round mean seconds per call.
     ``sync`` runs before each clock reading (``device_sync``: a GPU's queued work counts).
+    ``clock``: ``time.perf_counter`` (wall) or ``time.process_time`` (CPU time of this process:
+    on a loaded machine, with one torch thread, far less disturbed by other processes).
     """
     names = list(variants)
     times: dict[str, list[float]] = {n: [] for n in names}
@@ -66,12 +69,12 @@ def interleaved(variants: dict[str, Callable[[], None]], repeats: int, rounds: i
         for name in order:
             fn = variants[name]
             sync()
-            start = time.perf_counter()
+            start = clock()
             for _ in range(repeats):
                 fn()
             sync()
             if r:
-                times[name].append((time.perf_counter() - start) / repeats)
+                times[name].append((clock() - start) / repeats)
     return times
 
 

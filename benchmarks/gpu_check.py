@@ -23,12 +23,26 @@ Sections, each printing PASS / FAIL / SKIP lines with the numbers behind them:
    their CPU goals but do not fail the check (timings scatter). LightlyTrain as a peer: only if
    ``import lightly_train`` works, else SKIP.
 
+5. ``skip_step``: the skip-aware AdamW / Adam / SGD step (``safety/skip_aware.py``) on the device,
+   for foreach on and off: its own check against torch must pass (else the copy is used, which is
+   correct but costs a copy), and over 8 steps of a small MLP with NaN/Inf gradients on the
+   skipped ones, kept steps must equal torch's own step bitwise and skipped ones change nothing,
+   with no host sync in the guard's calls.
+6. ``scale`` (issue 22): under ``strategy=fsdp devices=1`` (one GPU): (a) the built-in LM 6 steps with
+   sharded checkpoints (the default under fsdp) and ``checkpoint_async=true``: the folders hold DCP shards
+   and ``meta.pt``, one process reads them back as the full state, and a resume from step 3 logs the
+   straight run's losses (rel 1e-5: GPU kernels need not be bitwise); (b) ``on_instability.policy=skip_step``
+   on the planted faults of tests/safety/heal_faults.py: exactly steps 25 and 32 recovered; (c)
+   ``torch_compile_args.disable=false`` (inductor) with the guard and a NaN planted in the data of a known
+   step: the guard stops there; (d) ``precision=16-mixed``: trains with a ``torch.amp.GradScaler``, every
+   logged loss finite.
+
 On an H200 the whole run should take 2-4 minutes (not measured yet). Without CUDA every section
 prints one SKIP line and the script exits 0. ``--device cpu`` runs the sections on the CPU instead,
 to test this script itself (fp16 then goes through Fabric's CPU GradScaler plugin; it takes
 several minutes on 2 cores).
 
-    bash benchmarks/gpu_check.sh [--only fp16,bf16,fsdp,overhead] [--device cuda|cpu]
+    bash benchmarks/gpu_check.sh [--only fp16,bf16,fsdp,overhead,scale] [--device cuda|cpu]
 """
 
 from __future__ import annotations
@@ -56,6 +70,8 @@ SECTIONS = {
     "bf16": "bf16-mixed training and capture",
     "fsdp": "FSDP2 on 1 GPU",
     "overhead": "monitor overheads and host syncs on the benchmark LM",
+    "skip_step": "skip-aware optimizer step bitwise against torch's",
+    "scale": "FSDP2 at scale: sharded checkpoints, skip_step, compile, fp16",
 }
 NANCAPTURE = {"nancapture": {"enabled": True}}
 # The tiny fault runs of tests/debug/test_diagnose.py: 8 samples per step, SGD-free defaults.
@@ -341,7 +357,111 @@ def lightly_train_peer(ck: Checks) -> None:
         ck.skip(name, "lightly_train is importable, but no side-by-side benchmark for it exists in benchmarks/ yet")
 
 
-RUNNERS = {"fp16": section_fp16, "bf16": section_bf16, "fsdp": section_fsdp, "overhead": section_overhead}
+def section_skip_step(ck: Checks, device: str, tmp: Path) -> None:
+    import copy
+
+    import torch
+
+    from stabletrain.safety.instability_guard import InstabilityGuard
+    from stabletrain.utils.sync import CountSyncs
+
+    configs = [(torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}), (torch.optim.Adam, {"lr": 1e-2}),
+               (torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9, "weight_decay": 1e-3})]
+    for cls, kwargs in configs:
+        for foreach in (False, True):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 8)).to(device)
+            ref_model = copy.deepcopy(model)
+            opt = cls(model.parameters(), foreach=foreach, **kwargs)
+            ref = cls(ref_model.parameters(), foreach=foreach, **kwargs)
+            guard = InstabilityGuard(opt, warmup=100)
+            same, guard_syncs, step_syncs = True, 0, []
+            for step in range(8):
+                gen = torch.Generator().manual_seed(step)
+                grads = [torch.randn(p.shape, generator=gen).to(device) for p in model.parameters()]
+                bad = step in (3, 6)
+                if bad:
+                    grads[0].view(-1)[0] = float("nan")
+                for p, r, g in zip(model.parameters(), ref_model.parameters(), grads):
+                    p.grad, r.grad = g.clone(), g.clone()
+                loss = torch.tensor(float("nan") if bad else 1.0, device=device)
+                before = [p.detach().clone() for p in model.parameters()]
+                with CountSyncs() as c1:
+                    guard.check(step, loss, torch.tensor(1.0, device=device))
+                with CountSyncs() as ours:
+                    opt.step()
+                with CountSyncs() as c2:
+                    guard.after_step()
+                guard_syncs += c1.count + c2.count
+                if bad:
+                    same &= all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+                    for s_ref, s_ours in zip(ref.state.values(), opt.state.values()):
+                        if "step" in s_ours:
+                            s_ref["step"] = s_ours["step"].clone()
+                else:
+                    with CountSyncs() as theirs:
+                        ref.step()
+                    step_syncs.append(ours.count - theirs.count)
+                    same &= all(torch.equal(a.view(torch.int32), b.view(torch.int32))
+                                for a, b in zip(model.parameters(), ref_model.parameters()))
+            mode = guard.skipper.mode if guard.skipper is not None else None
+            added = max(step_syncs, default=0)
+            ck.check(f"skip_step {cls.__name__} foreach={foreach}", mode == "skip_aware" and same
+                     and guard_syncs == 0 and added == 0,
+                     f"step taken: {mode}; kept steps bitwise torch's and skipped ones unchanged: {same}; host syncs "
+                     f"in the guard's calls {guard_syncs}, added by the step over torch's own {added}")
+
+
+
+
+def section_scale(ck: Checks, device: str, tmp: Path) -> None:
+    import stabletrain
+    from stabletrain import NonFiniteStepError
+    from stabletrain.runfiles.checkpoint import is_sharded_checkpoint, list_checkpoints, load_checkpoint
+
+    fsdp = dict(strategy="fsdp", accelerator=device, devices=1, loggers={"tensorboard": {"enabled": False}})
+    lm = dict(steps=6, log_every_num_steps=1, checkpoint_every_num_steps=3, precision="32-true", **fsdp)
+    res = stabletrain.train(out=tmp / "sharded", checkpoint_async=True, **lm)
+    folder = res.out / "checkpoints"
+    state = load_checkpoint(folder / "step_000003.ckpt")
+    ck.check("sharded checkpoints written and read in one process",
+             is_sharded_checkpoint(folder / "step_000003.ckpt") and [c.step for c in list_checkpoints(folder)] == [3, 6]
+             and state["health"]["healthy"] and len(state["model"]) > 5,
+             f"{sorted(p.name for p in (folder / 'step_000003.ckpt').iterdir())}; health {state['health']['why'][:80]}")
+    resumed = stabletrain.train(out=tmp / "resumed", resume_from=str(folder / "step_000003.ckpt"), **lm)
+    a, b = step_rows(res.out), step_rows(resumed.out)
+    rel = max(abs(x["loss"] - y["loss"]) / abs(x["loss"]) for x, y in zip(a[3:], b))
+    ck.check("resume from a sharded checkpoint", rel <= 1e-5, f"steps 3-5: largest relative loss difference {rel:.1e}")
+
+    fault_helpers()
+    sys.path.insert(0, str(ROOT / "tests" / "safety"))
+    from heal_faults import NAN_STEP, SPIKE_STEP, settings
+
+    out = tmp / "heal"
+    stabletrain.train(**settings(out, "skip_step", **fsdp))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"recovery"' in line]
+    ck.check("skip_step under FSDP2", [r["step"] for r in rows] == [NAN_STEP, SPIKE_STEP],
+             f"recovered steps {[r['step'] for r in rows]} (planted: {NAN_STEP}, {SPIKE_STEP})")
+
+    compiled = dict(settings(tmp / "compiled", "stop", **fsdp), torch_compile_args={"disable": False})
+    compiled["debug_args"] = {"mechanisms": {"probes": False}}
+    try:
+        stabletrain.train(**compiled)
+        stopped = None
+    except NonFiniteStepError as err:
+        stopped = err.step
+    ck.check("torch.compile (inductor) under FSDP2 with the guard", stopped == NAN_STEP,
+             f"the guard stopped at step {stopped} (planted NaN at step {NAN_STEP})")
+
+    half = stabletrain.train(out=tmp / "fp16", **{**lm, "precision": "16-mixed", "checkpoint_every_num_steps": 10**6})
+    rows = step_rows(half.out)
+    ck.check("16-mixed under FSDP2 with a GradScaler", all(math.isfinite(r["loss"]) for r in rows)
+             and all("loss_scale" in r for r in rows),
+             f"losses {[round(r['loss'], 4) for r in rows]}, loss scales {[r.get('loss_scale') for r in rows]}")
+
+
+RUNNERS = {"fp16": section_fp16, "bf16": section_bf16, "fsdp": section_fsdp, "overhead": section_overhead,
+           "skip_step": section_skip_step, "scale": section_scale}
 
 
 def main() -> int:

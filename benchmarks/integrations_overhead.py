@@ -24,7 +24,7 @@ Host synchronisations (``aten._local_scalar_dense``, what ``.item()`` does) are 
 whole runs of the same steps with and without, and the difference divided by the steps
 (goal <= 1 added per step).
 
-    python benchmarks/integrations_overhead.py [--rounds 5] [--steps 8]
+    python benchmarks/integrations_overhead.py [--rounds 5] [--steps 8] [--clock wall|cpu] [--threads N]
 """
 
 from __future__ import annotations
@@ -57,6 +57,9 @@ LOG_EVERY = 10
 
 #: Seconds spent in StepTools' per-step calls, and the steps begun, since the last reset.
 OWN = {"seconds": 0.0, "steps": 0}
+#: The clock: wall time, or CPU time of this process (``--clock cpu``; with ``--threads 1`` far
+#: less disturbed by other processes on a loaded machine).
+CLOCK: list[Callable[[], float]] = [time.perf_counter]
 
 
 def _time_own_calls() -> None:
@@ -65,11 +68,11 @@ def _time_own_calls() -> None:
         fn = getattr(StepTools, name)
 
         def timed(*args: Any, _fn: Any = fn, _name: str = name, **kwargs: Any) -> Any:
-            start = time.perf_counter()
+            start = CLOCK[0]()
             try:
                 return _fn(*args, **kwargs)
             finally:
-                OWN["seconds"] += time.perf_counter() - start
+                OWN["seconds"] += CLOCK[0]() - start
                 OWN["steps"] += _name == "begin_step"
 
         setattr(StepTools, name, timed)
@@ -99,10 +102,10 @@ def lightning_runner(base: torch.nn.Module, batches: list[Any]) -> Callable[[boo
             self.stamps: list[float] = []
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            self.stamps.append(time.perf_counter())
+            self.stamps.append(CLOCK[0]())
 
         def on_train_end(self, trainer, pl_module):
-            self.stamps.append(time.perf_counter())
+            self.stamps.append(CLOCK[0]())
 
     def run(with_stabletrain: bool, steps: int) -> list[float]:
         clock = Clock()
@@ -143,10 +146,10 @@ def transformers_runner(batches: list[Any]) -> Callable[[bool, int], list[float]
             self.stamps: list[float] = []
 
         def on_step_begin(self, args, state, control, **kwargs):
-            self.stamps.append(time.perf_counter())
+            self.stamps.append(CLOCK[0]())
 
         def on_train_end(self, args, state, control, **kwargs):
-            self.stamps.append(time.perf_counter())
+            self.stamps.append(CLOCK[0]())
 
     def run(with_stabletrain: bool, steps: int) -> list[float]:
         clock = Clock()
@@ -240,12 +243,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="steps per fit, the first 2 not timed")
     parser.add_argument("--accelerate-steps", type=int, default=40, help="interleaved steps per variant (Accelerate)")
     parser.add_argument("--only", choices=["lightning", "transformers", "accelerate"], action="append")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ns = parser.parse_args()
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
+    CLOCK[0] = time.process_time if ns.clock == "cpu" else time.perf_counter
     logging.disable(logging.WARNING)
     warnings.filterwarnings("ignore")
     only = ns.only or ["lightning", "transformers", "accelerate"]
     base, batches = bench_model_and_batches(num_batches=8)
-    print(f"machine: {machine()}; model: benchmark LM (3.3M parameters, batch 16, context 128)")
+    print(f"machine: {machine()}, {ns.clock} clock; model: benchmark LM (3.3M parameters, batch 16, context 128)")
     print("with = gradient_norm logged every 10 steps + nancapture + trend alerts")
     print(f"{'framework':<14}{'with ms/step':>14}{'without':>10}{'ratio':>8}{'quartiles':>16}"
           f"{'own ms/step':>13}{'own share':>11}{'+syncs/step':>13}")
@@ -278,10 +286,10 @@ def main() -> None:
         for i in range(ns.accelerate_steps + 2):
             pair = ((False, plain), (True, monitored))
             for variant, step in (pair if i % 2 == 0 else pair[::-1]):
-                start = time.perf_counter()
+                start = CLOCK[0]()
                 step()
                 if i >= 2:
-                    times[variant].append(time.perf_counter() - start)
+                    times[variant].append(CLOCK[0]() - start)
         own = dict(OWN)
         counts = {}
         for variant, step in ((False, plain), (True, monitored)):

@@ -33,24 +33,18 @@ import torch
 
 import stabletrain
 from stabletrain.loggers.jsonl import read_metrics
+from stabletrain.training.reproductions import TINY
 
 LRS = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1)
-MODEL_ARGS: dict[str, Any] = {
-    "n_layers": 1,
-    "n_heads": 2,
-    "dim": 32,
-    "context_length": 16,
-    "dropout": 0.0,
-    "weight_decay": 0.0,
-    "warmup_steps": 5,
-}
+#: The reproductions' tiny model (stabletrain.training.reproductions.TINY): the same settings as the tests.
+MODEL_ARGS: dict[str, Any] = dict(TINY["model_args"])
 
 
 def one_run(out: Path, lr: float, qk_norm: bool, steps: int) -> dict[str, Any]:
     """Train once; the final loss and the largest attention logit, read back from metrics.jsonl."""
     settings = {
         "steps": steps,
-        "batch_size": 8,
+        "batch_size": TINY["batch_size"],
         "log_every_num_steps": 10,
         "model_args": {**MODEL_ARGS, "lr": lr, "qk_norm": qk_norm},
         "loggers": {"tensorboard": {"enabled": False}},

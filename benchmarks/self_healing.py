@@ -143,7 +143,7 @@ def recovery(folder: Path, steps: int, seeds: int) -> dict[str, Any]:
     return summary
 
 
-def cost(rounds: int) -> dict[str, Any]:
+def cost(rounds: int, clock: Any = time.perf_counter) -> dict[str, Any]:
     from torch.utils.data import default_collate
 
     from stabletrain.config import load_settings
@@ -177,7 +177,7 @@ def cost(rounds: int) -> dict[str, Any]:
             opt.step()
         opt.zero_grad(set_to_none=True)
 
-    times = interleaved({n: (lambda n=n: step(n)) for n in models}, repeats=5, rounds=rounds)
+    times = interleaved({n: (lambda n=n: step(n)) for n in models}, repeats=5, rounds=rounds, clock=clock)
     ratios = [a / b for a, b in zip(times["skip_step"], times["off"])]
     with CountSyncs() as syncs:
         for _ in range(5):
@@ -186,26 +186,41 @@ def cost(rounds: int) -> dict[str, Any]:
         for _ in range(5):
             step("off")
     added = (syncs.count - plain.count) / 5
-    # The guard's own calls, without the noise of the step.
+    # The guard's own calls, without the noise of the step: the guarded optimizer step (check, the
+    # skip-aware or copying step, undo, poll) against torch's own step of the same optimizer,
+    # alternating, gradients present; CPU time of this process.
     model = models["skip_step"]
+    opt = opts["skip_step"]
     loss = model.training_step(batches[0])
     loss.backward()
     gn = compute_grad_norm(model.named_parameters()).total
-    t0 = time.perf_counter()
-    for i in range(50):
+    guarded, plain = [], []
+    for i in range(60):
+        t0 = time.process_time()
         guard.check(i, loss, gn)
+        opt.step()
         guard.after_step()
         guard.poll()
-    own_ms = (time.perf_counter() - t0) / 50 * 1e3
+        t1 = time.process_time()
+        opt.step()
+        t2 = time.process_time()
+        if i >= 10:
+            guarded.append(t1 - t0)
+            plain.append(t2 - t1)
+    own_ms = (median(guarded) - median(plain)) * 1e3
+    mode = guard.skipper.mode if guard.skipper is not None else None
+    saved_mb = guard.skipper.saved_bytes / 2**20 if guard.skipper is not None else 0.0
     n_params = sum(p.numel() for p in model.parameters())
     print(f"\nCost when nothing happens ({n_params:,} parameters, {rounds} rounds of 5 steps, AdamW)")
     print(f"step time off {median(times['off']) * 1e3:.1f} ms, skip_step {median(times['skip_step']) * 1e3:.1f} ms: "
-          f"median ratio {median(ratios):.3f}x; the guard's own calls {own_ms:.2f} ms/step; "
-          f"added host syncs per step in the loop: {added:g}")
+          f"median ratio {median(ratios):.3f}x; the guard's own calls {own_ms:.2f} ms/step "
+          f"({own_ms / (median(times['off']) * 1e3) * 100:.2f}% of a step; the step taken: {mode}, "
+          f"{saved_mb:.1f} MB held for it); added host syncs per step in the loop: {added:g}")
     trainer_syncs = _trainer_syncs()
     snap = _snapshot_cost()
     return {"ratio": median(ratios), "off_ms": median(times["off"]) * 1e3,
-            "skip_ms": median(times["skip_step"]) * 1e3, "own_ms": own_ms, "loop_added_syncs": added,
+            "skip_ms": median(times["skip_step"]) * 1e3, "own_ms": own_ms, "mode": mode, "saved_mb": saved_mb,
+            "loop_added_syncs": added,
             "trainer_syncs": trainer_syncs, "snapshot": snap, "params": n_params}
 
 
@@ -277,7 +292,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--parts", default="recovery,cost,detection")
     parser.add_argument("--json", type=Path, default=None, help="Also write the figures here.")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="cost: wall or CPU time")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     parts = args.parts.split(",")
     print(f"self-healing benchmark, {time.strftime('%Y-%m-%d')}, {machine()}")
     results: dict[str, Any] = {}
@@ -286,7 +305,7 @@ def main() -> None:
         if "recovery" in parts:
             results["recovery"] = recovery(folder, args.steps, args.seeds)
         if "cost" in parts:
-            results["cost"] = cost(args.rounds)
+            results["cost"] = cost(args.rounds, time.process_time if args.clock == "cpu" else time.perf_counter)
         if "detection" in parts:
             results["detection"] = detection(folder, args.steps, args.seeds, results.get("recovery"))
     if args.json:

@@ -9,11 +9,21 @@ alike:
 * Hugging Face transformers' ``DebugUnderflowOverflow`` (forward only; ``pip install
   ".[bench]"``), the tool this design comes from.
 
+Two more copies run stabletrain's monitor with its statistics kernel replaced, to show where
+the time goes and where the floor is:
+
+* ``hooks only``: every hook runs, every row is recorded, but no tensor is read (the kernel
+  returns a constant): the Python cost of watching every module;
+* ``one read per tensor``: the kernel is a plain ``sum`` of each tensor it would measure: one
+  read of every activation, gradient and weight, the least any exact statistic of them costs.
+
 It prints the step time of each over the plain loop's, and the host synchronisations
 (``aten._local_scalar_dense``) each adds per training step. Goal for stabletrain: at most
-1.15x step time and 2 added synchronisations.
+1.05x step time and 2 added synchronisations. On a loaded machine use ``--clock cpu
+--threads 1`` (CPU time of one thread, far less disturbed by other processes than wall time).
 
-    python benchmarks/underflow_overflow_overhead.py [--rounds 12] [--repeats 1] [--threads N] [--device cpu|cuda]
+    python benchmarks/underflow_overflow_overhead.py [--rounds 12] [--repeats 1] [--threads N] [--clock wall|cpu]
+                                                     [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -21,29 +31,49 @@ from __future__ import annotations
 import argparse
 import copy
 import tempfile
-from typing import Any, Callable
+import time
+from typing import Any, Callable, Optional
 
 import torch
 from common import bench_model_and_batches, device_sync, interleaved, machine, median
 
 from stabletrain import UnderflowOverflowMonitor
+from stabletrain.debug.underflow_overflow import stats
 from stabletrain.utils.sync import CountSyncs
+
+_ZERO = torch.zeros(())
+
+
+def _hooks_only(t: torch.Tensor, scratch: Optional[dict] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    return _ZERO, _ZERO
+
+
+def _one_read(t: torch.Tensor, scratch: Optional[dict] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    s = torch.sum(t)
+    return s, s
 
 
 class Loop:
     """One model, its optimizer and a cycle of batches: ``step()`` is one training step."""
 
-    def __init__(self, model: torch.nn.Module, batches: list[Any], before_step: Callable[[int], None] = lambda s: None):
-        self.model, self.batches, self.before_step = model, batches, before_step
+    def __init__(self, model: torch.nn.Module, batches: list[Any], before_step: Callable[[int], None] = lambda s: None,
+                 kernel: Any = None):
+        self.model, self.batches, self.before_step, self.kernel = model, batches, before_step, kernel
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         self.n = 0
 
     def step(self) -> None:
-        self.before_step(self.n)
-        loss = self.model.training_step(self.batches[self.n % len(self.batches)])
-        loss.backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        real = stats.raw_stats
+        if self.kernel is not None:
+            stats.raw_stats = self.kernel
+        try:
+            self.before_step(self.n)
+            loss = self.model.training_step(self.batches[self.n % len(self.batches)])
+            loss.backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        finally:
+            stats.raw_stats = real
         self.n += 1
 
 
@@ -59,6 +89,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     ns = parser.parse_args()
     if ns.threads:
         torch.set_num_threads(ns.threads)
@@ -70,6 +101,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         monitor = UnderflowOverflowMonitor(ours_model, out_dir=tmp)
         loops["stabletrain UnderflowOverflowMonitor"] = Loop(ours_model, batches, monitor.set_step)
+        floors = []
+        for name, kernel in (("  hooks only (no read)", _hooks_only), ("  one read per tensor (floor)", _one_read)):
+            m = copy.deepcopy(model)
+            floors.append(UnderflowOverflowMonitor(m, out_dir=tmp, rank=len(floors) + 1))
+            loops[name] = Loop(m, batches, floors[-1].set_step, kernel=kernel)
         try:
             from transformers.debug_utils import DebugUnderflowOverflow
         except ImportError:
@@ -80,20 +116,24 @@ def main() -> None:
             loops["transformers DebugUnderflowOverflow"] = Loop(hf_model, batches)
 
         syncs = {name: syncs_per_step(loop) for name, loop in loops.items()}
+        clock = time.process_time if ns.clock == "cpu" else time.perf_counter
         times = interleaved({name: loop.step for name, loop in loops.items()}, repeats=ns.repeats, rounds=ns.rounds,
-                            sync=device_sync(ns.device))
+                            sync=device_sync(ns.device), clock=clock)
         monitor.close()
+        for f in floors:
+            f.close()
 
     base = times["no monitor"]
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"machine: {machine()}, device {ns.device}")
+    print(f"machine: {machine()}, device {ns.device}, {ns.clock} clock")
     print("model: built-in transformer LM, 4 layers, dim 256, batch 16, context 128 "
           f"({n_params / 1e6:.1f}M parameters); "
           f"AdamW step; {ns.rounds} rounds x {ns.repeats} steps, interleaved")
-    print(f"{'':40}{'ms/step':>10}{'ratio (median, min-max)':>28}{'added syncs/step':>18}")
+    print(f"{'':40}{'ms/step':>10}{'ratio (median, quartiles)':>28}{'added syncs/step':>18}")
     for name, ts in times.items():
         ratios = [t / b for t, b in zip(ts, base)]
-        spread = f"{median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+        q = sorted(ratios)
+        spread = f"{median(ratios):.3f}x ({q[len(q) // 4]:.3f}-{q[(3 * len(q)) // 4]:.3f})"
         print(f"{name:40}{median(ts) * 1e3:>10.0f}{spread:>28}{syncs[name] - syncs['no monitor']:>18}")
 
 

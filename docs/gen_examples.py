@@ -101,6 +101,11 @@ BOOM = ("stabletrain train out=out/boom model_args.optimizer=sgd model_args.lr=1
 BOOM_CAPTURE = "out/boom/debug/nan_capture/rank0"
 TREND = ("stabletrain train out=out/trend model_args.optimizer=sgd model_args.lr=1 model_args.warmup_steps=20 "
          "steps=40 log_every_num_steps=1 gradient_norm_per_layer=true")
+# docs/mechanisms.md: the tiny model of the reproductions (stabletrain.training.reproductions.TINY) at AdamW lr 0.1,
+# no weight decay, no dropout: attention-logit growth, never a NaN.
+ATTENTION = ("stabletrain train out=out/attention model_args.lr=0.1 model_args.weight_decay=0 model_args.dropout=0 "
+             "model_args.n_layers=1 model_args.n_heads=2 model_args.dim=32 model_args.context_length=16 "
+             "model_args.warmup_steps=5 batch_size=8 steps=200 checkpoint_every_num_steps=10")
 PLAIN = "stabletrain diagnose out/plain/nan_capture/rank0 --model example.py:Net --step-fn example.py:my_step_fn"
 # A 201-byte text file: 3 windows of 65 tokens, fewer than one batch of 32.
 SMALL_TEXT = ("It was the best of times, it was the worst of times, " * 4)[:200] + "\n"
@@ -132,26 +137,27 @@ def _example_files(name: str) -> dict[str, Union[str, Example]]:
 
 
 def _resume_commands(ws: "Workspace") -> tuple[str, ...]:
-    """Resume the boom run from the checkpoint its diagnosis names, with the lower lr it advises."""
-    diagnosis = json.loads((ws.root / BOOM_CAPTURE / "diagnosis.json").read_text())
-    checkpoint = (diagnosis.get("weights") or {}).get("healthy_checkpoint")
-    if not checkpoint:
-        raise GenError("tour: the boom run's diagnosis names no healthy checkpoint (weights.healthy_checkpoint); "
-                       "the tour resumes from one, so change BOOM until it has one")
-    checkpoint = ws.relative(checkpoint)
-    return (
-        "stabletrain train out=out/boom model_args.optimizer=sgd model_args.lr=0.1 steps=100 "
-        f"checkpoint_every_num_steps=10 resume_from={checkpoint}",
-    )
+    """Resume the boom run with the command its verified remedy printed (diagnose --verify)."""
+    remedies = json.loads((ws.root / "out/boom/debug/remedies/remedies.json").read_text())
+    best = next((r for r in remedies["ranked"] if r["candidate"]["name"] == remedies["best"]), None)
+    if best is None or not best.get("command"):
+        raise GenError("tour: diagnose --verify of the boom run verified no remedy (remedies.json has no best with a "
+                       "command); the tour resumes with it, so change BOOM until one is verified")
+    return (ws.normalize(best["command"]),)
 
 
+# The tiny language model of tests/mechanism_runs.py at peak lr 0.1, without weight decay or dropout: its
+# attention logits grow until the attention is one-hot and the loss stalls (docs/mechanisms.md#reproductions).
 RUNS: dict[str, Run] = {
     "demo": Run(("stabletrain train out=out/demo",)),
     "boom": Run((BOOM,), code=1),
     "replay": Run((f"stabletrain replay {BOOM_CAPTURE}",), needs=("boom",)),
     "replay-64": Run((f"stabletrain replay {BOOM_CAPTURE} --precision 64-true",), needs=("boom",)),
     "diagnose": Run((f"stabletrain diagnose {BOOM_CAPTURE}",), needs=("boom",)),
-    "resume": Run(_resume_commands, needs=("diagnose",)),
+    # After the plain diagnosis (docs/diagnose.md shows it): --verify rewrites diagnosis.md with its actions.
+    "diagnose-verify": Run((f"stabletrain diagnose {BOOM_CAPTURE} --verify",), needs=("diagnose",)),
+    "resume": Run(_resume_commands, needs=("diagnose-verify",)),
+    "attention-verify": Run(("stabletrain report out/attention --verify --no-plots",), needs=("attention",)),
     "settings-errors": Run(("stabletrain train out=o model_args.lrr=0.1 steps=-1 precision=fp8",), code=2, cheap=True),
     "settings-errors-2": Run(("stabletrain train out=o steps=0 data=missing.txt strategy=dpp",), code=2, cheap=True),
     "settings-small-data": Run(("stabletrain train out=o data=t.txt        # a 201-byte file",), code=2,
@@ -213,6 +219,15 @@ RUNS: dict[str, Run] = {
                                 "--model examples/integrations/accelerate_example.py:Siamese "
                                 "--step-fn examples/integrations/accelerate_example.py:step_fn",),
                                needs=("accelerate-example",)),
+    "attention": Run((ATTENTION,)),
+    "attention-report": Run(("stabletrain report out/attention",), needs=("attention",)),
+    "attention-diagnose": Run(("stabletrain diagnose out/attention",), needs=("attention",)),
+    "false-alarms": Run(("python benchmarks/mechanism_false_alarms.py",),
+                        files={"benchmarks/mechanism_false_alarms.py":
+                               (ROOT / "benchmarks/mechanism_false_alarms.py").read_text()}),
+    "lead-time": Run(("python benchmarks/mechanism_lead_time.py",),
+                     files={"benchmarks/mechanism_lead_time.py":
+                            (ROOT / "benchmarks/mechanism_lead_time.py").read_text()}),
 }
 
 
@@ -386,15 +401,20 @@ def metrics_row(run: str, path: str, where: Callable[[dict], bool], command: boo
 
 def console_then_markdown(run: str) -> Block:
     """The run's command and the lines of its output that are not a markdown table as a console
-    block, then the table (lines starting with ``|``) as markdown."""
+    block, then the tables (lines starting with ``|``) as markdown, a blank line between two."""
 
     def render(ws: "Workspace") -> str:
         (command, output), = ws.outputs[run]
         lines = output.splitlines()
         text = [line for line in lines if not line.startswith("|")]
-        table = [line for line in lines if line.startswith("|")]
+        tables: list[list[str]] = []
+        for i, line in enumerate(lines):
+            if line.startswith("|"):
+                if not tables or not lines[i - 1].startswith("|"):
+                    tables.append([])
+                tables[-1].append(line)
         shown = fence("console", [f"$ {command}", *_rstrip([t for t in text if t.strip()])])
-        return shown + "\n" + "\n".join(table) + "\n"
+        return shown + "\n" + "\n\n".join("\n".join(t) for t in tables) + "\n"
 
     return Block((run,), render)
 
@@ -434,8 +454,8 @@ BLOCKS: dict[str, Block] = {
     "tour-boom": console("boom", trim=pick(r"NaNDetectedError", r"^Replay it", r"^    stabletrain", r"^No non-finite",
                                            r"^It carries", last=(r"^step ",))),
     "tour-replay": console("replay", trim=pick(r"reproduced:", r"losses:")),
-    "tour-diagnose": console("diagnose", trim=pick(r"^\*\*Verdict", r"^First harmful non-finite op", r"^Checkpoints:",
-                                                   r"^## Next actions", r"^1\. ")),
+    "tour-diagnose": console("diagnose-verify", trim=pick(r"^\*\*Verdict", r"^First harmful non-finite op",
+                                                          r"^Checkpoints:", r"^## Next actions", r"^1\. ")),
     "tour-resume": console("resume", trim=head_tail(3, 1)),
     # docs/training.md
     "train-demo": console("demo", trim=head_tail(5, 2)),
@@ -484,6 +504,15 @@ BLOCKS: dict[str, Block] = {
     "mechanisms-row": metrics_row("demo", "out/demo/metrics.jsonl", lambda r: r.get("step") == 0 and "loss" in r,
                                   keys=MECHANISM_KEYS, digits=3),
     "mechanisms-plain": console("mechanisms-plain"),
+    "mechanism-alert": console("attention", trim=pick(r"^WARNING mechanism", r"^  next", r"^  the newest",
+                                                      r"^The run finished", r"^Done", first=(r"^step ",))),
+    "mechanism-row": metrics_row("attention", "out/attention/metrics.jsonl", lambda r: r.get("event") == "mechanism",
+                                 keys=["event", "step", "id", "name", "where", "start_step", "detected_step",
+                                       "evidence", "follows"], digits=3),
+    "mechanism-report": console("attention-report", trim=drop(r"^written:")),
+    "mechanism-diagnose": console("attention-diagnose"),
+    "lead-time": console_then_markdown("lead-time"),
+    "false-alarms": console_then_markdown("false-alarms"),
     "lr-sensitivity": Block(("lr-sensitivity",), console_then_markdown("lr-sensitivity").render,
                             copy={"out/lr_sensitivity/lr_sensitivity.png": "docs/img/lr_sensitivity.png"}),
     # docs/benchmarks.md
@@ -508,6 +537,12 @@ BLOCKS: dict[str, Block] = {
     "accelerate-example": console("accelerate-example"),
     "accelerate-diagnose": console("accelerate-diagnose", trim=pick(r"^# Diagnosis", r"^\*\*Verdict",
                                                                     sections=(r"^## Which data",))),
+    # docs/remedies.md
+    "remedies": console("diagnose-verify", trim=pick(r"^Verifying ", r"^\[\d+/\d+\] ", r"^Added ",
+                                                     r"^verification cost", sections=(r"^# Verified remedies",))),
+    "remedies-attention": console("attention", "attention-verify", trim=pick(
+        r"^Done", r"^verdict:", r"^Verifying ", r"^\[\d+/\d+\] ", r"^Next actions", r"^\d+\. ",
+        sections=(r"^# Verified remedies",))),
     # docs/self_healing.md
     "heal": console("heal", trim=pick(r"^Recovered step ", r"^Diagnosis of the recovery at step 6:", r"^Done")),
 }

@@ -73,6 +73,19 @@ MUTATIONS = [
         ("tests/runfiles/test_checkpoint.py", "tests/safety/test_checkpoint_health.py"),
         "rotation deletes the newest healthy checkpoint (runfiles/)",
     ),
+    Mutation(
+        "guard_optimizer_state_check", "safety/guard.py",
+        "flags[4] = ~torch.isfinite(finite_norms(state, self.device))", "pass",
+        ("tests/safety/test_optimizer_state_overflow.py",),
+        "the guard no longer checks the optimizer state after the step (an Inf exp_avg_sq with finite weights)",
+    ),
+    Mutation(
+        "checkpoint_optimizer_state", "safety/checkpoint_health.py",
+        'optimizer = finite_norms(_floating((state.get("optimizer") or {}).get("state", {})), device)',
+        "optimizer = model",
+        ("tests/safety/test_optimizer_state_overflow.py",),
+        "checkpoint verification checks the model twice and the optimizer state not at all",
+    ),
 ]
 
 

@@ -95,3 +95,19 @@ class Regression(torch.nn.Module):
 
     def training_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return torch.nn.functional.mse_loss(self.body(batch["x"]), batch["y"])
+
+
+@pytest.fixture(scope="module")
+def fsdp_in_process():
+    """For a module that trains with ``strategy="fsdp", devices=1`` in this process: Lightning Fabric starts a
+    process group of one and sets MASTER_ADDR, MASTER_PORT, WORLD_SIZE, ... in ``os.environ``; after the
+    module the group is ended and the variables restored, so that processes launched later by other tests
+    (which copy this environment) start their own."""
+    saved = dict(os.environ)
+    yield
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)

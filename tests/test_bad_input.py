@@ -574,17 +574,19 @@ def test_settings_errors_and_help_come_before_torch_is_imported(tmp_path, args, 
     assert expected in result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("command", ["replay", "diagnose"])
+_WRONG_PATHS = [
+    ("nowhere", "NaNCaptureError: no such file or folder: nowhere"),
+    ("run/metrics.jsonl", "NaNCaptureError: run/metrics.jsonl is not a stabletrain NaN capture (a capture is a "
+                          "file torch.save wrote, and this one is not); give the capture's folder, e.g. "
+                          "stabletrain {command} out/boom/debug/nan_capture/rank0, or the run folder"),
+    ("run", "NaNCaptureError: no NaN capture in run: no nan_capture.pt in it or in its subfolders"),
+]
+
+
+# diagnose reads a run folder without a capture (its logged signals): the next test.
 @pytest.mark.parametrize(
-    "path, expected",
-    [
-        ("nowhere", "NaNCaptureError: no such file or folder: nowhere"),
-        ("run/metrics.jsonl", "NaNCaptureError: run/metrics.jsonl is not a stabletrain NaN capture (a capture is a "
-                              "file torch.save wrote, and this one is not); give the capture's folder, e.g. "
-                              "stabletrain {command} out/boom/debug/nan_capture/rank0, or the run folder"),
-        ("run", "NaNCaptureError: no NaN capture in run: no nan_capture.pt in it or in its subfolders"),
-    ],
-    ids=["missing", "plain-file", "run-without-capture"],
+    "command, path, expected",
+    [(c, p, e) for c in ("replay", "diagnose") for p, e in _WRONG_PATHS if (c, p) != ("diagnose", "run")],
 )
 def test_replay_and_diagnose_answer_a_wrong_path_before_torch_is_imported(tmp_path, command, path, expected):
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
@@ -592,6 +594,17 @@ def test_replay_and_diagnose_answer_a_wrong_path_before_torch_is_imported(tmp_pa
     result = _cli_without_torch(tmp_path, command, path)
     assert result.stdout.strip().endswith("LOADED [] EXIT 1"), result.stdout + result.stderr
     assert f"stabletrain {command}: " + expected.format(command=command) in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_diagnose_of_a_run_without_a_capture_reads_its_signals_and_says_nothing_failed(tmp_path):
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 0, "loss": 2.7}\n')
+    result = _cli_without_torch(tmp_path, "diagnose", "run")
+    assert result.stdout.strip().endswith("EXIT 0"), result.stdout + result.stderr
+    assert "No NaN capture: the run logged steps 0-0 and its loss stayed finite" in result.stdout
+    assert "no mechanism named" in result.stdout
+    assert (tmp_path / "run" / "debug" / "diagnosis.json").is_file()
     assert "Traceback" not in result.stderr
 
 

@@ -10,7 +10,8 @@ from conftest import cli_env
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ("fp16 GradScaler capture/replay/diagnose", "bf16-mixed training and capture", "FSDP2 on 1 GPU",
-            "monitor overheads and host syncs on the benchmark LM")
+            "monitor overheads and host syncs on the benchmark LM", "skip-aware optimizer step bitwise against torch's",
+            "FSDP2 at scale: sharded checkpoints, skip_step, compile, fp16")
 
 
 def test_gpu_check_skips_every_section_without_cuda():

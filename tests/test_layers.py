@@ -20,7 +20,8 @@ rank  modules                                                       why there
 7     ``debug`` (package), ``debug.grad_norm``, ``debug.op_trace``,  explain: the tools' building blocks
       ``debug.advice``, ``debug.optimizer_damage``
 8     ``debug.nan_capture``, ``debug.underflow_overflow``,           explain: the tools (format, monitor, callback)
-      ``debug.trends``, ``debug.mechanisms``
+      ``debug.trends``, ``debug.mechanisms``,
+      ``debug.remedies``
 9     ``debug.replay``, ``debug.optimizer_step``                    explain: reads captures, reruns steps
 10    ``debug.diagnose``                                            explain: replays, searches, explains
 11    ``safety.*``                                                  protect: the guard, checkpoint health,
@@ -82,6 +83,7 @@ RANKS: dict[str, int] = {
     "debug.underflow_overflow": 8,
     "debug.trends": 8,
     "debug.mechanisms": 8,  # the mechanism signals (monitor, callback)
+    "debug.remedies": 8,  # candidate remedies planned, measured and ranked; the runner is reporting's
     "debug.replay": 9,
     "debug.optimizer_step": 9,  # replays a captured optimizer step (diagnose calls it)
     "debug.diagnose": 10,

@@ -2,7 +2,8 @@
 
 Public API, imported lazily (``import stabletrain`` is cheap and has no side effects): ``train``,
 ``compute_grad_norm``, ``load_nan_capture``, ``UnderflowOverflowMonitor``, ``diagnose``, ``report``,
-``TrendDetector``, ``MechanismMonitor``, ``StepGuard``, ``InstabilityGuard`` (see ``__all__``). See docs/index.md.
+``TrendDetector``, ``MechanismMonitor``, ``verify_remedies``, ``StepGuard``, ``InstabilityGuard`` (see
+``__all__``). See docs/index.md.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ _EXPORTS = {
     "MechanismSignals": "stabletrain.debug.mechanisms",
     "report": "stabletrain.reporting",
     "Report": "stabletrain.reporting",
+    "verify_remedies": "stabletrain.reporting.remedies",
+    "RemedyReport": "stabletrain.debug.remedies",
+    "Candidate": "stabletrain.debug.remedies",
+    "candidates_for": "stabletrain.debug.remedies",
     "StabletrainError": "stabletrain.errors",
     "ConfigError": "stabletrain.errors",
     "CheckpointError": "stabletrain.runfiles.checkpoint",

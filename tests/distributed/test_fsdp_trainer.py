@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).with_name("fsdp_train.py")
 
 
-def launch(out: Path, *args: str, timeout: float = 300) -> dict[int, dict]:
+def launch(out: Path, *args: str, timeout: float = 300, ranks: int = 2) -> dict[int, dict]:
     """``python fsdp_train.py OUT ARGS`` (Fabric starts rank 1); each rank's result."""
     from conftest import cli_env
 
@@ -35,7 +35,7 @@ def launch(out: Path, *args: str, timeout: float = 300) -> dict[int, dict]:
     proc = subprocess.run([sys.executable, str(SCRIPT), str(out), *args], env=env, capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return {r: json.loads((out / f"result_rank{r}.json").read_text()) for r in range(2)}
+    return {r: json.loads((out / f"result_rank{r}.json").read_text()) for r in range(ranks)}
 
 
 @pytest.fixture(scope="module")

@@ -146,10 +146,13 @@ def test_forward_statistics_equal_single_process_on_the_same_rows(run, reference
             if step == 0:  # the same weights and rows: the same numbers, to the printed digit
                 assert got == want
                 continue
-            # After one step the weights differ in rounding (the gradient was summed in another order).
+            # After one step the weights differ in rounding (the gradient was summed in another order):
+            # the abs max within rounding; the abs min (a value near 0, whose relative error is large
+            # however small the absolute one) within rounding of the abs max.
             for g, w in zip(got, want, strict=True):
                 assert g[:6] == w[:6] and g[8] == w[8]
-                assert close(g[6], w[6]) and close(g[7], w[7]), (g, w)
+                assert close(g[7], w[7]), (g, w)
+                assert abs(float(g[6]) - float(w[6])) <= 2e-3 * abs(float(w[7])), (g, w)
 
 
 def test_weights_are_read_unsharded_and_fresh_after_the_step(run):

@@ -182,3 +182,35 @@ def test_mechanism_signals_on_the_steps_the_loop_logs(tmp_path):
     assert sorted(logged) == [0, 2]
     for values in logged.values():
         assert 0 <= values["signals/adam_eps_fraction"] <= 1 and values["signals/weight_rms/group0"] > 0
+
+
+@pytest.mark.parametrize("eps", [1.0, 1e-8])
+def test_the_mechanism_rules_name_the_adam_eps_regime_in_a_loop(tmp_path, caplog, eps):
+    """The logged signals are read by the same rules as stabletrain train's: AdamW with eps 1 (far above the
+    gradients) is named on the first logged step, warned about and recorded; eps 1e-8 names nothing."""
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = Siamese()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, eps=eps)
+    loader = torch.utils.data.DataLoader(Pairs(), batch_size=4)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    with caplog.at_level("WARNING", logger="stabletrain"), \
+            StepMonitor(accelerator, model, out_dir=tmp_path, step_fn=step_fn) as monitor:
+        for step, batch in zip(range(4), loader):
+            monitor.begin_step(step, log=True)
+            monitor.collect_batch(batch)
+            loss = step_fn(model, batch)
+            monitor.collect_loss(loss)
+            accelerator.backward(loss)
+            monitor.check(optimizer)
+            optimizer.step()
+            optimizer.zero_grad()
+            monitor.signals()
+            monitor.end_step()
+    named = [e for e in monitor.tools.alerts if e.get("event") == "mechanism"]
+    if eps == 1.0:
+        assert [(e["id"], e["step"]) for e in named] == [("adam_eps", 0)]
+        assert "WARNING mechanism: the Adam epsilon regime" in caplog.text
+        assert "model_args" not in caplog.text  # not stabletrain's trainer: no settings of ours are named
+    else:
+        assert named == [] and "mechanism" not in caplog.text

@@ -28,7 +28,7 @@ def test_page_shows_its_example_file_verbatim(page, example):
 def test_readme_links_the_three_pages_where_it_lists_the_tools():
     """In the paragraph on using each tool on its own, near the top (not only in the docs index)."""
     text = (ROOT / "README.md").read_text()
-    start = text.index("Each debugging tool also works on its own")
+    start = text.index("Each tool also works on its own")
     paragraph = text[start:].split("\n\n", 1)[0]
     for page in PAGES:
         assert f"(docs/integrations/{page})" in paragraph

@@ -63,7 +63,10 @@ def _assert_real_plot(path, min_size=(800, 300)):
 
 def test_report_of_an_exploding_run(boom, capsys):
     r = report(boom)
-    assert r.status == {"gradient_norm": "non-finite", "loss": "non-finite"} and r.verdict == "non-finite"
+    # SGD at lr 10: the signals name runaway updates before the NaN (docs/mechanisms.md); the verdict stays
+    # the worst status, non-finite.
+    assert r.status == {"gradient_norm": "non-finite", "loss": "non-finite", "signals": "runaway updates"}
+    assert r.verdict == "non-finite" and r.mechanisms[0].id == "runaway_updates"
     names = [p.name for p in r.files]
     assert names == ["summary.md", "gradient_norm.png", "loss.png", "gradient_norm_layers.png"]
     assert all(p.parent == boom / "report" for p in r.files)
@@ -102,7 +105,8 @@ def test_exploding_plots_have_shaded_episodes_and_nan_markers(boom):
 
 def test_report_of_a_stable_run(stable):
     r = report(stable, quiet=True)
-    assert r.verdict == "stable" and r.status == {"gradient_norm": "stable", "loss": "stable"}
+    assert r.verdict == "stable" and r.mechanisms == []
+    assert r.status == {"gradient_norm": "stable", "loss": "stable", "signals": "no mechanism named"}
     assert [p.name for p in r.files] == ["summary.md", "gradient_norm.png", "loss.png"], "no heatmap without per-layer norms"
     grad = _assert_real_plot(stable / "report" / "gradient_norm.png")
     for kind in ("exploding", "vanishing", "plateau", "nonfinite"):

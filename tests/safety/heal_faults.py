@@ -1,7 +1,7 @@
 """Runs with faults planted at known steps, for the self-healing tests (``on_instability``).
 
-Importable by the tests; run as a script (``python heal_faults.py OUT POLICY``) it trains the
-same run with DDP on 2 CPU processes.
+Importable by the tests; run as a script (``python heal_faults.py OUT POLICY [ddp|fsdp]``) it trains the
+same run with DDP (default) or FSDP2 on 2 CPU processes.
 """
 
 from __future__ import annotations
@@ -42,7 +42,11 @@ def settings(out, policy: str, **more):
 
 
 if __name__ == "__main__":
+    import torch
+
     import stabletrain
 
     out, policy = sys.argv[1], sys.argv[2]
-    stabletrain.train(**settings(out, policy, world_size=2, devices=2, strategy="ddp", accelerator="cpu"))
+    strategy = sys.argv[3] if len(sys.argv) > 3 else "ddp"
+    torch.manual_seed(0)  # PoisonNet's weights: the same in every run of this script (DDP and FSDP2 compared)
+    stabletrain.train(**settings(out, policy, world_size=2, devices=2, strategy=strategy, accelerator="cpu"))

@@ -18,7 +18,9 @@ from stabletrain.runfiles.checkpoint import list_checkpoints, load_checkpoint, n
 from stabletrain.safety.net import NonFiniteCheckpointError
 from stabletrain.training.loop import train
 
-# SGD at lr 3 after a 10-step warmup: healthy up to step 4, exploding from step 5, NaN at step 17.
+# SGD at lr 3 after a 10-step warmup: runaway updates from step 3 (the loss rises while each step changes
+# the weights by more than their size; named at step 4), so healthy up to step 2; exploding from step 5, NaN at
+# step 17.
 DIVERGING = tiny_lm(steps=40, checkpoint_every_num_steps=2, max_checkpoints_to_keep=1,
                     model_args={"optimizer": "sgd", "lr": 3.0, "warmup_steps": 10})
 
@@ -35,29 +37,33 @@ def test_a_diverging_run_names_one_healthy_checkpoint_everywhere_and_rotation_ke
     out, err = diverged
     folder = out / "checkpoints"
     best = newest_healthy(folder)
-    assert best is not None and best.step == 4 and best.path == folder / "step_000004.ckpt"
-    # Rotation (max_checkpoints_to_keep=1) kept it, besides the newest periodic file and last.ckpt.
+    assert best is not None and best.step == 2 and best.path == folder / "step_000002.ckpt"
+    # Rotation (max_checkpoints_to_keep=1) kept it, besides the newest periodic file and last.ckpt: step_000004 was
+    # written healthy with the runaway rule pending since step 3 (health["pending_since"]), so step_000002 stayed.
     names = sorted(p.name for p in folder.iterdir())
-    assert names == ["last.ckpt", "step_000004.ckpt", f"step_{err.step // 2 * 2:06d}.ckpt"]
+    assert names == ["last.ckpt", "step_000002.ckpt", f"step_{err.step // 2 * 2:06d}.ckpt"]
     infos = list_checkpoints(folder)
-    assert [(c.step, c.healthy) for c in infos] == [(4, True), (err.step // 2 * 2, False)]
-    health = load_checkpoint(folder / "step_000004.ckpt")["health"]
+    assert [(c.step, c.healthy) for c in infos] == [(2, True), (err.step // 2 * 2, False)]
+    _, events = read_metrics(out / "metrics.jsonl")
+    (runaway,) = [e for e in events if e["event"] == "mechanism"][:1]
+    assert (runaway["id"], runaway["start_step"], runaway["step"]) == ("runaway_updates", 3, 4)
+    health = load_checkpoint(folder / "step_000002.ckpt")["health"]
     assert health["healthy"] and health["finite"] and "no exploding or non-finite episode open" in health["why"]
     unhealthy = infos[-1].health
     assert any("exploding" in p for p in unhealthy["problems"]), unhealthy["problems"]
 
     # nancapture's error, diagnose and report name the same checkpoint, and say why.
-    assert f"The newest healthy checkpoint is {best.path}, from before step 4: {best.why}." in str(err)
+    assert f"The newest healthy checkpoint is {best.path}, from before step 2: {best.why}." in str(err)
     assert f"resume_from={best.path}" in str(err)
     d = stabletrain.diagnose(err.capture_path, write=False)
     assert d.weights.healthy_checkpoint == str(best.path)
     assert f"resume_from={best.path}" in d.next_actions[0] and best.why in d.next_actions[0]
     _, events = read_metrics(out / "metrics.jsonl")
     alerts = [e for e in events if e["event"] == "trend_alert" and e["kind"] == "exploding"]
-    assert alerts and all(f"go back to the newest healthy checkpoint (step 4: {best.why}): resume_from={best.path}"
+    assert alerts and all(f"go back to the newest healthy checkpoint (step 2: {best.why}): resume_from={best.path}"
                           in e["actions"] for e in alerts), "the live alerts name it too"
     r = stabletrain.report(out, quiet=True)
-    assert f"newest healthy checkpoint: {best.path} (step 4: {best.why})" in r.text
+    assert f"newest healthy checkpoint: {best.path} (step 2: {best.why})" in r.text
     assert f"resume_from={best.path}" in r.text
     assert r.verdict == "non-finite"
 
@@ -70,11 +76,11 @@ def test_resume_from_the_healthy_checkpoint_continues_and_the_loss_recovers(dive
     assert result.steps_done == 40
     history = stabletrain.report(out, quiet=True)
     rows, events = read_metrics(out / "metrics.jsonl")
-    assert [(e["event"], e["step"]) for e in events if e["event"] == "resume"] == [("resume", 4)]
-    resumed = rows[-36:]
-    assert [r["step"] for r in resumed] == list(range(4, 40))
+    assert [(e["event"], e["step"]) for e in events if e["event"] == "resume"] == [("resume", 2)]
+    resumed = rows[-38:]
+    assert [r["step"] for r in resumed] == list(range(2, 40))
     assert all(math.isfinite(r["loss"]) for r in resumed)
-    assert resumed[0]["loss"] == next(r["loss"] for r in rows if r["step"] == 4), "bitwise the state of step 4"
+    assert resumed[0]["loss"] == next(r["loss"] for r in rows if r["step"] == 2), "bitwise the state of step 2"
     assert resumed[-1]["loss"] < resumed[0]["loss"], "the loss recovers"
     # The report reads one timeline: the resumed rows and events replace the diverged ones, and the
     # blow-up before the resume stays in the verdict, answered by the resume (issue 25, item 8).
@@ -82,7 +88,7 @@ def test_resume_from_the_healthy_checkpoint_continues_and_the_loss_recovers(dive
     bad = [e for e in history.episodes if e.kind in ("nonfinite", "exploding")]
     assert bad and all(e.settled for e in bad), [e.describe() for e in bad]
     assert "(steps 0-39, 40 logged points (every step))" in history.text
-    assert "Resumed from step 4" in (out / "train.log").read_text()
+    assert "Resumed from step 2" in (out / "train.log").read_text()
 
 
 def test_rotation_keeps_the_newest_healthy_checkpoint_even_with_keep_0(tmp_path):
@@ -90,9 +96,9 @@ def test_rotation_keeps_the_newest_healthy_checkpoint_even_with_keep_0(tmp_path)
     with pytest.raises(stabletrain.StabletrainError):
         train(out=out, **{**DIVERGING, "max_checkpoints_to_keep": 0})
     names = sorted(p.name for p in (out / "checkpoints").iterdir())
-    assert names == ["last.ckpt", "step_000004.ckpt"], "last.ckpt's healthy state got its name before being replaced"
-    assert newest_healthy(out / "checkpoints").path.name == "step_000004.ckpt"
-    assert load_checkpoint(out / "checkpoints" / "step_000004.ckpt")["health"]["healthy"]
+    assert names == ["last.ckpt", "step_000002.ckpt"], "last.ckpt's healthy state got its name before being replaced"
+    assert newest_healthy(out / "checkpoints").path.name == "step_000002.ckpt"
+    assert load_checkpoint(out / "checkpoints" / "step_000002.ckpt")["health"]["healthy"]
 
 
 def test_a_checkpoint_with_a_nonfinite_buffer_is_refused_and_the_previous_one_stays(tmp_path):

@@ -144,11 +144,12 @@ def test_a_signal_inside_a_blow_up_continues_from_the_healthy_checkpoint_with_th
                                                          model_args={"optimizer": "sgd", "lr": 3.0,
                                                                      "warmup_steps": 10}))
     printed = capsys.readouterr().out
-    healthy = out / "checkpoints" / "step_000004.ckpt"
+    # Runaway updates begin at step 3 (docs/mechanisms.md): the checkpoint of step 4 is not healthy either.
+    healthy = out / "checkpoints" / "step_000002.ckpt"
     assert "It is not healthy (gradient_norm is exploding (steps 5-8)" in printed
-    assert f"resume_from='{healthy}') with model_args.lr=0.6" in info.value.command
+    assert f"resume_from='{healthy}') with model_args.lr=0.3" in info.value.command
     assert printed.rstrip().endswith(f"Continue with: {info.value.command}")
-    assert "It carries model_args.lr=0.6 instead of 3" in printed
+    assert "It carries model_args.lr=0.3 instead of 3" in printed
     assert "To continue the interrupted run as it is anyway (the same settings from a state that is not healthy): " \
         in printed
 
@@ -166,7 +167,7 @@ def test_a_keyboard_interrupt_inside_a_blow_up_does_not_continue_the_unhealthy_c
                                                                         "warmup_steps": 10}))
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("Interrupted during step 9"))
     assert f"The last checkpoint ({out / 'checkpoints' / 'last.ckpt'}, 8 steps) is not healthy (" in line
-    assert f"resume_from='{out / 'checkpoints' / 'step_000004.ckpt'}') with model_args.lr=0.6" in line
+    assert f"resume_from='{out / 'checkpoints' / 'step_000002.ckpt'}') with model_args.lr=0.3" in line
     assert "Continue from the last checkpoint" not in line
 
 
@@ -209,3 +210,188 @@ def test_sigterm_to_one_of_two_ddp_ranks_stops_both_and_continues_bitwise(tmp_pa
     resumed = subprocess.run(shell, shell=True, cwd=folder, env=cli_env(), capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     _check_resumed_bitwise(reference, out, steps)
+
+
+# ------------------------------------------------------------------------------------------
+# StopSignals, TrainingInterrupted and wait_for_launcher on their own (in-process, fast)
+# ------------------------------------------------------------------------------------------
+
+
+def test_stop_signals_records_the_first_signal_and_a_second_one_stops_at_once():
+    from stabletrain.safety.interrupts import StopSignals
+
+    def previous(signum, frame):  # what was installed before: it must come back
+        raise AssertionError("the previous handler ran while StopSignals was installed")
+
+    old_int, old_term = signal.signal(signal.SIGINT, previous), signal.signal(signal.SIGTERM, previous)
+    try:
+        first: list[str] = []
+        with StopSignals(on_first=first.append) as signals:
+            assert signals.received is None and signals.exit_code == 1
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert signals.received == "SIGTERM" and signals.exit_code == 143 and first == ["SIGTERM"]
+            with pytest.raises(KeyboardInterrupt, match="SIGINT received twice: stopped at once, without a checkpoint"):
+                os.kill(os.getpid(), signal.SIGINT)
+            assert signals.received == "SIGTERM" and first == ["SIGTERM"], "the second signal is not a new first"
+            # The second signal restored the previous handlers already.
+            assert signal.getsignal(signal.SIGINT) is previous and signal.getsignal(signal.SIGTERM) is previous
+        assert signal.getsignal(signal.SIGINT) is previous and signal.getsignal(signal.SIGTERM) is previous
+    finally:
+        signal.signal(signal.SIGINT, old_int)
+        signal.signal(signal.SIGTERM, old_term)
+
+
+def test_stop_signals_sigint_exits_130_and_restore_brings_back_the_handlers():
+    from stabletrain.safety.interrupts import StopSignals
+
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    signals = StopSignals().install()
+    try:
+        assert signal.getsignal(signal.SIGINT) == signals._handle and signal.getsignal(signal.SIGTERM) == signals._handle
+        os.kill(os.getpid(), signal.SIGINT)
+        assert (signals.received, signals.exit_code) == ("SIGINT", 130)
+    finally:
+        signals.restore()
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+    signals.restore()  # a second restore changes nothing
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+
+
+def test_stop_signals_outside_the_main_thread_installs_nothing():
+    import threading
+
+    from stabletrain.safety.interrupts import StopSignals
+
+    before = signal.getsignal(signal.SIGTERM)
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(StopSignals().install()))
+    thread.start()
+    thread.join()
+    assert len(seen) == 1 and signal.getsignal(signal.SIGTERM) is before and seen[0]._previous == {}
+
+
+@pytest.mark.parametrize("name, code", [("SIGINT", 130), ("SIGTERM", 143), ("SIGHUP", 1)])
+def test_training_interrupted_carries_its_data_through_pickle(name, code, tmp_path):
+    import pickle
+
+    from stabletrain.safety.interrupts import TrainingInterrupted
+
+    err = TrainingInterrupted("stopped", signal_name=name, step=7, checkpoint=tmp_path / "last.ckpt",
+                              command="stabletrain train out=x resume_interrupted=true")
+    back = pickle.loads(pickle.dumps(err))  # how DDP ranks and Fabric's launcher pass it on
+    for e in (err, back):
+        assert (str(e), e.signal_name, e.exit_code, e.step) == ("stopped", name, code, 7)
+        assert e.checkpoint == tmp_path / "last.ckpt" and e.command == "stabletrain train out=x resume_interrupted=true"
+
+
+_LAUNCHED = """
+import os, sys, time
+from stabletrain.safety.interrupts import wait_for_launcher
+pid = os.fork()  # the child has its parent's command line: a process started by Fabric's launcher
+if pid == 0:
+    start = time.monotonic()
+    wait_for_launcher(timeout=float(sys.argv[1]))
+    print(f"waited {time.monotonic() - start:.2f}", flush=True)
+    os._exit(0)
+time.sleep(1.0)
+os._exit(0)
+"""
+
+
+def test_wait_for_launcher_waits_for_a_parent_with_the_same_command_line_until_it_exits():
+    done = subprocess.run([sys.executable, "-c", _LAUNCHED, "20"], env=cli_env(), capture_output=True, text=True,
+                          timeout=120)
+    waited = float(done.stdout.split()[-1])
+    assert 0.8 <= waited < 15, done.stdout + done.stderr
+
+
+def test_wait_for_launcher_gives_up_after_its_timeout_and_returns_at_once_under_another_parent():
+    done = subprocess.run([sys.executable, "-c", _LAUNCHED, "0.3"], env=cli_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert 0.25 <= float(done.stdout.split()[-1]) < 0.9, done.stdout + done.stderr
+    code = ("import time; from stabletrain.safety.interrupts import wait_for_launcher; s = time.monotonic(); "
+            "wait_for_launcher(timeout=20); print(f'waited {time.monotonic() - s:.2f}')")
+    done = subprocess.run([sys.executable, "-c", code], env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert float(done.stdout.split()[-1]) < 1.0, done.stdout + done.stderr
+
+
+def test_stop_signals_restores_the_default_where_the_previous_handler_was_not_set_from_python(monkeypatch):
+    """``signal.signal`` returns None for a handler installed by C code: restore() sets SIG_DFL there."""
+    from stabletrain.safety.interrupts import StopSignals
+
+    real = signal.signal
+    calls = []
+
+    def from_c(sig, handler):
+        calls.append((sig, handler))
+        real(sig, handler)
+        return None if len(calls) <= 2 else handler  # install: "no Python handler was there"
+
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(signal, "signal", from_c)
+    signals = StopSignals().install()
+    signals.restore()
+    monkeypatch.undo()
+    try:
+        assert [h for _, h in calls[2:]] == [signal.SIG_DFL, signal.SIG_DFL]
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGINT, before[0])
+        signal.signal(signal.SIGTERM, before[1])
+
+
+def test_wait_for_launcher_in_process_waits_while_the_launcher_parent_lives(monkeypatch):
+    """The same rule in-process: a parent whose command line is ours (here: this process itself) is
+    the launcher; wait until the process is re-parented (the launcher exited) or the timeout."""
+    from stabletrain.safety import interrupts
+
+    me = os.getpid()
+    seen = iter([me] * 4)
+    monkeypatch.setattr(interrupts.os, "getppid", lambda: next(seen, 1))  # re-parented after 3 polls
+    start = time.monotonic()
+    interrupts.wait_for_launcher(timeout=30)
+    assert 0.14 <= time.monotonic() - start < 10 and next(seen, None) is None
+
+    monkeypatch.setattr(interrupts.os, "getppid", lambda: me)  # the launcher never exits
+    start = time.monotonic()
+    interrupts.wait_for_launcher(timeout=0.4)
+    assert 0.4 <= time.monotonic() - start < 5
+
+    monkeypatch.setattr(interrupts.os, "getppid", lambda: 1)  # another parent (init): no wait
+    start = time.monotonic()
+    interrupts.wait_for_launcher(timeout=30)
+    assert time.monotonic() - start < 1
+
+
+def test_wait_for_launcher_without_proc_returns_at_once(monkeypatch):
+    from stabletrain.safety import interrupts
+
+    class NoProc(type(Path())):
+        def read_bytes(self):
+            raise OSError("no /proc")
+
+    monkeypatch.setattr(interrupts, "Path", NoProc)
+    monkeypatch.setattr(interrupts.os, "getppid", lambda: os.getpid())
+    start = time.monotonic()
+    interrupts.wait_for_launcher(timeout=30)
+    assert time.monotonic() - start < 1
+
+
+def test_wait_for_launcher_polls_every_50_ms_for_at_most_60_s_by_default(monkeypatch):
+    from stabletrain.safety import interrupts
+
+    class Clock:  # a fake clock: one second passes per reading; sleeps are recorded, not slept
+        now, sleeps = 0.0, []
+
+        def monotonic(self):
+            self.now += 1.0
+            return self.now
+
+        def sleep(self, seconds):
+            self.sleeps.append(seconds)
+
+    clock = Clock()
+    monkeypatch.setattr(interrupts, "time", clock)
+    monkeypatch.setattr(interrupts.os, "getppid", lambda: os.getpid())
+    interrupts.wait_for_launcher()
+    assert clock.sleeps == [0.05] * 59, "deadline 60 s after the first reading; readings 2..60"

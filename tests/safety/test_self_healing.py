@@ -266,25 +266,39 @@ def test_plain_loop_guard_matches_adamw_bitwise_and_skips_exactly_the_planted_st
 
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["skip_step", "rollback"])
-def test_two_ddp_ranks_agree_and_record_every_rank_s_samples(tmp_path, policy):
+def test_two_ddp_ranks_agree_and_record_every_rank_s_samples_and_fsdp2_recovers_alike(tmp_path, policy):
+    """DDP on 2 CPU processes, then FSDP2 on 2 (each rank saves and restores its own shards, the decision
+    agreed): the same planted steps recovered, and the kept steps bitwise the DDP run's."""
+    from stabletrain.runfiles.checkpoint import load_checkpoint
+
     script = Path(__file__).with_name("heal_faults.py")
-    out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, str(script), str(out), policy], cwd=tmp_path, env=cli_env(),
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = _events(out, "recovery")
-    nan_samples, spike_samples = planted(world_size=2)
-    # The NaN is explained by its sample (on one rank; gathered): skipped under both policies, quarantined.
-    assert [(r["step"], r["trigger"]) for r in rows] == [(NAN_STEP, "nonfinite_loss"), (SPIKE_STEP, "loss_spike")]
-    assert [r["samples"] for r in rows] == [nan_samples, spike_samples]
-    assert rows[0]["action"] == "skip_step" and rows[0]["culprits"] == rows[0]["quarantined"] == [nan_samples[-1]]
-    assert [e["index"] for e in json.loads((out / "quarantine.json").read_text())["samples"]] == [nan_samples[-1]]
-    for r in rows:
-        step_folder = Path(r["capture"]).parent.parent
-        assert {"rank0", "rank1"} <= {p.name for p in step_folder.iterdir()}, "each rank wrote its capture"
-        assert json.loads((step_folder / "diagnosis.json").read_text())["world_size"] == 2, "diagnosed after training"
-    final = torch.load(out / "checkpoints" / "last.ckpt", weights_only=False)
-    assert final["step"] == 40 and all(torch.isfinite(v).all() for v in final["model"].values())
+    finals, logged = {}, {}
+    for strategy in ("ddp", "fsdp"):
+        out = tmp_path / strategy
+        proc = subprocess.run([sys.executable, str(script), str(out), policy, strategy], cwd=tmp_path,
+                              env=cli_env(), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        rows = _events(out, "recovery")
+        nan_samples, spike_samples = planted(world_size=2)
+        # The NaN is explained by its sample (on one rank; gathered): skipped under both policies, quarantined.
+        assert [(r["step"], r["trigger"]) for r in rows] == [(NAN_STEP, "nonfinite_loss"), (SPIKE_STEP, "loss_spike")]
+        assert [r["samples"] for r in rows] == [nan_samples, spike_samples]
+        assert rows[0]["action"] == "skip_step" and rows[0]["culprits"] == rows[0]["quarantined"] == [nan_samples[-1]]
+        assert [e["index"] for e in json.loads((out / "quarantine.json").read_text())["samples"]] == [nan_samples[-1]]
+        for r in rows:
+            step_folder = Path(r["capture"]).parent.parent
+            assert {"rank0", "rank1"} <= {p.name for p in step_folder.iterdir()}, "each rank wrote its capture"
+            assert json.loads((step_folder / "diagnosis.json").read_text())["world_size"] == 2, "diagnosed after"
+        finals[strategy] = load_checkpoint(out / "checkpoints" / "last.ckpt")
+        assert finals[strategy]["step"] == 40 and all(torch.isfinite(v).all() for v in finals[strategy]["model"].values())
+        logged[strategy] = read_run(out / "metrics.jsonl").rows
+    # Every kept step's loss and the final weights bitwise; the global gradient norm, summed from the shards'
+    # squared norms, equal to float32 rounding.
+    assert [(r["step"], r["loss"]) for r in logged["fsdp"]] == [(r["step"], r["loss"]) for r in logged["ddp"]]
+    for a, b in zip(logged["fsdp"], logged["ddp"]):
+        assert a["gradient_norm"] == pytest.approx(b["gradient_norm"], rel=1e-6, nan_ok=True), a["step"]
+    for name, value in finals["ddp"]["model"].items():
+        assert torch.equal(finals["fsdp"]["model"][name], value), name
 
 
 def test_plain_loop_with_an_fp16_grad_scaler_the_scaler_keeps_its_own_rules():

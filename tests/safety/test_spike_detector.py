@@ -1,4 +1,5 @@
-"""SpikeDetector: planted spikes in logged-loss series are found after warm-up, clean series raise no alarm."""
+"""SpikeDetector on its own: its defaults are the trainer's, its verdict's names and descriptions,
+and a saved state loaded onto the detector's own device and dtypes."""
 
 from __future__ import annotations
 
@@ -7,51 +8,196 @@ import math
 import pytest
 import torch
 
-from stabletrain.safety.spike_detector import SpikeDetector, trigger_name
+from stabletrain.config import OnInstabilityArgs
+from stabletrain.safety.spike_detector import CLIP, TRIGGERS, SpikeDetector, describe_trigger, trigger_name
 
 
-def _run(losses, grad_norms=None, **kwargs):
-    """Feed the series one step at a time; the verdicts as (step, trigger, zscore) for bad steps."""
-    det = SpikeDetector(**kwargs)
-    bad = []
-    for step, loss in enumerate(losses):
-        gn = 1.0 if grad_norms is None else grad_norms[step]
-        v = det.observe(torch.tensor(loss, dtype=torch.float32), torch.tensor(gn, dtype=torch.float32))
-        if v[0] > 0:
-            bad.append((step, trigger_name(v[1]), float(v[2])))
-    return bad
+def test_the_plain_loop_defaults_are_the_trainer_s():
+    """docs/self_healing.md: ``InstabilityGuard(optimizer)  # same defaults as the trainer``."""
+    d, args = SpikeDetector(), OnInstabilityArgs()
+    assert (d.window, d.zscore, d.warmup, d.max_ratio, d.min_std) == (
+        args.window, args.zscore, args.warmup, args.max_ratio, args.min_std)
+    assert d.device == torch.device("cpu") and d.buffer.device == torch.device("cpu")
 
 
-def _noisy_level(steps, seed, sigma=0.1, start=8.0, end=2.0):
-    """A loss falling from ``start`` to ``end`` with log-normal step-to-step noise of ``sigma``."""
-    g = torch.Generator().manual_seed(seed)
-    level = torch.logspace(math.log10(start), math.log10(end), steps, dtype=torch.float64)
-    return (level * torch.exp(sigma * torch.randn(steps, generator=g, dtype=torch.float64))).tolist()
+@pytest.mark.parametrize("window, warmup", [(1, 20), (50, 1)])
+def test_window_and_warmup_below_2_are_refused(window, warmup):
+    with pytest.raises(ValueError, match=f"window and warmup must be >= 2, got window={window}, warmup={warmup}"):
+        SpikeDetector(window=window, warmup=warmup)
 
 
-@pytest.mark.parametrize("seed", range(5))
-@pytest.mark.parametrize("factor", [1e5, 1e8])
-def test_a_spike_the_warm_up_let_in_does_not_hide_the_same_spike_after_warm_up(seed, factor):
-    """The heal example's outlier sample came back one epoch later: its first spike fell in the
-    warm-up (not judged, so it entered the window and the largest loss seen), and the second one,
-    1e5 times the recent level, scored z~5 against a noise the first had inflated: missed."""
-    losses = _noisy_level(60, seed)
-    losses[12] *= factor   # in the warm-up (20 good steps): not judged, enters the window
-    losses[44] *= factor   # after it: must be found
-    bad = _run(losses)
-    assert [(s, t) for s, t, _ in bad] == [(44, "loss_spike")], bad
-    assert bad[0][2] > 20, "the noise is that of the clean steps, not the warm-up spike's jumps"
+def test_window_and_warmup_of_2_are_the_smallest_allowed():
+    d = SpikeDetector(window=2, warmup=2)
+    assert (d.window, d.warmup) == (2, 2) and d.buffer.shape == (2, 2)
 
 
-@pytest.mark.parametrize("seed", range(20))
-def test_clean_noisy_series_raise_no_alarm(seed):
-    # Heavier noise than the benchmark's runs, a falling trend, and a jumpy start.
-    losses = _noisy_level(300, seed, sigma=0.15, start=15.0, end=1.0)
-    grad_norms = _noisy_level(300, seed + 100, sigma=0.2, start=2.0, end=6.0)
-    assert _run(losses, grad_norms) == []
+def test_trigger_names_by_code():
+    assert [trigger_name(c) for c in range(len(TRIGGERS))] == list(TRIGGERS)
+    assert trigger_name(0.0) == "none" and trigger_name(3.0) == "loss_spike"
+    assert trigger_name(5) == "unknown(5)" and trigger_name(-1) == "unknown(-1)"
 
 
-def test_a_doubling_after_a_clean_stretch_is_still_a_spike():
-    losses = _noisy_level(80, 0, sigma=0.02)
-    losses[60] *= 2.0
-    assert [(s, t) for s, t, _ in _run(losses)] == [(60, "loss_spike")]
+@pytest.mark.parametrize("code, zscore, ratio, expected", [
+    (3, 8.14, 12.34, "loss_spike (12.3x the largest loss seen)"),  # over max_ratio: the ratio says it
+    (3, 8.14, 10.0, "loss_spike (z=8.1)"),                          # at max_ratio: not over it
+    (3, 8.14, 2.0, "loss_spike (z=8.1)"),
+    (3, math.nan, math.nan, "loss_spike"),
+    (4, 7.04, 50.0, "grad_spike (z=7.0)"),                          # a gradient spike: never the loss ratio
+    (4, math.nan, 1.0, "grad_spike"),
+    (1, 3.0, 50.0, "nonfinite_loss"),                               # non-finite: no score, no ratio
+    (2, 3.0, 0.5, "nonfinite_grad"),
+    (0, 3.0, 0.5, "none"),
+])
+def test_describe_trigger(code, zscore, ratio, expected):
+    assert describe_trigger(code, zscore, ratio, 10.0) == expected
+
+
+def _trained(device="cpu") -> SpikeDetector:
+    d = SpikeDetector(window=4, warmup=2, device=device)
+    for loss, gn in ((2.0, 1.0), (1.9, 1.1), (1.8, 0.9), (1.85, 1.0), (1.7, 1.05)):
+        d.observe(torch.tensor(loss), torch.tensor(gn))
+    return d
+
+
+def test_a_state_saved_elsewhere_loads_onto_the_detector_s_device_and_dtypes():
+    saved = _trained().state_dict()
+    # As read back from a file by other code: float32 values, int32 count, 1-element tensors.
+    foreign = {"buffer": saved["buffer"].float(), "count": saved["count"].int().reshape(1),
+               "max_loss": saved["max_loss"].float().reshape(1)}
+    d = SpikeDetector(window=4, warmup=2, device="meta")  # a device other than the state's
+    d.load_state_dict(foreign)
+    assert d.buffer.device.type == d.count.device.type == d.max_loss.device.type == "meta"
+    assert (d.buffer.dtype, d.count.dtype, d.max_loss.dtype) == (torch.float64, torch.int64, torch.float64)
+    assert d.count.shape == d.max_loss.shape == ()
+    on_cpu = SpikeDetector(window=4, warmup=2)
+    on_cpu.load_state_dict(foreign)
+    assert int(on_cpu.count) == 5 and float(on_cpu.max_loss) == pytest.approx(2.0)
+    assert torch.equal(on_cpu.buffer, saved["buffer"].float().double())
+
+
+def test_a_state_of_another_window_is_refused_with_the_setting_to_keep():
+    saved = _trained().state_dict()
+    with pytest.raises(ValueError, match=r"^the saved detector window holds 4 steps, this one 6: resume with the same "
+                                         r"on_instability.window$"):
+        SpikeDetector(window=6).load_state_dict(saved)
+
+
+def _reference(steps, window, zscore, warmup, max_ratio, min_std):
+    """The documented rule in plain float64 Python: a step is bad when its loss or gradient norm is
+    non-finite, or (after ``warmup`` good steps) its log loss lies more than ``zscore`` noise units
+    above the mean of the last 5 good steps (noise: the step-to-step scatter, von Neumann, over the
+    last ``window`` good steps, each difference capped at CLIP times their median), or its log gradient norm more than ``zscore`` standard deviations
+    above the window's mean, or its loss exceeds ``max_ratio`` x the largest good loss."""
+    good: list[tuple[float, float]] = []
+    max_loss, out = 0.0, []
+    for loss, gn in steps:
+        if not math.isfinite(loss) or not math.isfinite(gn):
+            ratio = loss / max(max_loss, 1e-30)
+            out.append([1.0, 1.0 if not math.isfinite(loss) else 2.0, math.nan, ratio, loss, gn])
+            continue
+        x = (math.log(max(loss, 1e-30)), math.log(max(gn, 1e-30)))
+        win = good[-window:]
+        n = len(win)
+        recent = win[-5:]
+        mean_l = sum(v[0] for v in recent) / max(len(recent), 1)
+        diffs = [abs(win[i][0] - win[i - 1][0]) for i in range(1, n)]
+        if diffs:  # each difference capped at CLIP x their (lower) median
+            cap = CLIP * sorted(diffs)[(len(diffs) - 1) // 2]
+            diffs = [min(d, cap) for d in diffs]
+        noise = math.sqrt(sum(d * d for d in diffs) / (2 * max(len(diffs), 1)))
+        z_l = (x[0] - mean_l) / max(noise, min_std)
+        mean_g = sum(v[1] for v in win) / max(n, 1)
+        std_g = math.sqrt(sum((v[1] - mean_g) ** 2 for v in win) / max(n - 1, 1))
+        z_g = (x[1] - mean_g) / max(std_g, min_std)
+        judged = len(good) >= warmup
+        ratio = loss / max(max_loss, 1e-30)
+        loss_bad = judged and (z_l > zscore or (max_loss > 0 and ratio > max_ratio))
+        grad_bad = judged and z_g > zscore
+        trigger = 3 if loss_bad else 4 if grad_bad else 0
+        score = z_l if trigger == 3 else z_g if trigger == 4 else math.nan
+        out.append([float(trigger > 0), float(trigger), score, ratio, loss, gn])
+        if not trigger:
+            good.append(x)
+            max_loss = max(max_loss, loss)
+    return out
+
+
+def test_verdicts_match_a_float64_reference_of_the_documented_rule():
+    """30 steps through a window of 8 (the ring wraps): a falling noisy loss, a NaN, an Inf gradient
+    norm, a loss spike, a ratio spike and a gradient spike; every verdict entry as the reference."""
+    g = torch.Generator().manual_seed(1)
+    steps = []
+    for i in range(30):
+        loss = 3.0 * math.exp(-0.03 * i) * (1 + 0.05 * float(torch.randn((), generator=g)))
+        gn = 1.0 + 0.1 * float(torch.randn((), generator=g))
+        steps.append((loss, gn))
+    steps[4] = (math.nan, 1.0)
+    steps[9] = (1.0, math.inf)
+    steps[14] = (steps[14][0] * 1.6, steps[14][1])    # a z-score loss spike
+    steps[19] = (steps[19][0] * 30.0, steps[19][1])   # over max_ratio
+    steps[24] = (steps[24][0], steps[24][1] * 20.0)   # a gradient spike
+    settings = dict(window=8, zscore=4.0, warmup=5, max_ratio=10.0, min_std=0.01)
+    steps = [(float(torch.tensor(loss)), float(torch.tensor(gn))) for loss, gn in steps]  # float32 values
+    detector = SpikeDetector(**settings)
+    got = [detector.observe(torch.tensor(loss), torch.tensor(gn)).tolist() for loss, gn in steps]
+    want = _reference(steps, **settings)
+    triggers = [int(v[1]) for v in want]
+    assert [i for i, t in enumerate(triggers) if t] == [4, 9, 14, 19, 24], triggers
+    assert [triggers[i] for i in (4, 9, 14, 19, 24)] == [1, 2, 3, 3, 4]
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert a[:2] == b[:2], (step, a, b)
+        for x, y in zip(a[2:], b[2:]):
+            assert (math.isnan(x) and math.isnan(y)) or x == pytest.approx(y, rel=1e-9, abs=1e-12), (step, a, b)
+
+
+def test_state_lives_on_the_detector_s_device_in_float64_and_int64():
+    d = SpikeDetector(window=4, warmup=2, device="meta")
+    state = d.state_dict()
+    assert {k: (v.device.type, v.dtype) for k, v in state.items()} == {
+        "buffer": ("meta", torch.float64), "count": ("meta", torch.int64), "max_loss": ("meta", torch.float64)}
+    verdict = d.observe(torch.tensor(2.0), torch.tensor(1.0))  # host values, moved to the detector's device
+    assert verdict.device.type == "meta" and verdict.dtype == torch.float64 and verdict.shape == (6,)
+    assert {k: v.device.type for k, v in d.state_dict().items()} == {"buffer": "meta", "count": "meta",
+                                                                      "max_loss": "meta"}
+
+
+def test_the_first_judged_steps_match_the_reference_with_a_short_window():
+    """warmup=2, window=3: the first judged step has 2 good steps behind it (one step-to-step pair),
+    and the ring is not full yet; then it wraps."""
+    losses = [1.0, 1.2, 1.9, 1.1, 1.0, 3.5, 1.05, 0.95, 1.0]
+    gns = [1.0, 1.3, 1.1, 4.0, 1.0, 1.1, 0.9, 1.2, 1.0]
+    steps = [(float(torch.tensor(a)), float(torch.tensor(b))) for a, b in zip(losses, gns)]
+    settings = dict(window=3, zscore=1.5, warmup=2, max_ratio=10.0, min_std=0.05)
+    detector = SpikeDetector(**settings)
+    got = [detector.observe(torch.tensor(a), torch.tensor(b)).tolist() for a, b in steps]
+    want = _reference(steps, **settings)
+    assert [int(v[1]) for v in want][:4] == [0, 0, 3, 4], "judged from the third step (2 good ones before it)"
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert a[:2] == b[:2], (step, a, b)
+        for x, y in zip(a[2:], b[2:]):
+            assert (math.isnan(x) and math.isnan(y)) or x == pytest.approx(y, rel=1e-9, abs=1e-12), (step, a, b)
+
+
+def test_a_z_score_exactly_at_the_threshold_is_not_a_spike():
+    """'more than zscore noise units above': flat losses of 1 (log 0, no noise: the floor min_std),
+    then a loss of 4 scores log(4) / min_std; a threshold of exactly that is not passed."""
+    z = float(torch.log(torch.tensor(4.0, dtype=torch.float64))) / 0.5
+    for threshold, bad in ((z, 0.0), (z * (1 - 1e-12), 1.0)):
+        d = SpikeDetector(window=4, warmup=2, zscore=threshold, min_std=0.5, max_ratio=100.0)
+        for _ in range(3):
+            d.observe(torch.tensor(1.0), torch.tensor(1.0))
+        verdict = d.observe(torch.tensor(4.0), torch.tensor(1.0)).tolist()
+        assert verdict[0] == bad, (threshold, verdict)
+
+
+def test_the_loss_ratio_rule_with_losses_below_1():
+    """Losses that scatter too much for a z-score spike: only 'above max_ratio x the largest loss
+    seen' flags the step, for losses below 1 too; exactly max_ratio x is not above it."""
+    for last, bad in ((1.5, 1.0), (1.25, 0.0)):
+        d = SpikeDetector(window=8, warmup=4, zscore=6.0, max_ratio=10.0)
+        for loss in (0.02, 0.125, 0.02, 0.125, 0.02, 0.125):
+            d.observe(torch.tensor(loss, dtype=torch.float64), torch.tensor(1.0))
+        verdict = d.observe(torch.tensor(last, dtype=torch.float64), torch.tensor(1.0)).tolist()
+        assert verdict[3] == last / 0.125 and verdict[0] == bad, verdict
+        if bad:
+            assert verdict[1] == 3 and math.isnan(verdict[2]) is False

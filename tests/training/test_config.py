@@ -318,18 +318,14 @@ def test_fsdp1_variants_are_refused_with_the_way_to_fsdp2():
     assert "Use strategy=fsdp (FSDP2" in problem
 
 
-def test_what_fsdp_does_not_run_yet_is_refused_before_anything_starts(tmp_path):
-    out = tmp_path / "run"
-    with pytest.raises(ConfigError) as info:
-        train(out=out, strategy="fsdp", accelerator="cpu", devices=1, torch_compile_args={"disable": False},
-              on_instability={"policy": "rollback"})
-    problems = info.value.problems
-    assert any(p.startswith("torch_compile_args.disable: torch.compile together with strategy=fsdp") for p in problems)
-    assert any(p.startswith("on_instability.policy: rollback is not supported with strategy=fsdp") for p in problems)
-    with pytest.raises(ConfigError, match=r"precision: 16-mixed \(fp16 with loss scaling\) together with strategy=fsdp"):
-        train(out=out, strategy="fsdp", accelerator="cpu", devices=1, precision="16-mixed")
-    assert not out.exists(), "nothing was written"
-    # The same settings without fsdp are accepted by these checks.
+def test_what_sharding_needs_is_checked_and_fsdp_takes_every_tool():
+    """Compile, self-healing and 16-mixed run under fsdp (issue 22): no problem is reported for them; the
+    sharded checkpoint settings without fsdp are refused (tests/training/test_sharded_checkpoints.py)."""
     from stabletrain.training.checks import sharding_problems
 
-    assert sharding_problems(load_settings({"out": "o", "on_instability": {"policy": "rollback"}})) == []
+    fsdp = load_settings({"out": "o", "strategy": "fsdp", "torch_compile_args": {"disable": False},
+                          "on_instability": {"policy": "rollback"}, "precision": "16-mixed",
+                          "checkpoint_async": True})
+    assert sharding_problems(fsdp) == []
+    plain = load_settings({"out": "o", "checkpoint_format": "sharded"})
+    assert [p.split(":")[0] for p in sharding_problems(plain)] == ["checkpoint_format"]

@@ -196,10 +196,11 @@ def test_torch_compile_compiles_the_training_step(tmp_path):
         torch._dynamo.register_backend(name="stabletrain_test_counting")(_counting_backend)
     torch._dynamo.reset()  # no cached graphs from other tests' compiles
     _COMPILED_GRAPHS.clear()
+    # Probes off: with them, a logged step's forward runs eagerly, and tiny_lm logs every step.
     result = train(
         out=tmp_path / "run",
         torch_compile_args={"disable": False, "backend": "stabletrain_test_counting"},
-        **tiny_lm(steps=3),
+        **tiny_lm(steps=3, debug_args={"mechanisms": {"probes": False}}),
     )
     assert result.steps_done == 3
     settings = json.loads((tmp_path / "run" / "settings.json").read_text())

@@ -11,8 +11,8 @@ import argparse
 import json
 import sys
 
-from stabletrain.cli import user_code
-from stabletrain.cli.paths import check_capture_path
+from stabletrain.cli import remedies, user_code
+from stabletrain.cli.paths import check_capture_path, is_run_without_capture
 
 HELP = "which op, module and sample made a captured step NaN, and why: stabletrain diagnose PATH [--json]"
 
@@ -32,14 +32,22 @@ def run(argv: list[str]) -> int:
             "  stabletrain diagnose out/boom/debug/nan_capture/rank0\n"
             "  stabletrain diagnose out/boom/debug/nan_capture/rank0 --json\n"
             "  stabletrain diagnose out/mine/debug/nan_capture/rank0 --model train.py:MyModel   # your own model\n"
+            "  stabletrain diagnose out/boom/debug/nan_capture/rank0 --verify   # and verify the remedies\n"
         ),
     )
-    parser.add_argument("path", help="rank folder, nan_capture.pt, the folder of all ranks, or the run folder")
+    parser.add_argument("path", help="rank folder, nan_capture.pt, the folder of all ranks, or the run folder "
+                                     "(with --verify: any run folder)")
     parser.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
     parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: the captured device type when available)")
     user_code.add_options(parser)
     parser.add_argument("--no-write", action="store_true", help="do not write diagnosis.md and diagnosis.json")
+    remedies.add_options(parser)
     ns = parser.parse_args(argv)
+    remedies.check_budget(ns, parser)
+    if ns.verify:
+        return remedies.run_diagnose(ns)
+    if is_run_without_capture(ns.path):  # never went non-finite: what its signals say (no torch needed)
+        return _run_diagnosis(ns)
     check_capture_path(ns.path, "diagnose")  # before torch: a wrong path is answered at once
     from stabletrain.debug.diagnose import diagnose
     from stabletrain.debug.nan_capture import NaNCaptureError
@@ -51,6 +59,19 @@ def run(argv: list[str]) -> int:
     except NaNCaptureError as exc:
         # The loader's hints name the replay command; the same options work here.
         raise NaNCaptureError(str(exc).replace("stabletrain replay ", "stabletrain diagnose "), exc.path) from None
+    if ns.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(result.to_markdown())
+        if result.files:
+            print(f"\nWritten: {', '.join(result.files)}")
+    return 0
+
+
+def _run_diagnosis(ns: argparse.Namespace) -> int:
+    from stabletrain.debug.diagnose.run_signals import diagnose_run
+
+    result = diagnose_run(ns.path, write=not ns.no_write)
     if ns.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from stabletrain.errors import NaNCaptureError
 
-__all__ = ["check_capture_path"]
+__all__ = ["check_capture_path", "is_run_without_capture"]
 
 #: The name of every capture file (``stabletrain.debug.nan_capture.FILE_NAME``, which needs torch).
 CAPTURE_FILE = "nan_capture.pt"
@@ -52,6 +52,13 @@ def check_capture_path(path: str | Path, command: str) -> None:
             "recoveries of on_instability.policy",
             p,
         )
+
+
+def is_run_without_capture(path: str | Path) -> bool:
+    """A training run's folder (it holds metrics.jsonl) in which no capture was written: ``diagnose`` reads
+    its logged signals instead (docs/mechanisms.md)."""
+    p = Path(path)
+    return p.is_dir() and (p / "metrics.jsonl").is_file() and not _holds_capture(p)
 
 
 def _is_zip(path: Path) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from stabletrain.cli import remedies
 from stabletrain.errors import StabletrainError
 from stabletrain.runfiles.history import run_folder_problem
 
@@ -23,10 +24,14 @@ def run(argv: list[str]) -> int:
     )
     parser.add_argument("out", help="a training run's output folder, e.g. out/my_run")
     parser.add_argument("--no-plots", action="store_true", help="write the summary only")
+    remedies.add_options(parser, model=True)
     ns = parser.parse_args(argv)
+    remedies.check_budget(ns, parser)
     problem = run_folder_problem(ns.out)  # before torch: a wrong path is answered at once
     if problem is not None:
         raise StabletrainError(problem)
+    if ns.verify:
+        return remedies.run_report(ns)
     from stabletrain.reporting import report
 
     report(ns.out, plots=not ns.no_plots)

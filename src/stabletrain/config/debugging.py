@@ -114,6 +114,51 @@ class MechanismArgs(SettingsGroup):
             "parameters (their own dtype, this rank's shard) to compare the weights before and after a logged step."
         ),
     )
+    probes: bool = Field(
+        True,
+        description=(
+            "Measure signals/attn_* and signals/output_*: probes follow the torch calls of a logged step's forward "
+            "pass. Under torch.compile a logged step's forward then runs eagerly (the probes are Python a compiled "
+            "graph does not run); false keeps every step compiled, without these keys."
+        ),
+    )
+    alerts: bool = Field(
+        True,
+        description="Name a mechanism (attention-logit growth, the Adam eps regime, ...) in a live alert when the "
+        "rules below find it in the logged signals (docs/mechanisms.md#mechanisms).",
+    )
+    persist: Int = Field(2, ge=1, description="Consecutive logged points a rule must hold to name a mechanism.")
+    attn_logit_limit: Float = Field(
+        50.0, gt=0, description="Attention-logit growth: the largest attention logit of a module at least this ..."
+    )
+    attn_entropy_floor: Float = Field(
+        0.1, gt=0, description="... while its mean attention entropy is at most this many nats (one-hot attention)."
+    )
+    eps_fraction: Float = Field(
+        0.5, gt=0, le=1, description="Adam eps regime: at least this fraction of second moments below eps ..."
+    )
+    eps_update_ratio: Float = Field(
+        0.1, gt=0, description="... and every group's update RMS at most this fraction of the lr (Adam's normalised "
+        "update is about lr)."
+    )
+    runaway_update: Float = Field(
+        0.3, gt=0, description="Runaway updates: a group's relative update (signals/update_rms) at least this ..."
+    )
+    runaway_growth: Float = Field(
+        2.0, gt=1, description="... with its weight RMS this many times its first logged value ..."
+    )
+    runaway_loss_rise: Float = Field(
+        0.2, gt=0, description="... and the loss this fraction above its lowest logged value."
+    )
+    logit_mean_limit: Float = Field(
+        20.0, gt=0, description="Output-logit divergence: signals/output_logit_mean (the logits' common level, which "
+        "the softmax ignores) at least this far from 0 and from its first logged value."
+    )
+    stale_update_jump: Float = Field(
+        10.0, gt=1, description="Stale second moment (Adam): signals/update_rms_max this many times its median over "
+        "the last window of logged points, with a loss spike, after a stable stretch."
+    )
+    window: Int = Field(10, ge=3, description="Logged points of the reference median of the stale-second-moment rule.")
 
 
 class DebugArgs(SettingsGroup):

@@ -68,6 +68,21 @@ class TrainSettings(SettingsGroup):
     max_checkpoints_to_keep: Int = Field(
         3, ge=0, description="Periodic step_*.ckpt files kept besides last.ckpt; 0 keeps only last.ckpt."
     )
+    checkpoint_format: Literal["auto", "full", "sharded"] = Field(
+        "auto",
+        description=(
+            "full: one file, the whole state gathered on rank 0; sharded (strategy=fsdp only): a folder in which "
+            "every rank writes its own shards (torch.distributed.checkpoint), nothing gathered; auto: sharded under "
+            "strategy=fsdp, else full (docs/distributed.md)."
+        ),
+    )
+    checkpoint_async: bool = Field(
+        False,
+        description=(
+            "Sharded checkpoints only: write them in a background thread while training goes on (each rank first "
+            "copies its shards to host memory); the state is verified finite before the write starts."
+        ),
+    )
     resume_interrupted: bool = Field(False, description="Continue from out/checkpoints/last.ckpt.")
     resume_from: Optional[Path] = Field(
         None,

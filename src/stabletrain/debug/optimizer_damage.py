@@ -18,7 +18,8 @@ from torch import Tensor, nn
 from stabletrain.distributed.norms import local_tensor
 
 __all__ = ["describe_optimizer_damage", "explain_optimizer_damage", "optimizer_name", "smallest_positive",
-           "RangeTrip", "range_trips", "explain_trips", "NORM_OVERFLOW_AT", "FLOAT32_MAX"]
+           "RangeTrip", "range_trips", "explain_trips", "explain_state_overflow", "NORM_OVERFLOW_AT",
+           "FLOAT32_MAX"]
 
 #: The guard's check after an optimizer step (``stabletrain.safety.guard.finite_norms``) takes the
 #: float32 L2 norm of all parameters, and of all optimizer state: finite values beyond about
@@ -126,9 +127,42 @@ def describe_optimizer_damage(failure: Any, model: nn.Module, optimizer: Any) ->
     failure.optimizer = optimizer_name(optimizer)
     failure.state_entries = entries
     failure.explanation = explain_optimizer_damage(model, optimizer, set(counts))
+    if not failure.explanation and entries and not counts:
+        failure.explanation = explain_state_overflow(model, optimizer)
     lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
     if not counts and not entries:
         failure.explanation = explain_trips(failure.trips, lr, failure.gradient_norm, failure.optimizer)
+
+
+def explain_state_overflow(model: nn.Module, optimizer: Any) -> str:
+    """Adam's second moment went non-finite while the weights stayed finite: the squared gradient
+    overflowed the state's dtype, and the update ``exp_avg / (sqrt(exp_avg_sq) + eps)`` is 0 there
+    from then on (the weight stops training, silently). "" when that is not what happened."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            v = optimizer.state.get(p, {}).get("exp_avg_sq")
+            if not isinstance(v, Tensor) or not v.is_floating_point():
+                continue
+            # An overflow: +Inf entries only (a NaN says something else went wrong), the weights finite.
+            local = local_tensor(v.detach())
+            bad = int(torch.isposinf(local).sum())
+            if not bad or bool(torch.isnan(local).any()) or not bool(torch.isfinite(local_tensor(p.detach())).all()):
+                continue
+            dtype = _DTYPE_NAMES.get(v.dtype, v.dtype)
+            big = float(torch.finfo(v.dtype).max)
+            betas = group.get("betas")
+            beta2 = betas[1] if isinstance(betas, (tuple, list)) and len(betas) > 1 else None
+            at = (f"; (1 - beta2) x g^2 passes it from |g| of about {math.sqrt(big / (1 - beta2)):.3g}"
+                  if isinstance(beta2, float) and beta2 < 1 else "")
+            text = (f"exp_avg_sq holds {bad:,} Inf value(s) in {names.get(id(p), '?')} while the weights are "
+                    f"finite: the squared gradient overflowed {dtype} (largest value {big:.3g}{at}), so the update "
+                    "exp_avg / (sqrt(exp_avg_sq) + eps) is 0 there: those weights would stop training, silently.")
+            if v.dtype in (torch.float16, torch.bfloat16):
+                text += (" With precision=16-true or bf16-true the optimizer runs in that type too: train with "
+                         "precision=16-mixed or bf16-mixed (float32 weights and optimizer state) or precision=32-true.")
+            return text
+    return ""
 
 
 def explain_trips(trips: list[RangeTrip], lr: Any, gradient_norm: float, optimizer: str = "") -> str:

@@ -31,6 +31,8 @@ from stabletrain import (
     compute_grad_norm,
     layer_grad_norms,
 )
+from stabletrain.debug.mechanisms.alerts import alert_text as mechanism_alert_text
+from stabletrain.debug.mechanisms.rules import MechanismDetector, RuleContext
 from stabletrain.integrations.device_reads import (
     all_reduce,
     decode_status,
@@ -155,11 +157,20 @@ class StepTools:
         mechanisms = self.debug_args.mechanisms
         #: The mechanism signals (docs/mechanisms.md), armed on the steps ``begin_step`` is told are logged.
         self.signals: Optional[MechanismMonitor] = None
+        #: The rules that name a mechanism from the signals of each logged step (docs/mechanisms.md#mechanisms).
+        self.mechanisms: Optional[MechanismDetector] = None
+        self._optimizer: Any = None
+        self._last_loss: Optional[float] = None
         if mechanisms.enabled:
             self.signals = MechanismMonitor(model, updates=mechanisms.updates, report=self._signals_notice)
+            if mechanisms.alerts:
+                self.mechanisms = MechanismDetector(mechanisms, RuleContext(
+                    precision=precision, optimizer=_optimizer_name(optimizer) if optimizer is not None else None,
+                    lr=lr))
             if optimizer is not None:
                 self.set_optimizer(optimizer)
-        #: Every trend alert so far, as the event rows ``stabletrain train`` writes to metrics.jsonl.
+        #: Every trend alert and mechanism so far, as the event rows ``stabletrain train`` writes to
+        #: metrics.jsonl (``event``: ``trend_alert``, ``mechanism`` or ``mechanism_end``).
         self.alerts: list[dict[str, Any]] = []
         self.step: Optional[int] = None
         self.micro_step = -1
@@ -257,6 +268,7 @@ class StepTools:
             norm, loss = self._read
             values.gradient_norm = norm
             values.loss = loss if self._losses else None
+            self._last_loss = values.loss
             if read:
                 values.alerts = self.observe(self.step, gradient_norm=norm, loss=values.loss)
         return values
@@ -271,14 +283,35 @@ class StepTools:
     def set_optimizer(self, optimizer: Any) -> None:
         """The step's optimizer (a framework's wrapper is unwrapped), for the mechanism signals."""
         if self.signals is not None:
-            self.signals.set_optimizer(inner_optimizer(optimizer))
+            self._optimizer = inner_optimizer(optimizer)
+            self.signals.set_optimizer(self._optimizer)
 
     def read_signals(self) -> dict[str, float]:
         """After the optimizer step of a step ``begin_step`` was told is logged: the
-        ``signals/...`` values as host floats (one host read); {} on other steps."""
+        ``signals/...`` values as host floats (one host read); {} on other steps. The mechanism
+        rules read them (with the step's loss and lr, when known): a mechanism they name is warned
+        about on rank 0 and recorded in :attr:`alerts` as a ``mechanism`` row."""
         if self.signals is None or not self.signals.armed:
             return {}
-        return self.signals.values()
+        values = self.signals.values()
+        if self.mechanisms is not None and self.step is not None:
+            self._name_mechanisms(self.step, values)
+        return values
+
+    def _name_mechanisms(self, step: int, values: dict[str, float]) -> None:
+        assert self.mechanisms is not None
+        row: dict[str, Any] = dict(values)
+        if self._last_loss is not None:
+            row["loss"] = self._last_loss
+        groups = getattr(self._optimizer, "param_groups", None)
+        if groups:
+            row["lr"] = float(groups[0].get("lr", math.nan))
+        for m in self.mechanisms.update(step, row):
+            self.alerts.append(m.to_event())
+            if self.rank == 0:
+                _log.warning(mechanism_alert_text(m, self.mechanisms.context))
+        for m in self.mechanisms.closed_now:
+            self.alerts.append(m.end_event(step))
 
     def _signals_notice(self, notice: Any) -> None:
         if self.rank == 0:

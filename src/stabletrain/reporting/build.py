@@ -9,11 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from stabletrain.config import TrendAlertArgs
+from stabletrain.debug.mechanisms.rules import Mechanism
 from stabletrain.debug.trends import AlertContext, Episode, checkpoint_context
 from stabletrain.reporting.data import RunData
 from stabletrain.reporting.plots import plot_all
 from stabletrain.reporting.summary import markdown_text, terminal_text
-from stabletrain.reporting.verdict import run_episodes, run_thresholds, statuses
+from stabletrain.reporting.verdict import run_episodes, run_mechanisms, run_thresholds, statuses
 
 
 @dataclass
@@ -27,6 +28,7 @@ class Report:
             spiking, plateau or non-finite.
         verdict: The worst status over all signals.
         episodes: Every episode found (warmup spikes included, marked tolerated).
+        mechanisms: The mechanisms named in the run's signals (docs/mechanisms.md).
         files: The files written, summary first.
         text: The summary as printed.
     """
@@ -36,6 +38,7 @@ class Report:
     status: dict[str, str]
     verdict: str
     episodes: list[Episode]
+    mechanisms: list[Mechanism] = field(default_factory=list)
     files: list[Path] = field(default_factory=list)
     text: str = ""
 
@@ -67,7 +70,9 @@ def report(out: str | Path, *, quiet: bool = False, plots: bool = True) -> Repor
     context = AlertContext.from_settings(data.settings)
     context.history = [{k: r.get(k) for k in ("step", "lr", "loss", "gradient_norm")} for r in data.rows]
     checkpoint_context(context, _Folder(out / "checkpoints"))
-    status, verdict = statuses(data, episodes, min_points=(args or TrendAlertArgs()).persist + 1)
+    mechanisms = run_mechanisms(data)
+    status, verdict = statuses(data, episodes, min_points=(args or TrendAlertArgs()).persist + 1,
+                               mechanisms=mechanisms)
 
     folder = out / "report"
     folder.mkdir(parents=True, exist_ok=True)
@@ -79,14 +84,15 @@ def report(out: str | Path, *, quiet: bool = False, plots: bool = True) -> Repor
         except ImportError:
             plot_note = 'plots skipped: matplotlib is not installed (pip install "stabletrain[plots]")'
 
-    markdown = markdown_text(out, data, status, verdict, episodes, context, images, plot_note)
+    markdown = markdown_text(out, data, status, verdict, episodes, context, images, plot_note, mechanisms)
     summary_path = folder / "summary.md"
     summary_path.write_text(markdown, encoding="utf-8")
     files = [summary_path, *images]
-    text = terminal_text(out, data, status, verdict, episodes, context, files, plot_note)
+    text = terminal_text(out, data, status, verdict, episodes, context, files, plot_note, mechanisms)
     if not quiet:
         print(text)
-    return Report(out=out, folder=folder, status=status, verdict=verdict, episodes=episodes, files=files, text=text)
+    return Report(out=out, folder=folder, status=status, verdict=verdict, episodes=episodes, mechanisms=mechanisms,
+                  files=files, text=text)
 
 
 class _Folder:

@@ -11,6 +11,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from stabletrain.debug.mechanisms.rules import Mechanism, RuleContext, published_fixes
 from stabletrain.debug.trends import AlertContext, Episode, next_actions
 from stabletrain.reporting.data import RunData
 from stabletrain.reporting.quarantine import quarantine_line, quarantine_section
@@ -45,7 +46,11 @@ def _run_line(data: RunData) -> str:
     return ", ".join(parts)
 
 
-def _signal_line(signal: str, status: str, episodes: Sequence[Episode]) -> str:
+def _signal_line(signal: str, status: str, episodes: Sequence[Episode], mechanisms: Sequence[Mechanism] = ()) -> str:
+    if signal == "signals":
+        if not mechanisms:
+            return f"signals: {status} (docs/mechanisms.md)"
+        return "signals: " + "; ".join(m.describe() for m in mechanisms)
     mine = of_signal(episodes, signal)
     if signal == "parameters":
         return "parameters: non-finite - " + "; ".join(f"{e.note} at {e.steps_text()}" for e in mine)
@@ -73,6 +78,20 @@ def _checkpoint_line(out: Path) -> str:
     return f"newest healthy checkpoint: {best.path} (step {best.step}: {best.why})"
 
 
+def _mechanism_actions(mechanisms: Sequence[Mechanism], settings: dict[str, Any]) -> list[str]:
+    """The published fixes of the mechanisms that are causes (not consequences, not settled by a resume)."""
+    context = RuleContext.from_settings(settings)
+    actions: list[str] = []
+    for m in mechanisms:
+        if m.follows or m.settled:
+            continue
+        fixes = published_fixes(m.id, context)
+        if fixes:
+            actions.append(f"{m.name}: " + "; or ".join(fixes) + f" (the published fix, {m.info.reference}; not "
+                           "verified on this run: --verify tries it)")
+    return actions
+
+
 def _actions(episodes: Sequence[Episode], context: AlertContext) -> list[str]:
     seen: dict[str, None] = {}
     ordered = sorted(
@@ -96,15 +115,16 @@ def terminal_text(
     context: AlertContext,
     files: Sequence[Path],
     plot_note: str,
+    mechanisms: Sequence[Mechanism] = (),
 ) -> str:
     lines = [f"stabletrain report: {out} ({_span_text(data)})"]
     for signal, st in status.items():
-        lines.append("  " + _signal_line(signal, st, episodes))
+        lines.append("  " + _signal_line(signal, st, episodes, mechanisms))
     lines.append(f"verdict: {verdict}")
     lines.append(_checkpoint_line(out))
     if quarantine_line(out):
         lines.append(quarantine_line(out))
-    actions = _actions(episodes, context)
+    actions = _mechanism_actions(mechanisms, data.settings) + _actions(episodes, context)
     if actions:
         lines.append("next:")
         lines += [f"  - {a}" for a in actions]
@@ -123,17 +143,29 @@ def markdown_text(
     context: AlertContext,
     images: Sequence[Path],
     plot_note: str,
+    mechanisms: Sequence[Mechanism] = (),
 ) -> str:
     md = [f"# stabletrain report: {out.name}", ""]
     md.append(f"Run `{out}`: {_span_text(data)}. {_run_line(data)}.".replace(". .", "."))
     md += ["", f"**Verdict: {verdict}**", "", _checkpoint_line(out), ""]
     md += ["| signal | status | episodes |", "|---|---|---|"]
     for signal, st in status.items():
+        if signal == "signals":
+            cell = "; ".join(f"{m.name} {m.steps_text()}" for m in mechanisms)
+            md.append(f"| `signals/...` | {st} | {cell or '-'} |")
+            continue
         mine = of_signal(episodes, signal)
         cell = "; ".join(
             f"{e.kind} {e.steps_text()}" + (" (warmup, tolerated)" if e.tolerated else "") for e in mine
         )
         md.append(f"| `{signal}` | {st} | {cell or '-'} |")
+    if mechanisms:
+        md += ["", "## Mechanisms named in the signals", "", "See docs/mechanisms.md for each rule.", ""]
+        for m in mechanisms:
+            md += [f"### {m.name}{' in ' + m.where if m.where else ''}, {m.steps_text()}", "", m.describe() + ".", ""]
+        fixes = _mechanism_actions(mechanisms, data.settings)
+        if fixes:
+            md += ["Next actions:", ""] + [f"- {a}" for a in fixes] + [""]
     alerts = [e for e in episodes if not e.tolerated]
     if alerts:
         md += ["", "## Episodes", ""]
@@ -149,7 +181,8 @@ def markdown_text(
     md += recovery_section(data.events)
     md += quarantine_section(out)
     # mechanism_signals says what the signals/... keys measure (docs/mechanisms.md), not something that happened.
-    others = [ev for ev in data.events if ev.get("event") not in ("trend_alert", "recovery", "mechanism_signals")]
+    others = [ev for ev in data.events
+              if ev.get("event") not in ("trend_alert", "recovery", "mechanism_signals", "mechanism", "mechanism_end")]
     if others:
         md += ["", "## Other events recorded during training", ""]
         for ev in others:

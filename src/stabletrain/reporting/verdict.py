@@ -14,12 +14,23 @@ import math
 from typing import Any, Mapping, Optional, Sequence
 
 from stabletrain.config import TrendAlertArgs
+from stabletrain.debug.mechanisms.rules import (
+    NAMES,
+    Mechanism,
+    RuleContext,
+    detect_mechanisms,
+    mechanism_settings,
+    merge_episodes,
+)
 from stabletrain.debug.trends import Episode, TrendDetector
 from stabletrain.reporting.data import RunData
 
-#: Worst first: the overall verdict is the worst status of any signal.
+#: Worst first: the overall verdict is the worst status of any signal. A mechanism named in the signals
+#: (docs/mechanisms.md) is its own status, between exploding and vanishing: a run that shows one is never stable.
 TOO_FEW = "too few logged steps"
-STATUS_ORDER = ("non-finite", "exploding", "vanishing", "plateau", "spiking", TOO_FEW, "stable")
+STATUS_ORDER = ("non-finite", "exploding", *NAMES, "vanishing", "plateau", "spiking", TOO_FEW, "stable")
+#: The status of the ``signals`` line when the rows hold signals and no rule named a mechanism.
+NO_MECHANISM = "no mechanism named"
 #: Growth over the lowest earlier value that makes a series "exploding" whatever the detector says.
 ORDERS_OF_MAGNITUDE = 100.0
 STATUS_OF_KIND = {
@@ -52,10 +63,25 @@ def run_episodes(data: RunData, args: Optional[TrendAlertArgs], warmup: int) -> 
     return episodes + missed_episodes(data, episodes)
 
 
-def statuses(data: RunData, episodes: Sequence[Episode], min_points: int) -> tuple[dict[str, str], str]:
-    """The status of each logged signal (and of the parameters, when the optimizer made them non-finite),
-    and the verdict: the worst of them. A signal with fewer than ``min_points`` logged points and no
-    episode has too few logged steps."""
+def run_mechanisms(data: RunData) -> list[Mechanism]:
+    """The mechanisms the run's signals show (:mod:`stabletrain.debug.mechanisms.rules`, with the run's own
+    thresholds), and those named in a timeline a resume replaced (from their ``mechanism`` rows)."""
+    found = detect_mechanisms(data.rows, mechanism_settings(data.settings), RuleContext.from_settings(data.settings))
+    if data.resumes:
+        for ev in data.abandoned_events:
+            m = Mechanism.from_event(ev)
+            if m is not None:
+                m.settled = f"before the resume from step {min(data.resumes)}, whose timeline replaced it"
+                found.append(m)
+    return merge_episodes(found)
+
+
+def statuses(data: RunData, episodes: Sequence[Episode], min_points: int,
+             mechanisms: Sequence[Mechanism] = ()) -> tuple[dict[str, str], str]:
+    """The status of each logged signal (and of the parameters, when the optimizer made them non-finite;
+    ``signals``: the first mechanism named, when the rows hold ``signals/...`` keys), and the verdict: the
+    worst of them. A signal with fewer than ``min_points`` logged points and no episode has too few logged
+    steps."""
     status: dict[str, str] = {}
     for signal in ("gradient_norm", "loss"):
         if not any(signal in r for r in data.rows):
@@ -67,7 +93,13 @@ def statuses(data: RunData, episodes: Sequence[Episode], min_points: int) -> tup
             status[signal] = TOO_FEW if sum(signal in r for r in data.rows) < min_points else "stable"
     if any(e.signal == "parameters" for e in episodes):
         status["parameters"] = "non-finite"
-    verdict = min(status.values(), key=STATUS_ORDER.index) if status else TOO_FEW
+    causes = [m for m in mechanisms if not m.follows] or list(mechanisms)
+    if causes:
+        status["signals"] = causes[0].name
+    elif any(k.startswith("signals/") for r in data.rows[:3] for k in r):
+        status["signals"] = NO_MECHANISM
+    ranked = [v for v in status.values() if v in STATUS_ORDER]
+    verdict = min(ranked, key=STATUS_ORDER.index) if ranked else TOO_FEW
     return status, verdict
 
 

@@ -3,6 +3,13 @@
 ``out/checkpoints/last.ckpt`` and ``step_NNNNNN.ckpt`` hold model, optimizer, loss scaler, step,
 every rank's RNG states and the data position; a non-finite state is never written, and rotation
 keeps the newest healthy one (:mod:`stabletrain.safety.checkpoint_health`). See docs/checkpoints.md.
+
+A checkpoint is one file (``checkpoint_format=full``) or, under FSDP2 with
+``checkpoint_format=sharded``, a folder of the same name holding every rank's shards
+(torch.distributed.checkpoint) and ``meta.pt``: everything but the model and optimizer tensors,
+health included, so that rotation and "newest healthy" never read the shards. A folder is
+written under a hidden temporary name and renamed once complete (:func:`commit_sharded`);
+every reader here takes both forms (:func:`is_checkpoint`).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from stabletrain.errors import StabletrainError
+from stabletrain.runfiles.history import mechanism_spans
 from stabletrain.utils.text import shell_path
 
 # torch is imported where a checkpoint is written or read, so that the command line can check
@@ -50,6 +58,13 @@ FROZEN_SINCE_ADDED = {"model_args.qk_norm": False}
 
 _PERIODIC = re.compile(r"^step_(\d+)\.ckpt$")
 
+#: In a sharded checkpoint folder: the non-tensor state and health (written last: the folder's
+#: completion marker) and DCP's index of the shards.
+META_NAME = "meta.pt"
+DCP_INDEX = ".metadata"
+#: ``layout`` of a sharded checkpoint's state (a full file has none).
+SHARDED = "sharded"
+
 
 class CheckpointError(StabletrainError):
     """A checkpoint is missing, unreadable or does not fit the current settings."""
@@ -76,8 +91,7 @@ def save_checkpoint(state: dict[str, Any], out: Path, periodic: bool, keep: int)
     }
     last = folder / "last.ckpt"
     check_free_space(state, folder, periodic)
-    if (state.get("health") or {}).get("healthy") is False:
-        _keep_newest_healthy(folder)
+    _protect_healthy(folder, state.get("health") or {})
     if periodic:
         target = folder / periodic_name(int(state["step"]))
         atomic_torch_save(state, target)
@@ -103,82 +117,318 @@ class NotEnoughSpaceError(OSError):
         self.needed, self.free = needed, free
 
 
-def check_free_space(state: dict[str, Any], folder: Path, periodic: bool) -> None:
+def check_free_space(state: dict[str, Any], folder: Path, periodic: bool, nbytes: Optional[int] = None,
+                     copies: Optional[int] = None) -> None:
     """Raise :class:`NotEnoughSpaceError` when the checkpoint of ``state`` will not fit in
-    ``folder``: its size is taken as the larger of its tensors' bytes and the last checkpoint's
-    size, with a margin; nothing is written, so the previous checkpoint stays intact."""
+    ``folder``: its size is taken as the larger of its tensors' bytes (``nbytes`` when given: a
+    sharded checkpoint's, summed over the ranks) and the last checkpoint's size, with a margin;
+    nothing is written, so the previous checkpoint stays intact. ``copies``: how many times it is
+    written (default 2 for a periodic file, ``step_N.ckpt`` and ``last.ckpt``; a sharded folder's
+    ``last.ckpt`` is hard links, 1)."""
     from stabletrain.utils.io import free_bytes, tensor_bytes
 
     free = free_bytes(folder)
     if free is None:
         return
-    last = folder / "last.ckpt"
-    size = max(tensor_bytes(state), last.stat().st_size if last.is_file() else 0)
+    size = max(tensor_bytes(state) if nbytes is None else nbytes, checkpoint_size(folder / "last.ckpt"))
     needed = int(size * 1.05) + 2**16
-    if periodic:
-        needed *= 2
+    needed *= copies if copies is not None else (2 if periodic else 1)
     if free < needed:
         name = periodic_name(int(state["step"])) if periodic else "last.ckpt"
         raise NotEnoughSpaceError(folder / name, needed, free)
 
 
+# --------------------------------------------------------------------------------------
+# Sharded checkpoints: a folder per checkpoint (rank 0's file operations; the shards are
+# written by every rank through stabletrain.distributed.dcp)
+# --------------------------------------------------------------------------------------
+
+
+def sharded_target(out: Path, step: int, periodic: bool) -> tuple[Path, Path]:
+    """``(temporary folder, final folder)`` of a sharded checkpoint: every rank computes the same."""
+    folder = checkpoint_dir(out)
+    name = periodic_name(step) if periodic else "last.ckpt"
+    return folder / f".{name}.tmp", folder / name
+
+
+def begin_sharded(meta: dict[str, Any], out: Path, periodic: bool, nbytes: int) -> Path:
+    """Rank 0, before the shards are written: check the free space for ``nbytes`` (every rank's
+    shards together) and create the empty temporary folder the ranks write into.
+
+    Raises:
+        NotEnoughSpaceError, OSError: Nothing was started; the previous checkpoints are intact.
+    """
+    folder = checkpoint_dir(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    check_free_space(meta, folder, periodic, nbytes=nbytes, copies=1)
+    tmp, _ = sharded_target(out, int(meta["step"]), periodic)
+    _remove(tmp)
+    tmp.mkdir()
+    return tmp
+
+
+def commit_sharded(meta: dict[str, Any], out: Path, periodic: bool, keep: int) -> Path:
+    """Rank 0, once every rank's shards and DCP's index are in the temporary folder: write
+    ``meta.pt`` (the non-tensor state and health; last, so a folder without it is incomplete),
+    rename the folder into place, link it as ``last.ckpt`` when periodic, rotate. Returns ``last.ckpt``."""
+    from stabletrain.utils.io import atomic_torch_save
+
+    tmp, target = sharded_target(out, int(meta["step"]), periodic)
+    folder = checkpoint_dir(out)
+    meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        "layout": SHARDED,
+        "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        **meta,
+        # Each file's size: a copy that did not finish is found without reading the shards.
+        "files": {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()},
+    }
+    atomic_torch_save(meta, tmp / META_NAME)
+    _fsync_dir(tmp)
+    _protect_healthy(folder, meta.get("health") or {})
+    _replace(tmp, target)
+    _fsync_dir(folder)
+    last = folder / "last.ckpt"
+    if periodic:
+        _atomic_copy(target, last)
+        _prune(folder, keep)
+    return last
+
+
+def _fsync_dir(folder: Path) -> None:
+    import os
+
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def read_sharded_meta(path: str | Path) -> dict[str, Any]:
+    """The ``meta.pt`` of a sharded checkpoint folder: everything but the model and optimizer
+    tensors (``weights_only``). Raises CheckpointError when it is missing or unreadable."""
+    import torch
+
+    path = Path(path)
+    reason = unreadable_reason(path)
+    if reason is not None:
+        raise CheckpointError(f"cannot read checkpoint {path}: {reason}. {fallback_advice(path)}")
+    try:
+        meta = torch.load(path / META_NAME, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        reason = _exception_text(exc)
+        raise CheckpointError(f"cannot read checkpoint {path}: {reason}. {fallback_advice(path)}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a stabletrain checkpoint")
+    return meta
+
+
 def remove_temporaries(out: Path) -> list[Path]:
-    """Remove the temporary files (``.NAME.xxxx.tmp``) that a killed run left in ``out`` and its
-    checkpoint folder; call only while holding the run lock. Returns those removed."""
+    """Remove the temporary files and folders (``.NAME.xxxx.tmp``, a sharded checkpoint's
+    ``.NAME.tmp``) that a killed run left in ``out`` and its checkpoint folder, and finish a
+    replacement of a checkpoint folder that a kill interrupted (:func:`_replace`); call only
+    while holding the run lock. Returns those removed."""
+    import shutil
+
     removed = []
     for folder in (Path(out), checkpoint_dir(out)):
-        if folder.is_dir():
-            for path in folder.glob(".*.tmp"):
-                path.unlink(missing_ok=True)
-                removed.append(path)
+        if not folder.is_dir():
+            continue
+        for old in folder.glob(".*" + _OLD):
+            target = folder / old.name[1:-len(_OLD)]
+            if not target.exists() and (old.is_file() or is_sharded_checkpoint(old)):
+                old.rename(target)  # killed between the two renames: the old checkpoint is still the one
+            else:
+                _remove(old)
+                removed.append(old)
+        for path in folder.glob(".*.tmp"):
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+            removed.append(path)
     return removed
 
 
-def _keep_newest_healthy(folder: Path) -> None:
-    """Before an unhealthy state overwrites last.ckpt: if last.ckpt holds the only copy of the
-    newest healthy checkpoint (its step_N.ckpt was rotated away), give it its periodic name."""
-    best = newest_healthy(folder)
+def _remove(path: Path) -> None:
+    import shutil
+
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+#: Suffix of a checkpoint folder being replaced (see :func:`_replace`).
+_OLD = ".old"
+
+
+def _replace(src: Path, dst: Path) -> None:
+    """Rename ``src`` (a complete file or folder) to ``dst``, replacing what ``dst`` holds. A
+    folder cannot be renamed over another, so the old one first becomes ``.NAME.old``; a kill
+    between the two renames leaves it there, and :func:`remove_temporaries` puts it back."""
+    import os
+
+    if src.is_file() and not dst.is_dir():
+        os.replace(src, dst)
+        return
+    old = dst.parent / f".{dst.name}{_OLD}"
+    if dst.exists():
+        _remove(old)
+        os.rename(dst, old)
+    os.rename(src, dst)
+    _remove(old)
+
+
+def is_sharded_checkpoint(path: str | Path) -> bool:
+    """Is ``path`` a complete sharded checkpoint folder (DCP's index and ``meta.pt``, written last)?"""
+    path = Path(path)
+    return path.is_dir() and (path / META_NAME).is_file() and (path / DCP_INDEX).is_file()
+
+
+def is_checkpoint(path: str | Path) -> bool:
+    """A checkpoint file, or a complete sharded checkpoint folder."""
+    path = Path(path)
+    return path.is_file() or is_sharded_checkpoint(path)
+
+
+def checkpoint_size(path: str | Path) -> int:
+    """Bytes on disk of a checkpoint file or folder (0 when absent)."""
+    path = Path(path)
+    if path.is_file():
+        return path.stat().st_size
+    if path.is_dir():
+        return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+    return 0
+
+
+def _protect_healthy(folder: Path, health: dict[str, Any]) -> None:
+    """Before a checkpoint with ``health`` replaces last.ckpt: keep the newest healthy one (from before
+    a pending mechanism's step) under its periodic name (:func:`_keep_newest_healthy`)."""
+    if health.get("healthy") is False:
+        _keep_newest_healthy(folder)
+    elif isinstance(health.get("pending_since"), int):  # a mechanism may be named that began at that step
+        _keep_newest_healthy(folder, before_step=health["pending_since"])
+
+
+def _keep_newest_healthy(folder: Path, before_step: Optional[int] = None) -> None:
+    """Before an unhealthy (or pending) state overwrites last.ckpt: if last.ckpt holds the only copy of
+    the newest healthy checkpoint (holding at most ``before_step`` steps; its step_N.ckpt was rotated
+    away), give it its periodic name."""
+    best = newest_healthy(folder, before_step=before_step)
     if best is not None and best.path.name == "last.ckpt":
         _atomic_copy(best.path, folder / periodic_name(best.step))
 
 
 def _atomic_copy(src: Path, dst: Path) -> None:
+    """Copy a checkpoint over ``dst``: a file's bytes; a sharded folder by hard links (its files
+    are never written again, so a link costs no space), into a temporary folder renamed over ``dst``."""
     from stabletrain.utils.io import atomic_copy
 
-    atomic_copy(src, dst)
+    if not src.is_dir():
+        if dst.is_dir():
+            tmp = dst.parent / f".{dst.name}.copy.tmp"
+            atomic_copy(src, tmp)
+            _replace(tmp, dst)
+            return
+        atomic_copy(src, dst)
+        return
+    link_tree(src, dst.parent / f".{dst.name}.link.tmp")
+    _replace(dst.parent / f".{dst.name}.link.tmp", dst)
+
+
+def link_tree(src: Path, dst: Path) -> Path:
+    """``dst`` as a new folder of hard links to ``src``'s files (copies where the filesystem
+    cannot link); ``meta.pt`` linked last, so that ``dst`` is complete only once it is there."""
+    import os
+    import shutil
+
+    _remove(dst)
+    dst.mkdir(parents=True)
+    files = sorted((p for p in src.iterdir() if p.is_file()), key=lambda p: p.name == META_NAME)
+    for path in files:
+        try:
+            os.link(path, dst / path.name)
+        except OSError:
+            shutil.copyfile(path, dst / path.name)
+    return dst
 
 
 def _prune(folder: Path, keep: int) -> None:
     """Keep the newest ``keep`` periodic files; while the newest checkpoint is not healthy,
-    also the newest healthy one (the place to resume from after the instability)."""
-    periodic = sorted((int(m.group(1)), p) for p in folder.iterdir() if (m := _PERIODIC.match(p.name)))
+    also the newest healthy one (the place to resume from after the instability); while a mechanism
+    rule is pending (the newest checkpoint's ``health["pending_since"]``), also the newest healthy one
+    from before the step it would begin at."""
+    periodic = sorted((int(m.group(1)), p) for p in folder.iterdir()
+                      if (m := _PERIODIC.match(p.name)) and is_checkpoint(p))
     doomed = [path for _, path in periodic[: max(0, len(periodic) - keep)]]
     if not doomed:
         return
     infos = list_checkpoints(folder)
-    protect = None
-    if infos and infos[-1].healthy is False:
-        healthy = [c for c in infos if c.healthy and c.path.name != "last.ckpt"]
-        protect = healthy[-1].path if healthy else None
+    protect = set()
+    healthy = [c for c in infos if c.healthy and c.path.name != "last.ckpt"]
+    if infos and infos[-1].healthy is False and healthy:
+        protect.add(healthy[-1].path)
+    pending = (infos[-1].health or {}).get("pending_since") if infos else None
+    if isinstance(pending, int):  # a mechanism may be named that began at `pending`: keep one from before it
+        before = [c for c in healthy if c.step <= pending]
+        if before:
+            protect.add(before[-1].path)
     for path in doomed:
-        if path != protect:
-            path.unlink(missing_ok=True)
+        if path not in protect:
+            _remove(path)
 
 
-def load_checkpoint(path: str | Path) -> dict[str, Any]:
+def resolve_checkpoint(path: str | Path) -> Path:
+    """The checkpoint ``path`` names: itself (a file or a sharded checkpoint folder), or for a
+    run folder its ``checkpoints/last.ckpt``."""
+    path = Path(path)
+    if path.is_dir() and not _looks_sharded(path):
+        # A run folder: its checkpoints/last.ckpt, even when missing there (the error names it).
+        path = (checkpoint_dir(path) if checkpoint_dir(path).is_dir() else path) / "last.ckpt"
+    return path
+
+
+def _looks_sharded(path: Path) -> bool:
+    """A folder meant as a sharded checkpoint (complete or not): named ``*.ckpt``, or holding
+    ``meta.pt`` or DCP's index."""
+    return path.suffix == ".ckpt" or (path / META_NAME).exists() or (path / DCP_INDEX).exists()
+
+
+def load_checkpoint(path: str | Path, tensors: bool = True, optimizer: bool = True) -> dict[str, Any]:
     """Load a checkpoint safely (no code runs); raise CheckpointError with the reason otherwise.
+
+    A sharded checkpoint folder is read in this one process, without a process group: its
+    shards are put back together into the full model and optimizer state (the whole state in
+    host memory once: 12 bytes per parameter for float32 AdamW), in the form a full file
+    holds, so that every reader works unchanged (:func:`stabletrain.distributed.dcp.load_full`).
+    ``tensors=False`` reads ``meta.pt`` only (``model`` and ``optimizer`` then absent);
+    ``optimizer=False`` leaves the optimizer state of a sharded checkpoint unread.
 
     When the file is missing or cannot be read, the error names the checkpoint beside it to
     continue from (:func:`fallback_advice`).
     """
     import torch
 
-    path = Path(path)
-    if path.is_dir():
-        in_checkpoints = checkpoint_dir(path) / "last.ckpt"
-        path = in_checkpoints if in_checkpoints.exists() else path / "last.ckpt"
+    path = resolve_checkpoint(path)
     if not path.exists():
         raise CheckpointError(f"no checkpoint at {path}. {fallback_advice(path)}")
+    if path.is_dir():
+        meta = read_sharded_meta(path)
+        _check_version(path, meta)
+        if not tensors:
+            return meta
+        from stabletrain.distributed.dcp import load_full
+
+        try:
+            return {**meta, **load_full(path, optimizer=optimizer)}
+        except Exception as exc:  # a shard file damaged or missing
+            raise CheckpointError(f"cannot read checkpoint {path}: {_exception_text(exc)}. "
+                                  f"{fallback_advice(path)}") from None
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # empty, truncated, corrupt, or holding pickled objects
@@ -186,12 +436,16 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"cannot read checkpoint {path}: {reason}. {fallback_advice(path)}") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a stabletrain checkpoint")
+    _check_version(path, state)
+    return state
+
+
+def _check_version(path: Path, state: dict[str, Any]) -> None:
     if int(state.get("version", 0)) > VERSION:
         raise CheckpointError(
             f"{path} was written by a newer stabletrain (checkpoint format {state['version']}, "
             f"this version reads up to {VERSION}); upgrade stabletrain"
         )
-    return state
 
 
 def unreadable_reason(path: str | Path) -> Optional[str]:
@@ -199,6 +453,8 @@ def unreadable_reason(path: str | Path) -> Optional[str]:
     unpickling (the size and the zip directory that ``torch.save`` writes last); None when it
     looks whole. Reading it can still fail on what is inside."""
     path = Path(path)
+    if path.is_dir():
+        return _unreadable_folder(path)
     try:
         size = path.stat().st_size
     except OSError as exc:
@@ -213,6 +469,55 @@ def unreadable_reason(path: str | Path) -> Optional[str]:
     if not any(n == "data.pkl" or n.endswith("/data.pkl") for n in names):
         return f"the file is a zip archive but not a torch checkpoint (no data.pkl among {len(names)} entries)"
     return None
+
+
+def _unreadable_folder(path: Path) -> Optional[str]:
+    """Why a folder cannot be a whole sharded checkpoint: ``meta.pt`` (written last) missing or
+    cut short, DCP's index or a shard file missing, or a file shorter than recorded."""
+    meta = path / META_NAME
+    if not meta.exists():
+        return (f"the folder holds no {META_NAME}, which a sharded checkpoint gets last: its write did not "
+                "finish, or it is not a checkpoint")
+    reason = unreadable_reason(meta)
+    if reason is not None:
+        return f"{META_NAME}: {reason}"
+    if not (path / DCP_INDEX).is_file():
+        return f"the folder holds no {DCP_INDEX} (torch.distributed.checkpoint's index of the shards)"
+    recorded = _recorded_files(meta)
+    for name, size in recorded.items():
+        f = path / name
+        if not f.is_file():
+            return f"the shard file {name} is missing"
+        if f.stat().st_size != size:
+            return f"the shard file {name} holds {f.stat().st_size:,} bytes, {size:,} were written"
+    return None
+
+
+def _recorded_files(meta: Path) -> dict[str, int]:
+    """``meta.pt``'s ``files`` entry without torch: the zip's data.pkl holds it as plain pickled
+    data (names and sizes); {} when it cannot be read that way."""
+    import pickle
+
+    try:
+        with zipfile.ZipFile(meta) as archive:
+            name = next(n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl")
+            raw = archive.read(name)
+    except (zipfile.BadZipFile, OSError, StopIteration):
+        return {}
+
+    class _NoClasses(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:  # tensors' rebuilders etc.: not needed here
+            return lambda *a, **k: None
+
+        def persistent_load(self, pid: Any) -> Any:
+            return None
+
+    try:
+        data = _NoClasses(__import__("io").BytesIO(raw)).load()
+    except Exception:
+        return {}
+    files = data.get("files") if isinstance(data, dict) else None
+    return {str(k): int(v) for k, v in files.items()} if isinstance(files, dict) else {}
 
 
 def fallback_checkpoint(failed: str | Path) -> Optional[CheckpointInfo]:
@@ -273,10 +578,13 @@ def _exception_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
-def resume_conflicts(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """Frozen settings that differ between the checkpoint's run and this one, one line each."""
+def resume_conflicts(saved: dict[str, Any], current: dict[str, Any], allow: tuple[str, ...] = ()) -> list[str]:
+    """Frozen settings that differ between the checkpoint's run and this one, one line each;
+    those in ``allow`` may differ (``world_size`` for a sharded checkpoint, which DCP reshards)."""
     problems = []
     for key in FROZEN_ON_RESUME:
+        if key in allow:
+            continue
         a, b = _get(saved, key), _get(current, key)
         if a is None:
             a = FROZEN_SINCE_ADDED.get(key)
@@ -329,12 +637,13 @@ def read_checkpoint_health(path: str | Path) -> tuple[int, Optional[dict[str, An
         OSError, RuntimeError, ValueError: The file cannot be read as a checkpoint.
     """
     path = Path(path)
-    st = path.stat()
-    key = (str(path.resolve()), st.st_mtime_ns, st.st_size)
+    file = path / META_NAME if path.is_dir() else path
+    st = file.stat()
+    key = (str(file.resolve()), st.st_mtime_ns, st.st_size)
     if key not in _CACHE:
         import torch
 
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
         if not isinstance(state, dict) or "step" not in state:
             raise ValueError(f"{path} is not a stabletrain checkpoint")
         health = state.get("health")
@@ -345,14 +654,16 @@ def read_checkpoint_health(path: str | Path) -> tuple[int, Optional[dict[str, An
 def list_checkpoints(folder: str | Path) -> list[CheckpointInfo]:
     """The run's checkpoints oldest first, one per step: ``step_*.ckpt`` files, and
     ``last.ckpt`` where no periodic file holds its step (a periodic file is preferred: the
-    next run overwrites last.ckpt). Unreadable files are skipped."""
+    next run overwrites last.ckpt). Unreadable files are skipped. A checkpoint recorded healthy
+    but written after a mechanism began (named later, in the run's metrics.jsonl:
+    :func:`~stabletrain.runfiles.history.mechanism_spans`) is listed as not healthy."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
     files = sorted(p for p in folder.iterdir() if _PERIODIC.match(p.name)) + [folder / "last.ckpt"]
     seen: dict[int, CheckpointInfo] = {}
     for path in files:
-        if not path.is_file():
+        if not is_checkpoint(path):
             continue
         try:
             step, health = read_checkpoint_health(path)
@@ -361,7 +672,12 @@ def list_checkpoints(folder: str | Path) -> list[CheckpointInfo]:
         if step in seen:
             continue
         healthy = None if health is None else bool(health.get("healthy"))
-        seen[step] = CheckpointInfo(path, step, healthy, str((health or {}).get("why", "")), health)
+        why = str((health or {}).get("why", ""))
+        if healthy:  # recorded healthy when written; a mechanism named later may have begun before it
+            span = next((m for m in mechanism_spans(folder.parent) if m.covers(step)), None)
+            if span is not None:
+                healthy, why = False, span.why()
+        seen[step] = CheckpointInfo(path, step, healthy, why, health)
     return [seen[s] for s in sorted(seen)]
 
 

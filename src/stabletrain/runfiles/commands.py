@@ -66,7 +66,9 @@ def _value(key: str, value: Any) -> str:
 def train_command(settings: TrainSettings, **start: Any) -> str:
     """``stabletrain train ...`` continuing ``settings``' run with the start settings ``start``
     (``resume_interrupted=True``, ``resume_from=path``, ``overwrite=True``) and any extra
-    ``key=value`` given as ``extra={"debug_args.nancapture.enabled": True}``.
+    ``key=value`` given as ``extra={"debug_args.nancapture.enabled": True}``. ``from_invocation=False``
+    builds it from ``settings`` even in a process that ``stabletrain train`` started (a command for another
+    run, e.g. one read from its settings.json).
 
     Example::
 
@@ -74,12 +76,13 @@ def train_command(settings: TrainSettings, **start: Any) -> str:
         # "stabletrain train out=/abs/out/run ... resume_from=/abs/out/run/checkpoints/step_000040.ckpt"
     """
     extra: dict[str, Any] = dict(start.pop("extra", {}) or {})
+    from_invocation = bool(start.pop("from_invocation", True))
     start_items = []
     for key, value in start.items():
         if key in ("resume_from",) and value is not None:
             value = abs_path(value)
         start_items.append((key, value))
-    if _invocation is not None:
+    if _invocation is not None and from_invocation:
         pairs = []
         for arg in _invocation:
             key, _, raw = arg.partition("=")

@@ -98,3 +98,72 @@ def read_run(path: str | Path) -> RunHistory:
                 by_step[obj["step"]] = obj
     history.rows = [by_step[s] for s in sorted(by_step)]
     return history
+
+
+@dataclass(frozen=True)
+class MechanismSpan:
+    """A mechanism named in a run (``{"event": "mechanism"}`` rows, closed by ``mechanism_end`` rows): from
+    ``start_step`` (when it began) to ``end_step`` (the last logged step its rule held; None while open)."""
+
+    name: str
+    start_step: int
+    detected_step: int
+    end_step: Optional[int]
+
+    def covers(self, checkpoint_step: int) -> bool:
+        """Whether a checkpoint holding ``checkpoint_step`` completed steps was written after the mechanism
+        began and before it ended."""
+        return self.start_step < checkpoint_step and (self.end_step is None or checkpoint_step - 1 <= self.end_step)
+
+    def why(self) -> str:
+        until = "" if self.end_step is None else f", until step {self.end_step}"
+        return (f"written after {self.name} began at step {self.start_step} (named at step {self.detected_step}"
+                f"{until}; metrics.jsonl)")
+
+
+_SPANS: dict[str, tuple[int, int, list[MechanismSpan]]] = {}
+
+
+def mechanism_spans(out: str | Path) -> list[MechanismSpan]:
+    """The mechanisms of the run's current timeline, from ``out/metrics.jsonl`` (empty when it has none).
+
+    Only event lines are parsed (found by text first), and the result is cached by the file's size and
+    modification time: rotation asks at every checkpoint. A resume to step N drops what was named at step N
+    or later before it (that timeline was abandoned)."""
+    path = Path(out) / "metrics.jsonl"
+    try:
+        st = path.stat()
+    except OSError:
+        return []
+    key = str(path.resolve())
+    cached = _SPANS.get(key)
+    if cached is not None and cached[:2] == (st.st_size, st.st_mtime_ns):
+        return cached[2]
+    spans: dict[tuple[str, int], dict[str, Any]] = {}
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if '"event"' not in line or ('"mechanism' not in line and '"resume"' not in line):
+                continue
+            try:
+                ev = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if not isinstance(ev, dict) or not isinstance(ev.get("step"), int):
+                continue
+            kind = ev.get("event")
+            if kind == "resume":
+                spans = {k: v for k, v in spans.items() if v["detected"] < ev["step"]}
+                for v in spans.values():  # the resumed timeline re-decides whether it ended
+                    if v["end"] is not None and v["end"] >= ev["step"]:
+                        v["end"] = None
+            elif kind == "mechanism" and isinstance(ev.get("start_step"), int):
+                spans[(str(ev.get("id")), ev["start_step"])] = {
+                    "name": str(ev.get("name") or ev.get("id")), "start": ev["start_step"], "detected": ev["step"],
+                    "end": None}
+            elif kind == "mechanism_end" and isinstance(ev.get("start_step"), int):
+                found = spans.get((str(ev.get("id")), ev["start_step"]))
+                if found is not None and isinstance(ev.get("end_step"), int):
+                    found["end"] = ev["end_step"]
+    result = [MechanismSpan(v["name"], v["start"], v["detected"], v["end"]) for v in spans.values()]
+    _SPANS[key] = (st.st_size, st.st_mtime_ns, result)
+    return result

@@ -12,13 +12,17 @@ from __future__ import annotations
 import math
 from collections import deque
 from statistics import median
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import torch
 from torch import Tensor
 
 from stabletrain.config import TrendAlertArgs
+from stabletrain.distributed.norms import dtensor_type, local_tensor
 from stabletrain.safety.guard import finite_norms
+
+if TYPE_CHECKING:
+    from stabletrain.debug.mechanisms.rules import MechanismDetector
 
 #: A weight norm this many times the one at the start of the run is a divergence, not learning.
 WEIGHT_GROWTH = 100.0
@@ -39,26 +43,40 @@ def _floating(obj: Any) -> list[Tensor]:
     return []
 
 
-def verify_tensors(state: Mapping[str, Any], device: torch.device) -> Tensor:
+def verify_tensors(state: Mapping[str, Any], device: torch.device, rank: Optional[int] = None) -> Tensor:
     """``[model_bad, optimizer_bad, scaler_bad, weight_norm]`` as a float64 device vector, no
     host sync: each flag is 1 when that part holds a NaN/Inf (or values whose float32 norm
-    overflows); ``weight_norm`` is the L2 norm of the model's floating tensors."""
-    model = finite_norms(_floating(state.get("model", {})), device)
+    overflows); ``weight_norm`` is the L2 norm of the model's floating tensors.
+
+    ``rank``: ``state`` holds this rank's shards (FSDP2 DTensors, a sharded checkpoint): the
+    flags are then this rank's, and the last entry is this rank's share of the *squared* weight
+    norm (its shards, plus the unsharded tensors, which every rank holds whole, on rank 0 only):
+    summed over the ranks (one all-reduce) they give the whole model's, with nothing gathered.
+    """
+    tensors = _floating(state.get("model", {}))
+    model = finite_norms(tensors, device)
     optimizer = finite_norms(_floating((state.get("optimizer") or {}).get("state", {})), device)
     scaler = finite_norms(_floating(state.get("scaler") or {}), device)
     flags = [~torch.isfinite(x) for x in (model, optimizer, scaler)]
-    return torch.stack([*(f.double() for f in flags), model.double()])
+    if rank is None:
+        return torch.stack([*(f.double() for f in flags), model.double()])
+    dt = dtensor_type()
+    shards = [t for t in tensors if dt is not None and isinstance(t, dt)]
+    whole = [t for t in tensors if not (dt is not None and isinstance(t, dt))] if rank == 0 else []
+    square = finite_norms(shards, device).double() ** 2 + finite_norms(whole, device).double() ** 2
+    return torch.stack([*(f.double() for f in flags), square])
 
 
 def nonfinite_entries(state: Mapping[str, Any], param_names: Optional[list[str]] = None, limit: int = 8) -> list[str]:
-    """Which entries of a checkpoint state hold NaN/Inf (host reads: for the failure path)."""
+    """Which entries of a checkpoint state hold NaN/Inf (host reads: for the failure path). Of a
+    sharded state, this rank's shards only: :func:`stabletrain.utils.dist.gather_names` joins the ranks'."""
     found: list[str] = []
     for name, t in (state.get("model") or {}).items():
-        if isinstance(t, Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        if isinstance(t, Tensor) and t.is_floating_point() and not bool(torch.isfinite(local_tensor(t)).all()):
             found.append(f"model {name}")
     for index, entry in ((state.get("optimizer") or {}).get("state") or {}).items():
         for key, t in entry.items():
-            if isinstance(t, Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            if isinstance(t, Tensor) and t.is_floating_point() and not bool(torch.isfinite(local_tensor(t)).all()):
                 known = param_names and isinstance(index, int) and index < len(param_names)
                 who = param_names[index] if known else index  # type: ignore[index]
                 found.append(f"optimizer state {key} of {who}")
@@ -81,11 +99,15 @@ class HealthTracker:
         warmup_steps: lr warmup; spikes during it do not count.
     """
 
-    def __init__(self, settings: Optional[TrendAlertArgs] = None, warmup_steps: int = 0):
+    def __init__(self, settings: Optional[TrendAlertArgs] = None, warmup_steps: int = 0,
+                 mechanisms: Optional["MechanismDetector"] = None):
         from stabletrain.debug.trends import TrendDetector
 
         self.args = settings or TrendAlertArgs()
         self.detector = TrendDetector(self.args, warmup_steps=warmup_steps)
+        #: The rules that name a silent instability in the logged signals: a checkpoint written after one
+        #: began is not healthy (docs/mechanisms.md). None: not judged.
+        self.mechanisms = mechanisms
         self.recent: dict[str, deque[float]] = {s: deque(maxlen=self.args.window) for s in ("loss", "gradient_norm")}
         self._steps: dict[str, deque[int]] = {s: deque(maxlen=self.args.window) for s in self.recent}  # of recent's
         self.initial_weight_norm: Optional[float] = None
@@ -129,8 +151,10 @@ class HealthTracker:
         self.spike = dict(spike) if isinstance(spike, Mapping) else None
 
     def observe(self, step: int, metrics: Mapping[str, Any]) -> None:
-        """Feed one logged step (``loss``, ``gradient_norm``)."""
+        """Feed one logged step (``loss``, ``gradient_norm``, the ``signals/...``)."""
         self.detector.update(step, metrics)
+        if self.mechanisms is not None:
+            self.mechanisms.update(step, metrics)
         for signal, values in self.recent.items():
             v = metrics.get(signal)
             if isinstance(v, (int, float)) and math.isfinite(v):
@@ -174,6 +198,11 @@ class HealthTracker:
             now = f" (now {_f(sp['last_loss'])})" if sp.get("last_loss") is not None else ""
             problems.append(f"the {sp['trigger']} episode the self-healing recovered from at {since} is still open: "
                             f"the loss has not been {level}for {self.args.persist} logged steps in a row{now}")
+        for m in self.mechanisms.found if self.mechanisms is not None else ():
+            if m.start_step < step and (m.end_step is None or step - 1 <= m.end_step):
+                where = f" in {m.where}" if m.where else ""
+                problems.append(f"{m.name}{where} began at step {m.start_step} (named at step {m.detected_step}): "
+                                f"{m.evidence}")
         reference: dict[str, Optional[float]] = {}
         limits = {"loss": self.args.loss_explode_factor, "gradient_norm": self.args.explode_factor}
         for signal, value in (("loss", loss), ("gradient_norm", gradient_norm)):
@@ -192,12 +221,15 @@ class HealthTracker:
             problems.append(f"the weight norm is {weight_norm:.3g}, {weight_norm / start:.3g}x its {start:.3g} at the "
                             f"start of the run (limit {WEIGHT_GROWTH:g}x)")
         healthy = not problems
+        pending = self.mechanisms.pending_since() if self.mechanisms is not None else None
         if healthy:
             parts = ["every tensor finite"]
             if any(reference.values()) and last_step >= 0:
                 parts.append(f"loss {_f(loss)} and gradient_norm {_f(gradient_norm)} at step {last_step} within "
                              f"{limits['loss']:g}x / {limits['gradient_norm']:g}x of the recent logged medians")
             parts.append("no exploding or non-finite episode open")
+            if self.mechanisms is not None:
+                parts.append("no mechanism named in the signals")
             why = "; ".join(parts)
         else:
             why = "; ".join(problems)
@@ -213,6 +245,9 @@ class HealthTracker:
             "weight_norm": _jf(weight_norm),
             "initial_weight_norm": None if start is None else _jf(start),
             "reference": {k: (None if v is None else _jf(v)) for k, v in reference.items()},
+            # A mechanism rule held once and may name one that began at this step: rotation keeps a checkpoint
+            # from before it until the rule decides (docs/mechanisms.md).
+            "pending_since": pending if healthy else None,
             "open_spike": None if self.spike is None else dict(self.spike),  # a resume carries it on
         }
 

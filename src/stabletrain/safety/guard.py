@@ -139,11 +139,11 @@ class GuardFailure:
             why = (weights[0].overflow_text() if weights and weights[0].numel else
                    f"the guard's check takes the float32 L2 norm of the weights, which overflows once values pass "
                    f"about {limit}")
-            return (f"The optimizer step of {where} made the weights so large, from finite gradients {given}, "
+            return (f"The optimizer step of {where} made the weights so large, {given}, "
                     f"that their float32 norm overflows: every value is still finite, but |w| reaches "
                     f"{_fmt(value)} in {name} ({why})")
         t = state[0]
-        return (f"The optimizer step of {where} left optimizer state so large, from finite gradients {given}, that "
+        return (f"The optimizer step of {where} left optimizer state so large, {given}, that "
                 f"its float32 norm overflows: every value is still finite, but {t.name} reaches {_fmt(t.abs_max)} "
                 f"({t.overflow_text()}); the weights stay smaller, |w| up to {_fmt(self.largest_abs)} in "
                 f"{self.largest_name}")
@@ -155,11 +155,14 @@ class GuardFailure:
             return (f"Another rank found a non-finite value at step {self.other_rank_step}; rank {self.rank} "
                     "stopped with it.")
         if self.origin == ORIGIN_OPTIMIZER:
-            given = f"(loss {_fmt(self.loss)}, gradient norm {_fmt(self.gradient_norm)})"
+            if math.isnan(self.loss) and math.isnan(self.gradient_norm):  # check_gradients was not called for it
+                given = "(its loss and gradients were not checked)"
+            else:
+                given = f"from finite gradients (loss {_fmt(self.loss)}, gradient norm {_fmt(self.gradient_norm)})"
             if not self.param_names and not self.state_entries and (self.trips or self.largest_name):
                 head = self._describe_trips(where, given)
             else:
-                head = f"The optimizer step of {where} wrote non-finite values from finite gradients {given}"
+                head = f"The optimizer step of {where} wrote non-finite values {given}"
             parts = [head + "."]
             if self.optimizer:
                 parts.append(f"Optimizer: {self.optimizer}.")
@@ -274,7 +277,9 @@ class StepGuard:
         self.skipped_total = torch.zeros((), dtype=torch.int64, device=self.device)
         #: L2 norm of the parameters after the last checked optimizer step (device float32).
         self.weight_norm = torch.full((), math.nan, dtype=torch.float32, device=self.device)
-        self._last_values = torch.full((3,), math.nan, dtype=torch.float64, device=self.device)
+        # The last check_gradients' loss, gradient norm and skip run; an update checked before any
+        # (a plain loop that only calls check_update) has no loss or norm, and no skipped steps.
+        self._last_values = torch.tensor([math.nan, math.nan, 0.0], dtype=torch.float64, device=self.device)
         self._known: Optional[list[float]] = None
         # A host mirror of the verdict, read as a NumPy array: plain host memory. On the CPU it is
         # refreshed by a CPU copy (there is no device to wait for); on a GPU by an asynchronous
@@ -492,3 +497,45 @@ def _counted(names: Sequence[str], counts: dict[str, int], limit: int = 6) -> st
     text = ", ".join(f"{n} ({counts[n]:,})" if n in counts else n for n in names[:limit])
     return f"{len(names)}: " + text + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
 
+
+
+def join_rank_failures(failure: GuardFailure) -> GuardFailure:
+    """Under FSDP2 each rank reads only its own shards: every rank's failure, joined on every rank
+    (collective: ``all_gather_object``; every rank must call it at the same point, which the guard's
+    agreed stop is). See :func:`joined_failure`."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return failure
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, failure)
+    return joined_failure(failure, parts)
+
+
+def joined_failure(own: GuardFailure, parts: Sequence[GuardFailure]) -> GuardFailure:
+    """``own`` (this rank's failure) with what every rank's ``parts`` found: the names (parameters,
+    gradients, optimizer state) of all ranks in rank order, counts summed; the step, origin and
+    values of ``own`` when this rank found the failure, else of the lowest rank that did; ``rank``
+    and ``stopped_at`` stay this rank's. A rank that found nothing itself then describes the
+    failure the others found instead of "another rank found ..."."""
+    found = [p for p in parts if p.step >= 0]
+    if not found:
+        return own
+    base = own if own.step >= 0 else found[0]
+    joined = GuardFailure(**{f: getattr(base, f) for f in base.__dataclass_fields__})
+    joined.rank, joined.other_rank_step, joined.stopped_at = own.rank, None, own.stopped_at
+    joined.nonfinite = [w for w in WHAT if any(w in p.nonfinite for p in found)]
+    joined.param_names = list(dict.fromkeys(n for p in found for n in p.param_names))
+    joined.param_counts = {}
+    for p in found:
+        for name, count in p.param_counts.items():
+            joined.param_counts[name] = joined.param_counts.get(name, 0) + count
+    joined.state_entries = list(dict.fromkeys(e for p in found for e in p.state_entries))
+    joined.explanation = base.explanation or next((p.explanation for p in found if p.explanation), "")
+    joined.trips = sorted({t.name: t for p in found for t in p.trips}.values(), key=lambda t: -t.abs_max)
+    checked = [p.gradients_elementwise_finite for p in found if p.gradients_elementwise_finite is not None]
+    joined.gradients_elementwise_finite = all(checked) if checked else None
+    largest = max((p for p in found if p.largest_name), key=lambda p: p.largest_abs, default=None)
+    if largest is not None:
+        joined.largest_name, joined.largest_abs = largest.largest_name, largest.largest_abs
+    return joined

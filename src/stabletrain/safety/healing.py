@@ -48,9 +48,12 @@ class RecoveryLimitError(StabletrainError):
 
 
 def snapshot_bytes(state: Any) -> int:
-    """Bytes of the tensors in a (nested) state."""
+    """Bytes of the tensors in a (nested) state; of an FSDP2 DTensor, this rank's shard."""
     if isinstance(state, Tensor):
-        return state.numel() * state.element_size()
+        from stabletrain.distributed.norms import local_tensor
+
+        local = local_tensor(state)
+        return local.numel() * local.element_size()
     if isinstance(state, dict):
         return sum(snapshot_bytes(v) for v in state.values())
     if isinstance(state, (list, tuple)):
@@ -135,7 +138,10 @@ class Healer:
             "quarantine": self.quarantine.state_dict(),
         }
         if self.policy == "rollback" and (self.snapshot is None or self.snapshot["step"] != step):
-            self._set_snapshot(_cpu_copy(state))  # a resume from this checkpoint starts from this snapshot
+            if trainer.sharded and state.get("layout") != "sharded":  # a full checkpoint: rank 0 holds it all
+                self._take_snapshot()
+            else:  # a resume from this checkpoint starts from this snapshot
+                self._set_snapshot(_cpu_copy(state))
 
     def on_checkpoint_load(self, trainer: Any, *, state: dict[str, Any]) -> None:
         saved = (state.get("callbacks") or {}).get("on_instability")
@@ -157,7 +163,6 @@ class Healer:
         """Diagnose the first captures now that training is over (it never holds a step back);
         ``diagnosis.json`` lands next to each capture, where the report reads the verdict.
         ``last``: the newest capture too (a stop at the recovery limit). Returns recovery number -> verdict."""
-        import copy
 
         from stabletrain.debug.diagnose import diagnose
 
@@ -172,7 +177,7 @@ class Healer:
             folder = Path(row["capture"]).parent if t.world_size == 1 else Path(row["capture"]).parent.parent
             custom = t.resolved_settings().get("task") == "custom"
             try:
-                result = diagnose(folder, model=copy.deepcopy(t.model) if custom else None)
+                result = diagnose(folder, model=_replay_model(t) if custom else None)
             except Exception as exc:  # a diagnosis that cannot run must not fail a finished run
                 t.console.info(f"Could not diagnose the capture of step {row['step']}: {type(exc).__name__}: {exc}")
                 continue
@@ -225,6 +230,8 @@ class Healer:
     def _recover(self, rec: Recovery) -> None:
         t = self.trainer
         capture = self._capture(rec)
+        if t.sharded and t.world_size > 1:
+            t.fabric.barrier()  # a sharded capture is every rank's files: all written before any is read
         culprits = self._isolate(rec, capture)
         over = len(self.recoveries) >= self.args.max_recoveries
         row = rec.to_row()
@@ -279,10 +286,13 @@ class Healer:
         """The samples that cause a non-finite step, with evidence (every rank's); [] when none is isolated."""
         t = self.trainer
         found: list[dict[str, Any]] = []
-        if capture is not None and rec.trigger in _NONFINITE:
+        # A sharded capture is every rank's microbatches put together: one rank searches them all.
+        searches = not t.sharded or t.rank == 0
+        if capture is not None and rec.trigger in _NONFINITE and searches:
             custom = t.resolved_settings().get("task") == "custom"
             try:
-                found = isolate_samples(capture.parent, model=t.model if custom else None)
+                found = isolate_samples(capture.parent, model=(_replay_model(t) if t.sharded else t.model)
+                                        if custom else None)
             except Exception as exc:  # the search must never fail the run it protects
                 t.console.info(f"Could not search the samples of step {rec.step}: {type(exc).__name__}: {exc}")
         if t.world_size > 1:
@@ -348,7 +358,8 @@ class Healer:
     # ------------------------------------------------------------------ rollback
 
     def _take_snapshot(self) -> None:
-        state = self.trainer.checkpoint_state(on_cpu=True)
+        # Under FSDP2 each rank keeps a CPU copy of its own shards: 1/world size of the model and optimizer.
+        state = self.trainer.checkpoint_state(on_cpu=True, layout="sharded" if self.trainer.sharded else None)
         state["callbacks"]["on_instability"] = self.guard.state_dict()
         self._set_snapshot(state)
 
@@ -367,11 +378,16 @@ class Healer:
             samples.extend(_flat(self._since[s]))
         if t.world_size > 1:
             samples = self._gather(samples)
-        t.model.load_state_dict(snap["model"])
-        saved_groups = [{k: v for k, v in g.items() if k != "params"} for g in t.optimizer.param_groups]
-        t.optimizer.load_state_dict(snap["optimizer"])
-        for group, kept in zip(t.optimizer.param_groups, saved_groups):
-            group.update(kept)
+        if snap.get("layout") == "sharded":  # FSDP2: each rank puts back its own shards
+            from stabletrain.distributed.dcp import set_sharded_state
+
+            set_sharded_state(t.model, t.optimizer, snap)
+        else:
+            t.model.load_state_dict(snap["model"])
+            saved_groups = [{k: v for k, v in g.items() if k != "params"} for g in t.optimizer.param_groups]
+            t.optimizer.load_state_dict(snap["optimizer"])
+            for group, kept in zip(t.optimizer.param_groups, saved_groups):
+                group.update(kept)
         if t.scaler is not None and snap.get("scaler"):
             t.scaler.load_state_dict(snap["scaler"])
         set_rng_state(snap["rng"][t.rank])
@@ -383,6 +399,17 @@ class Healer:
         # The rows of the abandoned steps are superseded, as after a resume (stabletrain.runfiles.history).
         t.log_event({"event": "resume", "step": t.step, "reason": f"rollback after step {rec.step}"})
         return {"rolled_back_to": t.step, "skipped_steps": steps, "skipped_samples": samples}
+
+
+def _replay_model(trainer: Any) -> Any:
+    """A model a capture can be replayed into in this process: a deep copy of the trainer's, or under
+    FSDP2 (whose DTensor parameters cannot run outside the mesh) the unsharded one the trainer kept
+    the structure of (:meth:`~stabletrain.training.loop.Trainer.unsharded_model`)."""
+    import copy
+
+    if getattr(trainer, "sharded", False):
+        return trainer.unsharded_model()
+    return copy.deepcopy(trainer.model)
 
 
 def _cpu_copy(state: dict[str, Any]) -> dict[str, Any]:

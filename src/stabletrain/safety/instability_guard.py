@@ -134,9 +134,10 @@ class InstabilityGuard:
         if len(self._pending) == len(self._slots.buffers):  # the device is 16 steps behind: wait for the oldest
             self._early.extend(self._resolve(self._pending.popleft()))
         self._pending.append(_Pending(int(step), self.verdict, samples, self._slots))  # indices read only if bad
+        bad = self.verdict[0] > 0
         if self.skipper is not None:
-            self.skipper.save()
-        return self.verdict[0] > 0
+            self.skipper.save(bad)  # torch's AdamW/Adam/SGD: the step itself skips (skip_aware.py)
+        return bad
 
     @property
     def bad(self) -> Tensor:

@@ -15,9 +15,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from stabletrain.runfiles.checkpoint import CheckpointError, checkpoint_dir
+from stabletrain.runfiles.checkpoint import SHARDED, CheckpointError, checkpoint_dir
 from stabletrain.safety.checkpoint_health import HealthTracker, nonfinite_entries, verify_tensors
-from stabletrain.safety.guard import ORIGIN_OPTIMIZER, VERDICT_LEN, NonFiniteStepError, StepGuard
+from stabletrain.safety.guard import ORIGIN_OPTIMIZER, VERDICT_LEN, NonFiniteStepError, StepGuard, join_rank_failures
 from stabletrain.safety.interrupts import StopSignals
 from stabletrain.utils.dist import leading_message
 
@@ -55,7 +55,8 @@ class SafetyNet:
                 max_skipped_steps=s.debug_args.nancapture.max_skipped_steps,
                 rank=trainer.rank, world_size=trainer.world_size,
             )
-        self.health = HealthTracker(s.trend_alerts, warmup_steps=s.model_args.warmup_steps)
+        self.health = HealthTracker(s.trend_alerts, warmup_steps=s.model_args.warmup_steps,
+                                    mechanisms=_mechanism_detector(trainer))
         self.signals = StopSignals()
         self.interrupted: Optional[str] = None
         self._group: Any = None
@@ -81,9 +82,9 @@ class SafetyNet:
             import torch.distributed as dist
 
             self._group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-        # Under FSDP2 the optimizer-step re-run is not available (it reloads unsharded state).
-        if t.settings.debug_args.nancapture.enabled and t.step == 0 and not t.sharded:
-            self.start_state = t.checkpoint_state(on_cpu=True)
+        # Under FSDP2 each rank keeps its own shards (1/world size of the model), nothing gathered.
+        if t.settings.debug_args.nancapture.enabled and t.step == 0:
+            self.start_state = t.checkpoint_state(on_cpu=True, layout="sharded" if t.sharded else None)
         if self.health.initial_weight_norm is None:  # one read, before the first step
             self.health.initial_weight_norm = self._weight_norm()
         self.signals.install()
@@ -92,19 +93,15 @@ class SafetyNet:
         self.signals.restore()
 
     def _weight_norm(self) -> float:
-        """The L2 norm of the model's weights now: the full model's under FSDP2 too, where a
-        checkpoint-like gather to rank 0 gives it (once, at the start)."""
+        """The L2 norm of the model's weights now: the full model's under FSDP2 too, summed from
+        the shards' squared norms (one all-reduce, nothing gathered; once, at the start)."""
         t = self.trainer
-        if t.sharded:
-            from stabletrain.distributed.shards import gather_full_state
-
-            model = gather_full_state(t.model)[0]
-        else:
-            model = t.model.state_dict()
-        norm = verify_tensors({"model": model}, t.fabric.device)[3]
-        if t.sharded and t.world_size > 1:
-            norm = t.fabric.all_reduce(norm.clone(), reduce_op="max")  # rank 0's is the full one
-        return float(norm)
+        if not t.sharded:
+            return float(verify_tensors({"model": t.model.state_dict()}, t.fabric.device)[3])
+        square = verify_tensors({"model": t.model.state_dict()}, t.fabric.device, rank=t.rank)[3]
+        if t.world_size > 1:
+            square = t.fabric.all_reduce(square.clone(), reduce_op="sum")
+        return float(square.sqrt())
 
     # ------------------------------------------------------------------ every step
 
@@ -216,7 +213,9 @@ class SafetyNet:
         guard's verdict). Returns the ``health`` entry; raises when it must not be written."""
         t = self.trainer
         device = t.fabric.device
-        flags = verify_tensors(state, device)
+        # A sharded checkpoint's state is this rank's shards: flags and squared norms summed over the ranks.
+        sharded = state.get("layout") == SHARDED
+        flags = verify_tensors(state, device, rank=t.rank if sharded else None)
         if self._last is not None and self._last[0]:
             losses, gn = self._last
             loss = torch.stack([x.reshape(()).float().to(device) for x in losses]).mean()
@@ -224,8 +223,10 @@ class SafetyNet:
         else:
             loss = gn = torch.full((), math.nan, device=device)
         if t.world_size > 1:
-            flags = t.fabric.all_reduce(flags.clone(), reduce_op="max")
+            flags = t.fabric.all_reduce(flags.clone(), reduce_op="sum" if sharded else "max")
             loss = t.fabric.all_reduce(loss.clone(), reduce_op="mean")
+        if sharded:
+            flags = torch.cat([flags[:3], flags[3:].sqrt()])
         parts = [flags, loss.double().reshape(1), gn.double().reshape(1)]
         terms = self.verdict_terms()
         if terms is not None:
@@ -245,6 +246,10 @@ class SafetyNet:
         t = self.trainer
         names = [n for n, _ in t.model.named_parameters()]
         entries = nonfinite_entries(state, names)
+        if state.get("layout") == SHARDED and t.world_size > 1:  # each rank found its shards': join them
+            from stabletrain.utils.dist import gather_names
+
+            entries = gather_names(entries)
         remedy = failure_remedy(t, t.step)  # the command must not repeat the failure unchanged
         advice, _, _ = resume_advice(t, t.step, extra=remedy.change or None, note=remedy.why)
         kept = checkpoint_dir(t.out) / "last.ckpt"
@@ -284,12 +289,20 @@ class SafetyNet:
 
         assert self.guard is not None
         t = self.trainer
+        settle = getattr(t, "settle_checkpoints", None)
+        if settle is not None:
+            # An asynchronous checkpoint still being written is committed first: the re-run of an
+            # optimizer step and the message look for checkpoints; every rank sees it once rank 0 has.
+            settle()
+            if t.world_size > 1:
+                t.fabric.barrier()
         if host is None:
             host = self.guard.read()
         failure = self.guard.failure(host, stopped_at=stopped_at, other_rank_step=other_step if host[0] < 0 else None)
+        if t.sharded and t.world_size > 1:  # each rank read its own shards: every rank names all ranks' tensors
+            failure = join_rank_failures(failure)
         capture: Optional[Path] = None
-        if (failure.origin == ORIGIN_OPTIMIZER and failure.step >= 0 and t.settings.debug_args.nancapture.enabled
-                and not t.sharded):
+        if failure.origin == ORIGIN_OPTIMIZER and failure.step >= 0 and t.settings.debug_args.nancapture.enabled:
             from stabletrain.safety.optimizer_capture import capture_optimizer_step
 
             capture = capture_optimizer_step(t, failure)
@@ -310,3 +323,15 @@ class SafetyNet:
         raise NonFiniteStepError(message, failure, capture_path=capture,
                                  checkpoint=None if best is None else best.path, command=command,
                                  other_rank=leader != t.rank)
+
+
+def _mechanism_detector(trainer: Any) -> Any:
+    """The mechanism rules for the checkpoints' health (None when the signals are off)."""
+    s = trainer.settings
+    if not s.debug_args.mechanisms.enabled:
+        return None
+    from stabletrain.debug.mechanisms.rules import MechanismDetector, RuleContext
+
+    context = RuleContext.from_settings(s.to_json_dict())
+    context.precision = getattr(trainer, "precision", None) or context.precision
+    return MechanismDetector(s.debug_args.mechanisms, context)

@@ -26,10 +26,10 @@ def _last_step(folder: Path) -> Optional[int]:
     for c in reversed(infos):
         if c.path == last:
             return c.step
-    from stabletrain.runfiles.checkpoint import read_checkpoint_health
+    from stabletrain.runfiles.checkpoint import is_checkpoint, read_checkpoint_health
 
     try:
-        return read_checkpoint_health(last)[0] if last.is_file() else None
+        return read_checkpoint_health(last)[0] if is_checkpoint(last) else None
     except Exception:
         return None
 
@@ -231,8 +231,7 @@ def _resume_advice(trainer: Any, failing_step: Optional[int], extra: Optional[di
             when = f" before step {failing_step}" if failing_step is not None else ""
             return (f"No checkpoint was written{when} (checkpoint_every_num_steps={every}): start again with "
                     f"overwrite=true: {command}", None, command)
-        listed = "; ".join(f"step {c.step}: {(c.health or {}).get('problems', [c.why])[0] if c.health else c.why}"
-                           for c in infos[-3:])
+        listed = "; ".join(f"step {c.step}: {((c.health or {}).get('problems') or [c.why])[0]}" for c in infos[-3:])
         return (f"No checkpoint of this run is healthy ({listed}): start again with overwrite=true: {command}",
                 None, command)
     last = folder / "last.ckpt"
@@ -278,6 +277,8 @@ def guard_message(
                      "without slowing the steps in between; the weights in memory are damaged from step "
                      f"{step} on.")
     lines.append("Nothing damaged was saved: every checkpoint is verified finite before it is written.")
+    if mechanisms_note(trainer, step):
+        lines.append(mechanisms_note(trainer, step))
     rows = logged_rows(trainer)
     unstable = _instability_start(trainer, step)
     optimizer = run_optimizer(trainer)
@@ -331,14 +332,33 @@ def _capture_command(trainer: Any, best: Optional[CheckpointInfo], step: int) ->
     return train_command(s, resume_from=best.path, extra=extra)
 
 
+def mechanisms_note(trainer: Any, step: int) -> str:
+    """"Before it, the logged signals named ..." for a stop at ``step``; "" when they named nothing."""
+    before = _mechanisms_before(trainer, step)
+    if not before:
+        return ""
+    return ("Before it, the logged signals named " + "; then ".join(m.describe() for m in before)
+            + " (docs/mechanisms.md).")
+
+
+def _mechanisms_before(trainer: Any, step: int) -> list[Any]:
+    """The mechanisms the run's signals named that began at or before ``step`` (open or closed since)."""
+    health = getattr(getattr(trainer, "safety", None), "health", None)
+    detector = getattr(health, "mechanisms", None)
+    if detector is None:
+        return []
+    return [m for m in detector.found if m.start_step <= step]
+
+
 def _instability_start(trainer: Any, step: int) -> int:
     """The first step of the instability that ended at ``step``: the start of an exploding or
-    non-finite episode still open in the run's history, else ``step``."""
+    non-finite episode still open in the run's history, or of a mechanism the signals named, else ``step``."""
     safety = getattr(trainer, "safety", None)  # absent in the plain-loop and integration callers
     health = getattr(safety, "health", None)
     if health is None:
         return step
     starts = [e.start_step for e in health.detector.open_episodes() if e.kind in ("exploding", "nonfinite")]
+    starts += [m.start_step for m in _mechanisms_before(trainer, step)]
     return min([step, *starts])
 
 

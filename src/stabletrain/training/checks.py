@@ -190,24 +190,38 @@ def is_fsdp(settings: TrainSettings) -> bool:
     return settings.strategy in ("fsdp", "fsdp2")
 
 
-def sharding_problems(settings: TrainSettings) -> list[str]:
-    """What ``strategy=fsdp`` does not run yet, said before anything starts."""
+def checkpoint_layout(settings: TrainSettings, sharded: bool) -> str:
+    """``"sharded"`` or ``"full"``: what ``checkpoint_format`` means for a run that does (``sharded``)
+    or does not shard its model. ``auto`` is sharded under FSDP2: a model sharded because it does
+    not fit one device is not gathered on one rank to be saved."""
+    fmt = settings.checkpoint_format
+    if fmt == "auto":
+        return "sharded" if sharded else "full"
+    return fmt
+
+
+def checkpoint_problems(settings: TrainSettings) -> list[str]:
+    """``checkpoint_format=sharded`` and ``checkpoint_async`` need FSDP2's shards."""
     s = settings
-    if not is_fsdp(s):
-        return []
     problems = []
-    if not s.torch_compile_args.disable:
+    if s.checkpoint_format == "sharded" and not is_fsdp(s):
         problems.append(
-            "torch_compile_args.disable: torch.compile together with strategy=fsdp is not supported yet (compile "
-            "would have to wrap each sharded block, which is untested); set torch_compile_args.disable=true"
+            f"checkpoint_format: sharded needs strategy=fsdp (each rank writes the shards it holds); with "
+            f"strategy={s.strategy} every rank holds the whole model, which checkpoint_format=full writes in one "
+            "file; use checkpoint_format=full (or auto)"
         )
-    if s.on_instability.policy != "stop":
+    if s.checkpoint_async and (s.checkpoint_format == "full" or not is_fsdp(s)):
         problems.append(
-            f"on_instability.policy: {s.on_instability.policy} is not supported with strategy=fsdp yet (its "
-            "snapshots and restores are written for unsharded tensors); use policy=stop, which keeps every "
-            "checkpoint finite and says where to resume"
+            "checkpoint_async: asynchronous saves are for sharded checkpoints (strategy=fsdp with "
+            f"checkpoint_format=sharded or auto; here strategy={s.strategy}, checkpoint_format={s.checkpoint_format}); "
+            "set checkpoint_async=false"
         )
     return problems
+
+
+def sharding_problems(settings: TrainSettings) -> list[str]:
+    """What sharding (``strategy=fsdp``) needs of the other settings, said before anything starts."""
+    return checkpoint_problems(settings)
 
 
 def resolve_precision(precision: str, accelerator: str) -> str:

@@ -30,9 +30,11 @@ from stabletrain.runfiles.checkpoint import (
     CheckpointError,
     CheckpointInfo,
     checkpoint_dir,
+    is_sharded_checkpoint,
     load_checkpoint,
     newest_healthy,
     remove_temporaries,
+    resolve_checkpoint,
     save_checkpoint,
 )
 from stabletrain.runfiles.lock import RunLock
@@ -107,6 +109,30 @@ class _TrainingStep(nn.Module):
         return self.model.training_step(batch)  # type: ignore[operator]
 
 
+def _broadcast_from_rank0(model: nn.Module) -> None:
+    """Rank 0's parameters and buffers on every rank, before FSDP2 shards them. A model given as an
+    object was built by each process on its own (the script runs once per rank): unseeded, the
+    processes hold different weights, and ``fully_shard`` keeps each rank's rows of its own copy,
+    where DDP would have broadcast rank 0's. Over gloo (the tensors are still on the CPU)."""
+    import torch.distributed as dist
+
+    group: Any = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(t.data, src=0, group=group)
+
+
+def _meta_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` whose parameters and buffers are on the meta device (no memory)."""
+    import copy
+
+    memo: dict[int, Any] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        meta = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(model, memo)
+
+
 def done_line(first: int, end: int, steps: int, seconds: float) -> str:
     """``Done: 500 steps in 0:03:10``; for a resumed run the steps of this run, where it began and
     the total: ``Done: steps 20-99 of 100 in 0:00:35 (80 steps in this run, resumed from step 20)``.
@@ -120,6 +146,16 @@ def done_line(first: int, end: int, steps: int, seconds: float) -> str:
     which = f"step {first}" if ran == 1 else f"steps {first}-{end - 1}"
     this_run = f"{ran} step{'s' if ran != 1 else ''} in this run"
     return f"Done: {which} of {steps} in {took} ({this_run}, resumed from step {first})"
+
+
+def mechanisms_line(named: list[Any], best: Optional[CheckpointInfo], out: Path) -> str:
+    """What a run that ends "Done" with a silent instability must still say (docs/mechanisms.md)."""
+    first = named[0]
+    which = "; ".join(f"{m.name}{' in ' + m.where if m.where else ''} from step {m.start_step}" for m in named)
+    since = (f"the newest healthy checkpoint is {best.path} (step {best.step})" if best is not None
+             else f"no checkpoint from before step {first.start_step} is healthy")
+    return (f"The run finished, but not stable: {which} (named in its signals; docs/mechanisms.md). Checkpoints "
+            f"written since step {first.start_step} are not healthy: {since}. Details: stabletrain report {out}")
 
 
 class Trainer:
@@ -152,6 +188,10 @@ class Trainer:
         self.lock: Optional[RunLock] = None
         #: A failed write on this process (full disk, ...): the run stops after the step, every rank with it.
         self.write_failure: Optional[OSError] = None
+        #: ``"full"`` (one file from rank 0) or ``"sharded"`` (every rank its shards; FSDP2 only).
+        self.checkpoint_layout = "full"
+        #: The sharded checkpoints' writer (:mod:`stabletrain.training.sharded_checkpoints`), None for full files.
+        self.checkpoints: Any = None
 
     # ----------------------------------------------------------------------------- setup
 
@@ -203,9 +243,14 @@ class Trainer:
         state, source = self._set_up()
         if state is not None and source is not None:
             # Restored last so that nothing in setup (model init, loader setup) draws from the RNGs.
-            set_rng_state(state["rng"][self.rank])
+            rng = trainer_state.rng_state_for(self, state)
+            if rng is not None:
+                set_rng_state(rng)
             self.callbacks("on_checkpoint_load", self, state=state)
             trainer_state.continue_history(self, state, source)
+            note = trainer_state.resharding_note(self, state)
+            if note is not None:
+                self.console.info(note)
         self.safety.start()
         try:
             try:
@@ -222,6 +267,7 @@ class Trainer:
                 wait_for_launcher()
             raise
         finally:
+            self.settle_checkpoints()
             self.safety.close()
             self._close()
         return TrainResult(
@@ -254,16 +300,22 @@ class Trainer:
         self.model = self.task.model
         source = Path(s.resume_from) if s.resume_from is not None else (
             checkpoint_dir(self.out) / "last.ckpt" if s.resume_interrupted else None)
-        state = None
-        if source is not None:
-            state = load_checkpoint(source)
-            trainer_state.check_resume(self, state, source)
-            self.model.load_state_dict(state["model"])  # under FSDP2 too: every rank, before sharding
         from stabletrain.distributed.fsdp import is_sharded
 
         self.sharded = is_sharded(fabric)
+        self.checkpoint_layout = checks.checkpoint_layout(s, self.sharded)
+        state = None
+        shards: Optional[Path] = None  # a sharded checkpoint that a sharded run loads with DCP, after sharding
+        if source is not None:
+            source = resolve_checkpoint(source)
+            if self.sharded and is_sharded_checkpoint(source):
+                shards = source
+            state = load_checkpoint(source, tensors=shards is None)
+            trainer_state.check_resume(self, state, source)
+            if shards is None:
+                self.model.load_state_dict(state["model"])  # under FSDP2 too: every rank, before sharding
         if self.sharded:
-            self._set_up_sharded(state)
+            self._set_up_sharded(state, shards)
         else:
             self.optimizer = optim.build_optimizer(self.model, s.model_args)
             if state is not None:
@@ -281,19 +333,33 @@ class Trainer:
         self.loggers = build_loggers(s, self.out) if self.is_rank_zero else []
         self.callbacks = CallbackList([*build_debug_callbacks(self), *s.callbacks])
         self.safety = SafetyNet(self)
+        if self.checkpoint_layout == "sharded":
+            from stabletrain.training.sharded_checkpoints import ShardedCheckpoints
+
+            self.checkpoints = ShardedCheckpoints(self)
         if self.is_rank_zero:
             write_settings(self)
         return state, source
 
-    def _set_up_sharded(self, state: Optional[dict[str, Any]]) -> None:
+    def _set_up_sharded(self, state: Optional[dict[str, Any]], shards: Optional[Path] = None) -> None:
         """FSDP2: shard first (``fully_shard`` replaces every parameter by a sharded one), then
-        build the optimizer from the sharded parameters and load its state (docs/distributed.md)."""
+        build the optimizer from the sharded parameters and load its state (docs/distributed.md);
+        from a sharded checkpoint (``shards``) each rank loads its part of model and optimizer."""
         from stabletrain.distributed.checkpoint_state import load_optimizer_checkpoint
 
-        self.fabric_module = self.fabric.setup_module(_TrainingStep(self.model))
+        self._skeleton = _meta_copy(self.model)  # the structure, no memory: for replays in one process
+        if state is None and shards is None and isinstance(self.settings.model, nn.Module) and self.world_size > 1:
+            _broadcast_from_rank0(self.model)
+        # Compiled after sharding: Fabric unwraps a compiled module, shards it, and compiles the result.
+        module = compile_module(_TrainingStep(self.model), self.settings.torch_compile_args)
+        self.fabric_module = self.fabric.setup_module(module)
         self.optimizer = optim.build_optimizer(self.model, self.settings.model_args)
         self.fabric_optimizer = self.fabric.setup_optimizers(self.optimizer)
-        if state is not None:
+        if shards is not None:
+            from stabletrain.distributed.dcp import load_shards
+
+            load_shards(self.model, self.optimizer, shards)
+        elif state is not None:
             load_optimizer_checkpoint(self.model, self.optimizer, state["optimizer"])
 
     def build_loader(self) -> None:
@@ -331,14 +397,16 @@ class Trainer:
                       reason: str = "") -> str:
         """Where to continue after a failure at ``failing_step``: the newest healthy checkpoint,
         why, and the command to paste (or ``overwrite=true`` when there is none)."""
-        from stabletrain.safety.stop_messages import failure_remedy, resume_advice
+        from stabletrain.safety.stop_messages import failure_remedy, mechanisms_note, resume_advice
 
         if failing_step is None:
             return resume_advice(self, None)[0]
         # A failure: the command carries what to change (the same settings fail again), and says so.
         remedy = failure_remedy(self, failing_step, loss_nonfinite=bool(loss_nonfinite),
                                 skipped_steps=reason == "skipped_steps")
-        return resume_advice(self, failing_step, extra=remedy.change or None, note=remedy.why)[0]
+        note = mechanisms_note(self, failing_step)
+        return (note + " " if note else "") + resume_advice(self, failing_step, extra=remedy.change or None,
+                                                            note=remedy.why)[0]
 
     def healthy_checkpoint(self, before_step: Optional[int] = None) -> Optional[CheckpointInfo]:
         """The newest checkpoint of this run recorded healthy (see :mod:`stabletrain.safety.checkpoint_health`)."""
@@ -366,6 +434,8 @@ class Trainer:
         while self.step < s.steps and self.stop_reason is None:
             self.train_step()
             self.step += 1
+            if self.checkpoints is not None:
+                self.checkpoints.poll()  # an asynchronous write that finished is committed
             self.safety.end_of_step()
             if self.lock is not None:
                 self.lock.heartbeat()
@@ -376,7 +446,7 @@ class Trainer:
         if self.stop_reason is not None and self.safety.interrupted is None:
             # A signal's stop is said once, by interrupt_message below, with the checkpoint and command.
             self.console.info(f"Stopped after step {self.step - 1}: {self.stop_reason}")
-        path = self._save_checkpoint(periodic=False)
+        path = self._save_checkpoint(periodic=False, final=True)
         self.callbacks("on_train_end", self)
         if self.safety.interrupted is not None:
             from stabletrain.safety.stop_messages import interrupt_message
@@ -392,6 +462,9 @@ class Trainer:
                 f"{done_line(first, self.step, s.steps, time.perf_counter() - self.clock.start)}, "
                 f"final loss {loss:.4f}. Checkpoint: {checkpoint_dir(self.out) / 'last.ckpt'}"
             )
+            named = self.safety.health.mechanisms.found if self.safety.health.mechanisms is not None else []
+            if named:
+                self.console.info(mechanisms_line(named, self.healthy_checkpoint(), self.out))
 
     def train_step(self) -> None:
         """One optimizer step: accumulate microbatches, norm, guard, clip, step, guard, log."""
@@ -492,19 +565,26 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def checkpoint_state(self, on_cpu: bool = False) -> dict[str, Any]:
+    def checkpoint_state(self, on_cpu: bool = False, layout: Optional[str] = None) -> dict[str, Any]:
         """The resumable state between steps; ``step`` is the next step to run.
 
         Collective when distributed (the RNG states of all ranks are gathered). ``on_cpu``:
-        a copy on the CPU instead of references to the live tensors."""
-        return trainer_state.checkpoint_state(self, on_cpu)
+        a copy on the CPU instead of references to the live tensors. ``layout`` (FSDP2):
+        ``"sharded"`` for each rank's own shards, ``"full"`` for the state gathered on rank 0; by
+        default the checkpoints' (``checkpoint_layout``)."""
+        return trainer_state.checkpoint_state(self, on_cpu, layout)
 
-    def _save_checkpoint(self, periodic: bool) -> Optional[Path]:
-        """Checkpoint the state after ``self.step`` completed steps (rank 0 writes), once it is
-        verified finite; its health goes into it."""
+    def _save_checkpoint(self, periodic: bool, final: bool = False) -> Optional[Path]:
+        """Checkpoint the state after ``self.step`` completed steps (rank 0 writes; under
+        ``checkpoint_format=sharded`` every rank its shards), once it is verified finite; its
+        health goes into it. ``final``: the end of training (never asynchronous)."""
+        if self.checkpoints is not None:
+            self.checkpoints.finish()  # one write at a time: the previous asynchronous one first
         state = self.checkpoint_state()
         self.callbacks("on_checkpoint_save", self, step=self.step, state=state)
         state["health"] = self.safety.verify(state)
+        if self.checkpoints is not None:
+            return self.checkpoints.save(state, periodic=periodic, final=final)
         path = None
         if self.is_rank_zero:
             try:
@@ -519,6 +599,21 @@ class Trainer:
         if failed:
             raise write_failed_error(self, self.write_failure)
         return path
+
+    def unsharded_model(self) -> nn.Module:
+        """Under FSDP2: the model as it was before sharding, its parameters and buffers allocated
+        empty on the CPU (full size: a capture's weights are loaded into it), for replays in this
+        process (the self-healing's search for culprit samples, its diagnosis)."""
+        import copy
+
+        model = copy.deepcopy(self._skeleton)
+        return model.to_empty(device="cpu")
+
+    def settle_checkpoints(self) -> None:
+        """Before a stop message names a checkpoint: an asynchronous write still running is waited
+        for and committed (no collective; see :class:`~stabletrain.training.sharded_checkpoints.ShardedCheckpoints`)."""
+        if self.checkpoints is not None:
+            self.checkpoints.close()
 
     def _close(self) -> None:
         for logger in self.loggers:

@@ -95,7 +95,7 @@ def out_dir_problems(settings: TrainSettings) -> list[str]:
         ]
     if s.resume_from is not None:
         source = Path(s.resume_from)
-        if not source.is_file():
+        if not source.is_file() and not (source.is_dir() and source.suffix == ".ckpt"):  # a file, or a sharded folder
             return [f"resume_from: no checkpoint file at {source}; {_checkpoints_there(out)}"]
         return _unreadable("resume_from", source, s)
     if s.resume_interrupted:

@@ -48,23 +48,24 @@ def make_fabric(settings: TrainSettings) -> Any:
             f"available here: {', '.join(available)}"
         )
     strategy: Any = s.strategy
+    precision: Any = resolve_precision(s.precision, s.accelerator)
+    plugins: list[Any] = []
     if checks.is_fsdp(s):
-        if resolve_precision(s.precision, s.accelerator) == "16-mixed":
-            raise ConfigError(
-                "precision: 16-mixed (fp16 with loss scaling) together with strategy=fsdp is not supported yet "
-                "(Lightning Fabric's ModelParallelStrategy refuses it, and the GradScaler path under FSDP2 has not "
-                "been run on a GPU); use bf16-mixed, or 32-true"
-            )
         from stabletrain.distributed.fsdp import fabric_strategy
 
         strategy = fabric_strategy(s.strategy)
+        if precision == "16-mixed":
+            # ModelParallelStrategy refuses the precision string; the plugin object gives fp16 autocast with a
+            # GradScaler, whose found-inf check of DTensor gradients is agreed over the mesh (docs/distributed.md).
+            plugins, precision = [fp16_plugin(s.accelerator)], None
     try:
         return Fabric(
             accelerator=s.accelerator,
             devices=s.devices,
             num_nodes=s.num_nodes,
             strategy=strategy,
-            precision=resolve_precision(s.precision, s.accelerator),  # type: ignore[arg-type]
+            precision=precision,
+            plugins=plugins or None,
         )
     except (ValueError, RuntimeError, TypeError, ImportError) as exc:
         raise ConfigError(
@@ -72,6 +73,16 @@ def make_fabric(settings: TrainSettings) -> Any:
             f"accelerator={s.accelerator!r}, devices={s.devices!r}, strategy={s.strategy!r}, "
             f"precision={s.precision!r}: {exc}"
         ) from None
+
+
+def fp16_plugin(accelerator: str, init_scale: float = 2.0**16) -> Any:
+    """Fabric's ``MixedPrecision("16-mixed")`` with a ``torch.amp.GradScaler`` on the device type of
+    ``accelerator`` (``cuda`` for a GPU, ``cpu`` otherwise: fp16 autocast and loss scaling on the CPU too)."""
+    from lightning_fabric.plugins import MixedPrecision
+
+    gpu = accelerator in ("cuda", "gpu") or (accelerator == "auto" and torch.cuda.is_available())
+    device = "cuda" if gpu else "cpu"
+    return MixedPrecision("16-mixed", device, scaler=torch.amp.GradScaler(device, init_scale=init_scale))
 
 
 def prepare_out_dir(settings: TrainSettings, out: Path) -> None:
@@ -120,6 +131,10 @@ def build_debug_callbacks(trainer: Any) -> list[Any]:
         from stabletrain.debug.mechanisms import MechanismSignals
 
         callbacks.append(MechanismSignals(debug.mechanisms))
+        if debug.mechanisms.alerts:
+            from stabletrain.debug.mechanisms.alerts import MechanismAlerts
+
+            callbacks.append(MechanismAlerts(debug.mechanisms))
     return callbacks
 
 

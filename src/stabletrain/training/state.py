@@ -11,16 +11,19 @@ import torch
 
 from stabletrain import __version__
 from stabletrain.errors import ConfigError
-from stabletrain.runfiles.checkpoint import checkpoint_dir, list_checkpoints, resume_conflicts
+from stabletrain.runfiles.checkpoint import SHARDED, checkpoint_dir, list_checkpoints, resume_conflicts
 from stabletrain.utils.rng import get_rng_state
 from stabletrain.utils.text import shell_path
 
 
-def checkpoint_state(trainer: Any, on_cpu: bool = False) -> dict[str, Any]:
+def checkpoint_state(trainer: Any, on_cpu: bool = False, layout: Optional[str] = None) -> dict[str, Any]:
     """The resumable state of ``trainer`` (a Trainer) between steps; ``step`` is the next step to run.
 
     Collective when distributed (the RNG states of all ranks are gathered). ``on_cpu``:
-    a copy on the CPU instead of references to the live tensors."""
+    a copy on the CPU instead of references to the live tensors. ``layout``: ``"sharded"`` for
+    each rank's own shards (DTensors, optimizer state keyed by name: what a sharded checkpoint
+    writes, nothing gathered), ``"full"`` for the full state on rank 0; by default the trainer's
+    ``checkpoint_layout``."""
     rng = get_rng_state()
     if trainer.world_size > 1:
         import torch.distributed as dist
@@ -30,7 +33,13 @@ def checkpoint_state(trainer: Any, on_cpu: bool = False) -> dict[str, Any]:
         rng_all = gathered
     else:
         rng_all = [rng]
-    if trainer.sharded:  # FSDP2: the full state on rank 0's CPU, {} elsewhere (docs/distributed.md)
+    layout = layout or getattr(trainer, "checkpoint_layout", "full")
+    if trainer.sharded and layout == SHARDED:  # each rank's shards, no gather (docs/distributed.md)
+        from stabletrain.distributed.dcp import sharded_state
+
+        parts = sharded_state(trainer.model, trainer.optimizer)
+        model, optimizer = parts["model"], parts["optimizer"]
+    elif trainer.sharded:  # FSDP2: the full state on rank 0's CPU, {} elsewhere (docs/distributed.md)
         from stabletrain.distributed.checkpoint_state import gather_checkpoint_parts
 
         model, optimizer = gather_checkpoint_parts(trainer.model, trainer.optimizer)
@@ -49,6 +58,9 @@ def checkpoint_state(trainer: Any, on_cpu: bool = False) -> dict[str, Any]:
         "stabletrain_version": __version__,
         "torch_version": str(torch.__version__),
     }
+    if trainer.sharded and layout == SHARDED:
+        state["layout"] = SHARDED
+        state["world_size"] = trainer.world_size
     if on_cpu:
         from torch.utils._pytree import tree_map
 
@@ -60,7 +72,9 @@ def check_resume(trainer: Any, state: dict[str, Any], source: Path) -> None:
     """ConfigError listing why ``state`` (loaded from ``source``) cannot continue this run."""
     settings = trainer.settings
     saved = json.loads(state["settings"])
-    problems = resume_conflicts(saved, trainer.resolved_settings())
+    # A sharded checkpoint loads at any world size (DCP reshards; see resharding_note).
+    allow = ("world_size",) if state.get("layout") == SHARDED else ()
+    problems = resume_conflicts(saved, trainer.resolved_settings(), allow=allow)
     which = "resume_from" if settings.resume_from is not None else "resume_interrupted"
     if settings.steps <= int(state["step"]):
         problems.append(
@@ -132,3 +146,24 @@ def honour_quarantine(trainer: Any) -> Optional[str]:
                       for i in indices[:4]) + (f", ... ({len(indices) - 4} more)" if len(indices) > 4 else "")
     return (f"Quarantine: {len(indices)} sample(s) found bad earlier in this run stay out of training "
             f"(listed in {path}): {shown}")
+
+
+def resharding_note(trainer: Any, state: dict[str, Any]) -> Optional[str]:
+    """What a resume at another world size than the checkpoint's keeps exactly, and what not;
+    None at the same world size."""
+    saved = int(json.loads(state["settings"]).get("world_size", trainer.world_size))
+    if saved == trainer.world_size:
+        return None
+    rng = ("each rank continues its own RNG stream" if trainer.world_size <= saved else
+           f"ranks {saved}..{trainer.world_size - 1} start from the seed, not from a saved RNG stream")
+    return (f"Resumed at world size {trainer.world_size} from a checkpoint written at world size {saved}: the weights "
+            "and optimizer state are loaded exactly (DCP reshards them) and every step takes the same samples as it "
+            f"would have (the data order is global), but the steps are not bitwise those of {saved} processes: the "
+            f"gradients are summed in another order, and {rng}.")
+
+
+def rng_state_for(trainer: Any, state: dict[str, Any]) -> Optional[Any]:
+    """This rank's saved RNG state, or None when the checkpoint has none for it (it was written at
+    a smaller world size)."""
+    states = state["rng"]
+    return states[trainer.rank] if trainer.rank < len(states) else None

@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["rank_and_world_size", "max_over_ranks", "any_rank", "ranks_with", "leading_message"]
+__all__ = ["rank_and_world_size", "max_over_ranks", "any_rank", "ranks_with", "leading_message", "gather_names"]
 
 
 def _process_group() -> Optional[Any]:
@@ -108,3 +108,17 @@ def leading_message(level: int, message: str, fabric: Any = None) -> tuple[str, 
     box = [message if rank == leader else None]
     dist.broadcast_object_list(box, src=leader)
     return str(box[0]), leader
+
+
+def gather_names(names: list[str]) -> list[str]:
+    """Every rank's ``names`` joined, on every rank: rank 0's first, then those only later ranks
+    found, in order, each once (``all_gather_object``; one process: ``names`` itself).
+
+    Every rank must call it at the same point (a failure path: it costs a host round trip).
+    """
+    dist = _process_group()
+    if dist is None or dist.get_world_size() == 1:
+        return list(names)
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, list(names))
+    return list(dict.fromkeys(n for part in gathered for n in part))

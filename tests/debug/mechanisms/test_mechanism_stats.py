@@ -144,6 +144,7 @@ def test_output_logits_leave_ignored_rows_out():
     ref = torch.logsumexp(logits.double()[keep], dim=1)
     assert stats.lse_mean().item() == pytest.approx(ref.mean().item(), rel=1e-6)
     assert stats.absmax.item() == pytest.approx(logits.double()[keep].abs().max().item(), rel=1e-6)
+    assert stats.logit_mean().item() == pytest.approx(logits.double()[keep].mean().item(), abs=1e-5)  # of |logits| ~5
     assert stats.rows.item() == 4
 
 
@@ -153,6 +154,7 @@ def test_output_logits_class_dim_one_of_a_segmentation_input():
     stats = logit_stats(*cross_entropy_logits((logits,), {"target": target}))
     ref = torch.logsumexp(logits.double(), dim=1)
     assert stats.lse_mean().item() == pytest.approx(ref.mean().item(), rel=1e-6)
+    assert stats.logit_mean().item() == pytest.approx(logits.double().mean().item(), rel=1e-6, abs=1e-7)
     assert stats.rows.item() == 24
 
 

@@ -50,7 +50,7 @@ def float64_forward_signals(state: dict, microbatches: list[dict], n_layers: int
     model.load_state_dict({k: v.double() for k, v in state.items()})
     maxes = {i: [] for i in range(n_layers)}
     entropies = {i: [] for i in range(n_layers)}
-    lse, absmax = [], []
+    lse, absmax, means = [], [], []
     with torch.no_grad():
         for batch in microbatches:
             ids = batch["input_ids"]
@@ -66,6 +66,7 @@ def float64_forward_signals(state: dict, microbatches: list[dict], n_layers: int
                 x = block(x)
             logits = model.head(model.ln_f(x)).reshape(-1, 256)
             lse.append(torch.logsumexp(logits, -1))
+            means.append(logits.mean(-1))
             absmax.append(logits.abs().max().item())
     out = {}
     for i in range(n_layers):
@@ -75,6 +76,7 @@ def float64_forward_signals(state: dict, microbatches: list[dict], n_layers: int
     out["signals/attn_entropy_min"] = min(torch.cat(e).mean().item() for e in entropies.values())
     out["signals/output_logsumexp"] = torch.cat(lse).mean().item()
     out["signals/output_logit_absmax"] = max(absmax)
+    out["signals/output_logit_mean"] = torch.cat(means).mean().item()
     return out
 
 
@@ -169,22 +171,29 @@ def test_image_task_says_it_has_no_attention(tmp_path, capsys):
         assert row["signals/output_logsumexp"] > 0 and "signals/weight_rms/decay" in row
 
 
-def test_sgd_and_torch_compile_are_named_and_the_rest_is_measured(tmp_path, capsys):
+def test_sgd_is_named_and_under_torch_compile_every_signal_is_measured(tmp_path, capsys):
+    """Compiled (aot_eager: AOTAutograd's graphs, run in Python), the logged steps' forward passes run eagerly
+    for the probes; the values equal an eager run's."""
     import torch._dynamo
 
     torch._dynamo.reset()
-    out = tmp_path / "compiled"
-    train(out=out, torch_compile_args={"disable": False, "backend": "eager"},
-          **tiny_lm(steps=2, model_args={"optimizer": "sgd"}))
+    rows = {}
+    for compiled in (False, True):
+        out = tmp_path / f"compiled{compiled}"
+        train(out=out, torch_compile_args={"disable": not compiled, "backend": "aot_eager"},
+              **tiny_lm(steps=3, log_every_num_steps=2, model_args={"optimizer": "sgd"}))
+        rows[compiled] = read_metrics(out / "metrics.jsonl")[0]
     printed = capsys.readouterr().out
-    assert ("Signals: torch_compile_args.disable=false: the probes run Python inside the forward pass, which the "
-            "compiled graph does not: signals/attn_*, signals/output_* not measured.") in printed
+    assert "torch_compile_args" not in printed, "nothing is left unmeasured under compile"
     assert "Signals: SGD keeps no exp_avg_sq (not an Adam-family optimizer): signals/adam_eps_fraction not measured." \
         in printed
-    rows, _ = read_metrics(out / "metrics.jsonl")
-    assert {k for k in rows[-1] if k.startswith("signals/")} == {
-        "signals/weight_rms/decay", "signals/weight_rms/no_decay", "signals/update_rms/decay",
-        "signals/update_rms/no_decay", "signals/update_rms_max", "signals/update_rms_argmax"}
+    assert [r["step"] for r in rows[True]] == [0, 2]
+    for eager, compiled in zip(rows[False], rows[True]):
+        keys = {k for k in eager if k.startswith("signals/")}
+        assert {k for k in compiled if k.startswith("signals/")} == keys
+        assert {"signals/attn_logit_max", "signals/output_logsumexp", "signals/update_rms_max"} <= keys
+        for k in keys:
+            assert compiled[k] == pytest.approx(eager[k], rel=1e-5, abs=1e-7), k
 
 
 def test_settings_are_checked():

@@ -115,3 +115,133 @@ def test_sgd_at_a_tenth_of_the_lr_trains(run_once):
     weights = values(rows, "signals/weight_rms/decay")
     assert weights[-1] < 5 * weights[0]  # the weights stay at their scale
     assert runs.final_loss(rows) < values(rows, "loss")[0] - 2.5
+
+
+# --------------------------------------------------------------------------------------
+# Each mechanism named: the live alert, the report, diagnose; before the loss is lost
+# --------------------------------------------------------------------------------------
+
+#: reproduction -> (the run, the same run at a good setting, the mechanism the rules must name)
+NAMED = {
+    "attention": (lambda get, **kw: get(runs.run_attention_growth, **kw),
+                  lambda get, **kw: get(runs.run_attention_growth, lr=0.01, **kw), "attention_logit_growth"),
+    "adam_eps": (lambda get, **kw: get(runs.run_adam_eps, **kw),
+                 lambda get, **kw: get(runs.run_adam_eps, eps=1e-8, **kw), "adam_eps"),
+    "sgd": (lambda get, **kw: get(runs.run_sgd_blowup, **kw),
+            lambda get, **kw: get(runs.run_sgd_blowup, lr=0.1, **kw), "runaway_updates"),
+}
+
+
+@pytest.mark.parametrize("name", NAMED)
+def test_the_mechanism_is_named_live_in_the_report_and_by_diagnose(run_once, name):
+    import stabletrain
+    from stabletrain.debug.mechanisms.rules import MECHANISMS
+
+    run, _, mechanism = NAMED[name]
+    rows = run(run_once)
+    label = MECHANISMS[mechanism].name
+    # Live: one alert on the console, one row in metrics.jsonl, at a logged step.
+    (event, *_) = runs.mechanism_events(rows)
+    assert event["id"] == mechanism and event["step"] in {r["step"] for r in rows}
+    assert f"WARNING mechanism: {label}" in rows.console
+    assert event["message"] in rows.console
+    if name == "sgd":  # the guard's stop says what came before the NaN
+        assert f"Before it, the logged signals named {event['message']}" in str(rows.error)
+    # The report: the verdict names it (a run that went non-finite stays non-finite, the mechanism beside it).
+    report = stabletrain.report(rows.out, quiet=True, plots=False)
+    assert report.status["signals"] == label
+    assert report.verdict == ("non-finite" if name == "sgd" else label)
+    assert report.mechanisms[0].start_step == event["start_step"]
+    # diagnose of the run folder (no capture: the guard stopped the SGD run without nancapture).
+    d = stabletrain.diagnose(rows.out, write=False)
+    assert d.verdict.startswith(label) and d.mechanisms[0].detected_step == event["step"]
+    assert "not verified on this run" in d.next_actions[0]
+
+
+@pytest.mark.parametrize("name", NAMED)
+def test_the_good_setting_names_no_mechanism(run_once, name):
+    _, good, _ = NAMED[name]
+    rows = good(run_once)
+    assert runs.mechanism_events(rows) == [] and "WARNING mechanism" not in rows.console
+
+
+def test_the_published_mitigations_remove_the_mechanism(run_once):
+    assert runs.mechanism_events(run_once(runs.run_attention_growth, qk_norm=True)) == []
+    assert runs.mechanism_events(run_once(runs.run_adam_eps, eps=1e-8)) == []
+
+
+@pytest.mark.parametrize("every", [None, 1])
+@pytest.mark.parametrize("name", NAMED)
+def test_the_alert_comes_before_the_loss_is_lost(run_once, name, every):
+    """Lead time: from the first alert to the step the loss stalls (5% above the good setting's, for good) or
+    doubles (docs/mechanisms.md publishes both cadences: the reproduction's own, and every step)."""
+    run, good, _ = NAMED[name]
+    kw = {} if every is None else {"log_every_num_steps": every}
+    rows, reference = run(run_once, **kw), good(run_once, **kw)
+    alert = runs.mechanism_events(rows)[0]["step"]
+    lost = runs.loss_lost_step(rows, reference)
+    assert lost is not None and alert < lost, (alert, lost)
+
+
+def test_checkpoints_after_the_mechanism_began_are_not_healthy(run_once):
+    from stabletrain.runfiles.checkpoint import list_checkpoints, newest_healthy
+
+    rows = run_once(runs.run_attention_growth, checkpoint_every_num_steps=10, max_checkpoints_to_keep=2)
+    event = runs.mechanism_events(rows)[0]
+    start = event["start_step"]
+    folder = rows.out / "checkpoints"
+    best = newest_healthy(folder)
+    assert best is not None and best.step <= start  # the one from before it began, kept by rotation
+    later = [c for c in list_checkpoints(folder) if c.step > start]
+    assert later and not any(c.healthy for c in later)
+    assert all("attention-logit growth" in c.why for c in later)
+    assert f"the newest healthy checkpoint from before it: {best.path}" in rows.console
+    assert "The run finished, but not stable: attention-logit growth in blocks.0.attn" in rows.console
+
+
+# --------------------------------------------------------------------------------------
+# b. output-logit divergence (after attention-logit growth); weight decay removes it
+# --------------------------------------------------------------------------------------
+
+
+def test_the_output_logits_drift_at_lr_0_5_without_weight_decay_and_weight_decay_removes_it(run_once):
+    drift = run_once(runs.run_output_drift)
+    named = {e["id"]: e for e in runs.mechanism_events(drift)}
+    assert "output_logit_divergence" in named, [e["message"] for e in named.values()]
+    output = named["output_logit_divergence"]
+    # Not first: the attention failed before it, and the event says the output drift follows it.
+    assert output["follows"] == "attention_logit_growth" and output["start_step"] > named[output["follows"]]["step"]
+    assert min(values(drift, "signals/output_logit_mean")) < -20
+    # Named in the three places, as a consequence of the attention's failure.
+    import stabletrain
+
+    assert f"WARNING mechanism: {output['message']}" in drift.console
+    report = stabletrain.report(drift.out, quiet=True, plots=False)
+    told = {m.id: m for m in report.mechanisms}
+    assert told["output_logit_divergence"].follows == "attention_logit_growth"
+    assert report.status["signals"] == "attention-logit growth"  # the first cause leads
+    d = stabletrain.diagnose(drift.out, write=False)
+    assert [m.id for m in d.mechanisms][:2] == ["attention_logit_growth", "output_logit_divergence"]
+    decayed = run_once(runs.run_output_drift, weight_decay=0.1)
+    # lr 0.5 is still too high for the attention (named there too); the output drift is gone.
+    assert "output_logit_divergence" not in {e["id"] for e in runs.mechanism_events(decayed)}
+    # Both runs swing to about -14 in the first 10 steps of warmup; after it, only the undecayed one drifts.
+    late = [v for step, v in runs.series(decayed, "signals/output_logit_mean") if step >= 50]
+    assert max(abs(v) for v in late) < 15 < 20 < -min(values(drift, "signals/output_logit_mean"))
+    assert runs.final_loss(decayed) < runs.final_loss(drift) - 1.0
+
+
+def test_diagnose_of_a_capture_names_the_mechanism_that_came_before_it(tmp_path):
+    """The README tour's cause is the updates, not the op where the NaN appeared: diagnose of the capture
+    leads with runaway updates, then says where it ended."""
+    import stabletrain
+
+    rows = runs.run_sgd_blowup(tmp_path, debug_args={"nancapture": {"enabled": True}})
+    (event, *_) = runs.mechanism_events(rows)
+    d = stabletrain.diagnose(rows.out / "debug" / "nan_capture" / "rank0", write=False)
+    assert [m.id for m in d.mechanisms][:1] == ["runaway_updates"]
+    assert d.probable_cause.startswith(f"runaway updates in decay from step {event['start_step']} (named in the "
+                                       f"logged signals at step {event['step']}); the failure is where it ended: ")
+    text = d.to_markdown()
+    assert "## Before it failed: mechanisms in the logged signals" in text and event["message"] in text
+    assert text.index("## Before it failed") < text.index("## Where")

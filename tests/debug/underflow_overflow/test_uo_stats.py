@@ -6,7 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stabletrain.debug.underflow_overflow.stats import Meter, any_nonfinite, to_host, unmasked_nonfinite, value_kind
+from stabletrain.debug.underflow_overflow.stats import (
+    Meter,
+    any_nonfinite,
+    nan_min,
+    raw_stats,
+    tensor_stats,
+    to_host,
+    unmasked_nonfinite,
+    value_kind,
+)
 from stabletrain.utils.sync import CountSyncs
 
 NAN, INF = float("nan"), float("inf")
@@ -60,3 +69,70 @@ def test_meter_measures_a_weight_once_per_change():
     assert meter.weight(w)[1].item() == 6.0
     w.data = torch.tensor([0.25, 0.5])  # a new storage, same Parameter
     assert tuple(x.item() for x in meter.weight(w)) == (0.25, 0.5)
+
+
+def _signed_nan(dtype: torch.dtype) -> torch.Tensor:
+    ints = {torch.float32: torch.int32, torch.float64: torch.int64, torch.float16: torch.int16,
+            torch.bfloat16: torch.int16}[dtype]
+    nan = torch.tensor(NAN, dtype=dtype)
+    return (nan.view(ints) | torch.iinfo(ints).min).view(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_the_kernel_gives_exact_abs_min_and_max_against_float64(dtype, layout):
+    """|t| read back as integers (stats.raw_stats) against a float64 reference: exact, with
+    negative zeros, subnormals, and every value in a vectorised body and a scalar tail."""
+    gen = torch.Generator().manual_seed(0)
+    for n in (1, 3, 67, 1001):
+        base = torch.randn(n, 2, generator=gen, dtype=torch.float64) * 10.0 ** torch.randint(-6, 6, (n, 2), generator=gen)
+        t = base.to(dtype)
+        t[0, 0] = -0.0 if n > 1 else t[0, 0]
+        if n > 3:
+            t[n // 2, 1] = torch.finfo(dtype).tiny / 4  # subnormal (a flushed zero in bf16 is still exact)
+            t[n - 1, 0] = -torch.finfo(dtype).max
+        x = t[:, 0] if layout == "strided" else t.reshape(-1)
+        want = x.double().abs()
+        for scratch in (None, {}):
+            amin, amax = tensor_stats(x, scratch)
+            assert amin.dtype == amax.dtype == dtype
+            assert (amin.double().item(), amax.double().item()) == (want.min().item(), want.max().item()), (n, scratch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bad", ["nan", "-nan", "inf", "-inf"])
+def test_a_non_finite_value_shows_in_the_abs_max_and_a_nan_in_both(dtype, bad):
+    t = torch.randn(100, dtype=torch.float64).to(dtype)
+    t[37] = {"nan": torch.tensor(NAN, dtype=dtype), "-nan": _signed_nan(dtype),
+             "inf": torch.tensor(INF, dtype=dtype), "-inf": torch.tensor(-INF, dtype=dtype)}[bad]
+    lo, hi = raw_stats(t, {})
+    amin, amax = tensor_stats(t, {})
+    if "nan" in bad:
+        assert hi.isnan() and amax.isnan() and amin.isnan(), "a NaN makes both NaN"
+        assert not lo.isnan(), "the raw kernel leaves the abs min to the host (nan_min)"
+        assert nan_min(lo.item(), hi.item())[0] != nan_min(lo.item(), hi.item())[0]
+    else:
+        assert hi.item() == amax.item() == INF and amin.item() == lo.item() == t.double().abs().min().item()
+    assert value_kind(*nan_min(lo.item(), hi.item())) == ("nan" if "nan" in bad else "inf")
+
+
+def test_the_monitor_reads_a_nan_as_nan_in_both_columns(tmp_path):
+    from stabletrain.debug.underflow_overflow.records import Call, Event, StatsRow, host_values
+
+    meter = Meter()
+    t = torch.tensor([2.0, NAN, -0.5])
+    amin, amax, _ = meter.measure(t)
+    row = StatsRow("output[0]", "output", amin, amax, (3,), t.dtype, None, None)
+    values = host_values([Event("forward", 0, 0, "exit", Call("m", "M", None, 1), [row])])
+    lo, hi = values[(0, 0)]
+    assert lo != lo and hi != hi
+
+
+def test_the_same_gradient_handed_to_two_hooks_is_measured_once():
+    meter = Meter()
+    g = torch.randn(4, 3)
+    first = meter.measure(g)
+    second = meter.measure(g)  # autograd passes one tensor to both inputs of an add
+    assert second[0] is first[0] and second[1] is first[1]
+    g.add_(1.0)
+    assert meter.measure(g)[1] is not first[1], "changed in place: measured again"

@@ -9,6 +9,7 @@ from typing import Any
 
 from stabletrain.debug import advice
 from stabletrain.debug.diagnose.classify import SOFTMAX_OPS, damaged_before, op_kind, precision_failure
+from stabletrain.debug.diagnose.run_signals import mechanism_cause
 from stabletrain.debug.diagnose.search import samples_text
 from stabletrain.debug.diagnose.types import NOT_REPRODUCIBLE, PRECISION_INDUCED, Evidence
 from stabletrain.debug.diagnose.weights import huge_from_start
@@ -166,7 +167,15 @@ def largest_text(cap: NaNCapture) -> str:
 
 
 def probable_cause(ev: Evidence, cap: NaNCapture) -> str:
-    """The most likely cause, in plain language."""
+    """The most likely cause, in plain language: a mechanism the logged signals named before the step (runaway
+    updates, ...) first, then where it ended; bad data and what replays cannot reproduce are their own causes."""
+    ending = _probable_cause(ev, cap)
+    if ev.cause == NOT_REPRODUCIBLE or ev.data.status == "isolated" or ev.origin == "data":
+        return ending
+    return mechanism_cause(ev.mechanisms, ending) or ending
+
+
+def _probable_cause(ev: Evidence, cap: NaNCapture) -> str:
     if ev.cause == NOT_REPRODUCIBLE:
         if other_rank_only(ev, cap):
             return "another rank's step failed; this rank only stopped with it"

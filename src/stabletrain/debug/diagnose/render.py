@@ -10,6 +10,7 @@ from typing import Any
 from stabletrain.debug import advice
 from stabletrain.debug.diagnose.classify import damaged_before
 from stabletrain.debug.diagnose.explain import bad_input_text, chain_text, finding_text, out_of_range_text
+from stabletrain.debug.diagnose.run_signals import mechanism_lines
 from stabletrain.debug.diagnose.search import keys_text
 from stabletrain.debug.diagnose.types import NOT_REPRODUCIBLE, DataReport, Evidence
 from stabletrain.debug.op_trace import OpFinding, TensorStat
@@ -22,6 +23,7 @@ def markdown(ev: Evidence, *, summary: str, probable_cause: str, cause_explanati
     sections = [
         title(ev, probable_cause),
         what_happened(summary),
+        mechanism_lines(ev.mechanisms),
         where(ev),
         why(ev, cause_explanation),
         which_data(ev.data),
@@ -31,7 +33,8 @@ def markdown(ev: Evidence, *, summary: str, probable_cause: str, cause_explanati
     ]
     lines = sections[0]
     for section in sections[1:]:
-        lines += ["", *section]
+        if section:
+            lines += ["", *section]
     return "\n".join(lines)
 
 

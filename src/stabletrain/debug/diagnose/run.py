@@ -20,6 +20,7 @@ from stabletrain.debug.diagnose.damage import earlier_damage
 from stabletrain.debug.diagnose.explain import cause_explanation, probable_cause, summary
 from stabletrain.debug.diagnose.locate import locate, nonfinite_inputs, origin, out_of_range_inputs
 from stabletrain.debug.diagnose.result import Diagnosis
+from stabletrain.debug.diagnose.run_signals import RunDiagnosis, diagnose_run, is_run_without_capture, mechanisms_before
 from stabletrain.debug.diagnose.search import isolate, not_searched
 from stabletrain.debug.diagnose.types import HUGE_WEIGHT, Evidence
 from stabletrain.debug.diagnose.weights import history, nonfinite_buffers, param_stats, run_folder, weights_report
@@ -47,8 +48,12 @@ def diagnose(
     write: bool = True,
     huge_weight: float = HUGE_WEIGHT,
     max_subset_replays: int = 64,
-) -> Union[Diagnosis, OptimizerStepDiagnosis]:
+) -> Union[Diagnosis, OptimizerStepDiagnosis, RunDiagnosis]:
     """Diagnose a NaN capture offline: which op, which module, which sample, and why.
+
+    A run folder without a capture (the run never went non-finite) gets
+    :func:`~stabletrain.debug.diagnose.run_signals.diagnose_run`: the mechanisms its logged signals show
+    (attention-logit growth, the Adam eps regime, ...; docs/mechanisms.md) and where to go back to.
 
     A capture of the guard's (``reason == "optimizer_step"``: finite gradients, the optimizer
     step wrote NaN/Inf) gets :func:`~stabletrain.debug.optimizer_step.diagnose_optimizer_step`:
@@ -57,7 +62,7 @@ def diagnose(
     Args:
         capture: A loaded :class:`~stabletrain.debug.replay.NaNCapture`, or a path that
             :func:`~stabletrain.load_nan_capture` accepts (rank folder, ``nan_capture.pt``,
-            folder of all ranks, run folder).
+            folder of all ranks, run folder), or a run folder without a capture.
         model: Your own model, for a capture of one (as for ``load_nan_capture``).
         step_fn: ``step_fn(model, batch) -> loss``, if the model has no ``training_step``.
         device: Where to replay; default: the captured device type when available, else CPU.
@@ -77,6 +82,8 @@ def diagnose(
         print(d)                                  # also in out/boom/debug/nan_capture/rank0/diagnosis.md
         print(d.cause, d.finding.op, d.finding.module, d.data.dataset_indices)
     """
+    if not isinstance(capture, NaNCapture) and is_run_without_capture(Path(capture)):
+        return diagnose_run(capture, write=write)  # never went non-finite: what its signals say
     timings: dict[str, float] = {}
     clock = PhaseTimer(timings)
     with clock("load"):
@@ -124,7 +131,7 @@ def _gather(cap: NaNCapture, dev: torch.device, clock: PhaseTimer, huge_weight: 
         deterministic=replayed.deterministic, matches_capture=replayed.matches_capture, replays=replayed.replays,
         reproduces_in=replayed.reproduces_in, finding=finding, traced_on=traced_on,
         origin=origin(finding, data, weights, precision, traced_on), data=data, weights=weights, history=logged,
-        timings=clock.timings,
+        timings=clock.timings, mechanisms=mechanisms_before(out, cap.step),
     )
     return ev, out
 

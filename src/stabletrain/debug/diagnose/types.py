@@ -237,6 +237,8 @@ class Evidence:
         weights: :class:`WeightsReport`.
         history: The run's last logged metrics rows (step, loss, gradient_norm), when found.
         timings: Seconds per phase.
+        mechanisms: The mechanisms the run's logged signals named before the captured step
+            (:mod:`stabletrain.debug.mechanisms.rules`): why the values got there.
     """
 
     path: str
@@ -260,6 +262,7 @@ class Evidence:
     weights: WeightsReport
     history: list[dict[str, Any]] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
+    mechanisms: list[Any] = field(default_factory=list)
 
     @property
     def cause_title(self) -> str:

@@ -76,15 +76,15 @@ def scan_checkpoints(folder: Path, threshold: float, names: set[str], buffer_nam
     weights are finite and below ``threshold`` and its buffers finite: ``{"path", "step", "abs_max", "healthy"}``."""
     if not folder.is_dir():
         return []
-    from stabletrain.runfiles.checkpoint import CheckpointError, load_checkpoint
+    from stabletrain.runfiles.checkpoint import CheckpointError, is_checkpoint, load_checkpoint
 
     seen: dict[int, dict[str, Any]] = {}
     files = sorted(folder.glob("step_*.ckpt")) + [folder / "last.ckpt"]
     for path in files:
-        if not path.is_file():
+        if not is_checkpoint(path):
             continue
         try:
-            state = load_checkpoint(path)
+            state = load_checkpoint(path, optimizer=False)  # the weights are what is scanned
         except CheckpointError:
             continue
         step = int(state.get("step", -1))

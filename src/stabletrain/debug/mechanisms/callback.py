@@ -16,10 +16,12 @@ class MechanismSignals:
     one host read (``on_log_values``), none on the other steps.
 
     The probes run during each microbatch's forward pass of a logged step (``on_microbatch``
-    to ``on_before_backward``; off under ``torch.compile``), the optimizer's step hooks take
-    the update. What cannot be measured is said once, on the console (``train.log``), and in
-    ``metrics.jsonl``'s ``{"event": "mechanism_signals", ...}`` row of the first logged step,
-    which also lists the attention modules found and the ``parameters`` that
+    to ``on_before_backward``), the optimizer's step hooks take the update. Under
+    ``torch.compile`` the forward passes of logged steps run eagerly
+    (``torch.compiler.set_stance("force_eager")``), the probes' Python being what a compiled
+    graph cannot run; the other steps run compiled. What cannot be measured is said once, on
+    the console (``train.log``), and in ``metrics.jsonl``'s ``{"event": "mechanism_signals",
+    ...}`` row of the first logged step, which also lists the attention modules found and the ``parameters`` that
     ``signals/update_rms_argmax`` counts. Under DDP the probes see this rank's microbatches and
     rank 0's values are logged; under FSDP2 the weight and update values are global.
 
@@ -36,18 +38,20 @@ class MechanismSignals:
         self.monitor: Optional[MechanismMonitor] = None
         self.event: Optional[dict[str, Any]] = None
         self._trainer: Optional[TrainerLike] = None
+        self._compiled = False
+        self._eager = False  # torch.compile's stance is "force_eager" for the forward under way
 
     def on_train_start(self, trainer: TrainerLike) -> None:
         s = trainer.settings
         settings = self._settings or s.debug_args.mechanisms
         self._trainer = trainer
         task = getattr(trainer, "task", None)
-        self.monitor = MechanismMonitor(trainer.model, probes=s.torch_compile_args.disable, updates=settings.updates,
+        self.monitor = MechanismMonitor(trainer.model, probes=settings.probes, updates=settings.updates,
                                         report=self._report, model_name=getattr(task, "model_name", "") or None)
-        if not s.torch_compile_args.disable:
+        if not settings.probes:
             self.monitor.notice(f"{keys.ATTENTION_KEYS}, {keys.OUTPUT_KEYS}",
-                                 "torch_compile_args.disable=false: the probes run Python inside the forward pass, "
-                                 "which the compiled graph does not")
+                                "probes=False (debug_args.mechanisms.probes=false)")
+        self._compiled = settings.probes and not s.torch_compile_args.disable
         self.monitor.set_optimizer(trainer.optimizer)
 
     def _report(self, notice: Notice) -> None:
@@ -62,11 +66,24 @@ class MechanismSignals:
 
     def on_microbatch(self, trainer: TrainerLike, *, step: int, micro_step: int, batch: Any, indices: Any) -> None:
         if self.monitor is not None:
+            if self._compiled and self.monitor.armed:
+                import torch
+
+                torch.compiler.set_stance("force_eager")  # this forward runs eagerly: the probes see its calls
+                self._eager = True
             self.monitor.start_probe()
 
     def on_before_backward(self, trainer: TrainerLike, *, step: int, micro_step: int, loss: Any) -> None:
         if self.monitor is not None:
             self.monitor.stop_probe()
+        self._restore_stance()
+
+    def _restore_stance(self) -> None:
+        if self._eager:
+            import torch
+
+            torch.compiler.set_stance("default")
+            self._eager = False
 
     def on_after_optimizer_step(self, trainer: TrainerLike, *, step: int) -> None:
         if self.monitor is not None:
@@ -94,6 +111,7 @@ class MechanismSignals:
         self._close()
 
     def on_exception(self, trainer: TrainerLike, *, exception: BaseException) -> None:
+        self._restore_stance()
         self._close()
 
     def _close(self) -> None:

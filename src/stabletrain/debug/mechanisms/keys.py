@@ -16,6 +16,7 @@ ATTN_ENTROPY = PREFIX + "attn_entropy"
 ATTN_ENTROPY_MIN = PREFIX + "attn_entropy_min"
 OUTPUT_LOGSUMEXP = PREFIX + "output_logsumexp"
 OUTPUT_LOGIT_ABSMAX = PREFIX + "output_logit_absmax"
+OUTPUT_LOGIT_MEAN = PREFIX + "output_logit_mean"
 WEIGHT_RMS = PREFIX + "weight_rms"
 UPDATE_RMS = PREFIX + "update_rms"
 UPDATE_RMS_MAX = PREFIX + "update_rms_max"
@@ -42,6 +43,8 @@ KEYS: dict[str, str] = {
     OUTPUT_LOGSUMEXP: "output logits' log-partition: logsumexp over the class dimension, averaged over the rows "
                       "that enter the loss (rows whose target is ignore_index left out)",
     OUTPUT_LOGIT_ABSMAX: "largest absolute logit over the same rows",
+    OUTPUT_LOGIT_MEAN: "mean logit over the class dimension and the same rows: the common level of the logits, "
+                       "which the softmax and so the loss ignore",
     f"{WEIGHT_RMS}/<group>": "root mean square of the group's parameters after the step",
     f"{UPDATE_RMS}/<group>": "relative update of the step over the group: norm(w_after - w_before) / norm(w_before), "
                              "the update's RMS over the weights' RMS",

@@ -1,4 +1,4 @@
-"""Output-logit statistics: the log-partition (mean logsumexp over classes) and max |logit|.
+"""Output-logit statistics: the log-partition (mean logsumexp over classes), the mean logit and max |logit|.
 
 The logits are what the loss receives: the input of ``F.cross_entropy`` (class dimension 1, or
 0 for one unbatched row) or of ``log_softmax`` (its ``dim``), seen by
@@ -28,6 +28,8 @@ class LogitStats:
     lse_sum: Tensor
     rows: Tensor
     absmax: Tensor
+    #: Sum over the rows of each row's mean logit (over its classes): the common level the softmax ignores.
+    mean_sum: Tensor
 
     def merge(self, other: "LogitStats") -> "LogitStats":
         device = self.lse_sum.device
@@ -35,11 +37,16 @@ class LogitStats:
             self.lse_sum + other.lse_sum.to(device),
             self.rows + other.rows.to(device),
             torch.maximum(self.absmax, other.absmax.to(device)),
+            self.mean_sum + other.mean_sum.to(device),
         )
 
     def lse_mean(self) -> Tensor:
         """Mean logsumexp per row (NaN when no row was counted)."""
         return self.lse_sum / self.rows
+
+    def logit_mean(self) -> Tensor:
+        """Mean logit over the classes and the rows (NaN when no row was counted)."""
+        return self.mean_sum / self.rows
 
 
 def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str, default: Any = None) -> Any:
@@ -75,7 +82,8 @@ def log_softmax_logits(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optiona
 
 
 def logit_stats(logits: Tensor, class_dim: int, kept: Optional[Tensor]) -> LogitStats:
-    """Sum of the rows' logsumexp, the rows counted and the largest |logit| of those rows.
+    """Sum of the rows' logsumexp, the rows counted, the largest |logit| of those rows and the sum of
+    their mean logits.
 
     Rows are processed in chunks of about :data:`CHUNK_ELEMENTS` logits (logsumexp
     materialises a temporary the size of its input).
@@ -85,17 +93,21 @@ def logit_stats(logits: Tensor, class_dim: int, kept: Optional[Tensor]) -> Logit
     step = max(1, CHUNK_ELEMENTS // max(1, rows.shape[1]))
     lse_sum = torch.zeros((), dtype=torch.float32, device=logits.device)
     absmax = torch.zeros((), dtype=torch.float32, device=logits.device)
+    mean_sum = torch.zeros((), dtype=torch.float32, device=logits.device)
     for start in range(0, rows.shape[0], step):
         block = rows[start : start + step]
         lse = torch.logsumexp(block, dim=-1).float()
         low, high = torch.aminmax(block, dim=-1)
         row_absmax = torch.maximum(low.abs(), high.abs()).float()
+        row_mean = block.mean(dim=-1, dtype=torch.float32)
         if keep is not None:
             k = keep[start : start + step]
             lse = torch.where(k, lse, 0.0)
             row_absmax = torch.where(k, row_absmax, 0.0)
+            row_mean = torch.where(k, row_mean, 0.0)
         lse_sum = lse_sum + lse.sum()
+        mean_sum = mean_sum + row_mean.sum()
         absmax = torch.maximum(absmax, row_absmax.amax())
     count = keep.sum().float() if keep is not None else torch.full((), rows.shape[0], dtype=torch.float32,
                                                                      device=logits.device)
-    return LogitStats(lse_sum, count, absmax)
+    return LogitStats(lse_sum, count, absmax, mean_sum)

@@ -201,6 +201,7 @@ class MechanismMonitor:
         if self.probes.logits is not None:
             out[keys.OUTPUT_LOGSUMEXP] = self.probes.logits.lse_mean()
             out[keys.OUTPUT_LOGIT_ABSMAX] = self.probes.logits.absmax
+            out[keys.OUTPUT_LOGIT_MEAN] = self.probes.logits.logit_mean()
         return out
 
     def device_values(self) -> dict[str, Tensor]:

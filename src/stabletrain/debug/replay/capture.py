@@ -141,9 +141,35 @@ def _reassembled(root: Path, parts: list[RankCapture]) -> tuple[list[RankCapture
     try:
         full = reassemble([_shard_dict(p, p.params, p.params_layout) for p in parts])
         mismatched = replicated_mismatches([_shard_dict(p, p.buffers, None) for p in parts])
+        parts = [dataclasses.replace(p, params=full) for p in parts]
+        if isinstance(parts[0].raw.get("optimizer_step"), dict) and "grads_shards" in parts[0].raw["optimizer_step"]:
+            parts = _optimizer_step_reassembled(parts)
     except ShardError as exc:
         raise NaNCaptureError(f"cannot put the sharded capture in {root} back together: {exc}", root) from None
-    return [dataclasses.replace(p, params=full) for p in parts], mismatched
+    return parts, mismatched
+
+
+def _optimizer_step_reassembled(parts: list[RankCapture]) -> list[RankCapture]:
+    """A sharded run's optimizer-step capture: the gradients and optimizer state of every rank put
+    together (the form an unsharded capture holds), and what the re-run found non-finite on each rank
+    joined, so that any rank's record reads as the whole step's."""
+    entries = [p.raw["optimizer_step"] for p in parts]
+    grads = reassemble([e["grads_shards"] for e in entries])
+    flat = reassemble([e["state_shards"] for e in entries])
+    state = {int(i): dict(st) for i, st in entries[0]["state_dict"]["state"].items()}
+    for key, value in flat.items():
+        index, name = key.split("/", 1)
+        state.setdefault(int(index), {})[name] = value
+    counts: dict[str, int] = {}
+    for e in entries:
+        for name, n in e["after"]["nonfinite_params"].items():
+            counts[name] = counts.get(name, 0) + int(n)
+    after = {"nonfinite_params": counts,
+             "nonfinite_state": list(dict.fromkeys(x for e in entries for x in e["after"]["nonfinite_state"]))}
+    joined = {**entries[0], "grads": grads, "after": after,
+              "reproduced_in_rerun": bool(counts or after["nonfinite_state"]),
+              "state_dict": {"state": state, "param_groups": entries[0]["state_dict"]["param_groups"]}}
+    return [dataclasses.replace(p, raw={**p.raw, "optimizer_step": joined}) for p in parts]
 
 
 def _shard_dict(part: RankCapture, tensors: dict[str, Tensor], layout: Optional[dict[str, Any]]) -> dict[str, Any]:

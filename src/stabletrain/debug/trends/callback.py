@@ -174,10 +174,10 @@ def checkpoint_context(context: AlertContext, trainer: Any) -> None:
 
 
 def _step_of(path: Path) -> Optional[int]:
-    from stabletrain.runfiles.checkpoint import read_checkpoint_health
+    from stabletrain.runfiles.checkpoint import is_checkpoint, read_checkpoint_health
 
     try:
-        return read_checkpoint_health(path)[0] if path.is_file() else None
+        return read_checkpoint_health(path)[0] if is_checkpoint(path) else None
     except Exception:
         return None
 

@@ -142,8 +142,11 @@ def check_settings(settings: TrainSettings) -> list[str]:
     problems = []
     if args.enabled and not settings.torch_compile_args.disable:
         problems.append(
-            "debug_args.underflow_overflow.enabled: cannot be combined with torch_compile_args.disable=false "
-            "(the monitor's per-module hooks and data-dependent checks do not run inside a compiled graph); "
-            "set torch_compile_args.disable=true while debugging, or turn the monitor off"
+            "debug_args.underflow_overflow.enabled: cannot be combined with torch_compile_args.disable=false: the "
+            "monitor reads every module's inputs and outputs at every step, and a compiled graph has no module "
+            "boundaries to read (fused kernels never materialise most of them; running every step eagerly would "
+            "undo the compile). Set torch_compile_args.disable=true while debugging, or keep compiling with "
+            "debug_args.nancapture.enabled=true: the failing step is captured, and stabletrain diagnose replays it "
+            "eagerly and names the op and module where the first NaN/Inf appears"
         )
     return problems

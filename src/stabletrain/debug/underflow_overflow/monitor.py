@@ -23,7 +23,7 @@ from .attribution import Blame, blame, explain, find_culprit, first_nonfinite_sh
 from .errors import UnderflowOverflowAbort, UnderflowOverflowError
 from .records import MAX_DEPTH, Call, Event, GradSite, Role, StatsRow, Values, host_values, tensors_of
 from .render import LogFile, failure_section, log_header, log_path, other_rank_section, trace_section
-from .stats import Meter, any_nonfinite, unmasked_nonfinite, value_kind
+from .stats import Meter, any_nonfinite, check_abs_bits, unmasked_nonfinite, value_kind
 
 __all__ = ["UnderflowOverflowMonitor"]
 
@@ -124,6 +124,8 @@ class UnderflowOverflowMonitor:
         #: FSDP2 (parameters are DTensors): weights are read unsharded at hook time and measured at
         #: every call, weight gradients are this rank's shard. See ``docs/underflow_overflow.md``.
         self.sharded = any(is_dtensor(p) for p in model.parameters())
+        for device in {torch.device("cpu"), *(p.device for p in model.parameters())}:
+            check_abs_bits(device)  # once, here rather than in the first step (stats.py)
         self._attach()
         header = log_header(rank, self._root_cls, len(self._modules), include_backward, sharded=self.sharded)
         self._log = LogFile(self.log_path, header)
@@ -252,8 +254,9 @@ class UnderflowOverflowMonitor:
     def _data_flag(self, t: Tensor) -> Tensor:
         """A device bool: does the model's input ``t`` hold a NaN/Inf that is not an additive
         mask? It takes part in the decision, without a sync."""
-        flag = unmasked_nonfinite(t)
-        self._pending.append(torch.where(flag, float("inf"), 0.0).to(torch.float32))
+        with torch.no_grad():
+            flag = unmasked_nonfinite(t)
+            self._pending.append(torch.where(flag, float("inf"), 0.0).to(torch.float32))
         return flag
 
     def _watch_grad(self, t: Tensor, call: Call, role: str, label: str) -> None:
@@ -272,10 +275,14 @@ class UnderflowOverflowMonitor:
         self._grad_sites[key] = site
 
     def _input_rows(self, call: Call, args: tuple, kwargs: dict, watch: bool) -> list[StatsRow]:
-        lines = []
-        tensors = list(tensors_of(args, "input"))
-        if kwargs:
-            tensors.extend(tensors_of(kwargs, "input"))
+        lines: list[StatsRow] = []
+        tensors: Iterable[tuple[str, Tensor]]
+        if not kwargs and len(args) == 1 and isinstance(args[0], Tensor):
+            tensors = (("input[0]", args[0]),)  # the common call, without walking containers
+        else:
+            tensors = list(tensors_of(args, "input"))
+            if kwargs:
+                tensors.extend(tensors_of(kwargs, "input"))
         for label, t in tensors:
             # Inputs do not decide: an Inf handed to a module (an attention mask) is harmful
             # only if it comes out of it, which its outputs show. Except in the data.
@@ -299,10 +306,10 @@ class UnderflowOverflowMonitor:
             call.batch = int(first[1].shape[0]) if first is not None else None
         self._stack.append(call)
         watch = self.include_backward and torch.is_grad_enabled()
-        with torch.no_grad():
-            weights = self._weights(module, params)
-            lines = [line for name, p in weights if (line := self._stats_row(name, "weight", p)) is not None]
-            lines.extend(self._input_rows(call, args, kwargs, watch))
+        # No no_grad() here: the statistics are taken of detached tensors (Meter.stats).
+        lines = [row for name, p in self._weights(module, params)
+                 if (row := self._stats_row(name, "weight", p)) is not None]
+        lines.extend(self._input_rows(call, args, kwargs, watch))
         if lines:
             self._events.append(Event("forward", self.step, self.micro_step, "enter", call, lines))
         return None
@@ -325,15 +332,14 @@ class UnderflowOverflowMonitor:
         call = self._stack.pop()
         watch = self.include_backward and torch.is_grad_enabled()
         lines = []
-        with torch.no_grad():
-            for label, t in tensors_of(output, "output"):
-                # What the model returns decides: a NaN/Inf inside that never reaches it was
-                # neutralised (a masked softmax). The log still finds where it began.
-                line = self._stats_row(label, "output", t, decisive=call.parent is None)
-                if line is not None:
-                    lines.append(line)
-                    if watch and t.requires_grad:
-                        self._watch_grad(t, call, "output", label)
+        for label, t in tensors_of(output, "output"):
+            # What the model returns decides: a NaN/Inf inside that never reaches it was
+            # neutralised (a masked softmax). The log still finds where it began.
+            line = self._stats_row(label, "output", t, decisive=call.parent is None)
+            if line is not None:
+                lines.append(line)
+                if watch and t.requires_grad:
+                    self._watch_grad(t, call, "output", label)
         if lines:
             self._events.append(Event("forward", self.step, self.micro_step, "exit", call, lines))
         if not self._stack:  # the outermost call returned: this forward is complete
@@ -349,8 +355,7 @@ class UnderflowOverflowMonitor:
         ``training_step``; it is blamed on the model itself."""
         if self._closed or not isinstance(loss, Tensor):
             return
-        with torch.no_grad():
-            line = self._stats_row("loss", "loss", loss.detach())
+        line = self._stats_row("loss", "loss", loss.detach())
         if line is not None:
             call = Call("", self._root_cls, None, id(self.model))
             self._events.append(Event("forward", self.step, self.micro_step, "loss", call, [line]))
@@ -368,17 +373,15 @@ class UnderflowOverflowMonitor:
     def _on_grad(self, site: GradSite, grad: Tensor) -> None:
         if self._closed or grad is None or not grad.is_floating_point() or grad.numel() == 0:
             return None
-        with torch.no_grad():
-            amin, amax = self._meter.stats(grad)
-        line = StatsRow("grad", "grad", amin, amax, tuple(grad.shape), grad.dtype, weakref.ref(grad), None)
+        amin, amax, ref = self._meter.measure(grad)  # the same gradient reaches several hooks: once
+        line = StatsRow("grad", "grad", amin, amax, tuple(grad.shape), grad.dtype, ref, None)
         self._backward_event(Event("backward", self.step, self.micro_step, "grad", None, [line], site), amax)
         return None
 
     def _on_param_grad(self, owner: Call, name: str, shape: tuple, dtype: torch.dtype, grad: Tensor) -> None:
         if self._closed or grad is None or grad.numel() == 0 or grad.is_sparse:
             return None
-        with torch.no_grad():
-            amin, amax = self._meter.stats(grad)
+        amin, amax, _ = self._meter.measure(grad)
         line = StatsRow(f"grad of {name}", "grad", amin, amax, tuple(grad.shape), grad.dtype, None, None)
         self._backward_event(Event("backward", self.step, self.micro_step, "param", owner, [line]), amax)
         return None
@@ -390,8 +393,7 @@ class UnderflowOverflowMonitor:
         local = local_tensor(grad)
         if local.numel() == 0 or local.is_sparse:  # a rank whose shard of a small tensor is empty
             return None
-        with torch.no_grad():
-            amin, amax = self._meter.stats(local)
+        amin, amax = self._meter.stats(local)
         line = StatsRow(f"grad of {name} {SHARD}", "grad", amin, amax, tuple(local.shape), local.dtype, None, None)
         self._backward_event(Event("backward", self.step, self.micro_step, "param", owner, [line]), amax)
         return None

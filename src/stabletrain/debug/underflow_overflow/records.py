@@ -12,7 +12,7 @@ from torch import Tensor
 
 from stabletrain.utils.tree import named_tensors
 
-from .stats import to_host
+from .stats import nan_min, to_host
 
 __all__ = [
     "MAX_DEPTH",
@@ -128,7 +128,7 @@ def host_values(events: list[Event]) -> Values:
             keys.append((i, j))
             tensors.extend((line.amin, line.amax))
     flat = to_host(tensors)
-    return {k: (flat[2 * n], flat[2 * n + 1]) for n, k in enumerate(keys)}
+    return {k: nan_min(flat[2 * n], flat[2 * n + 1]) for n, k in enumerate(keys)}
 
 
 def module_label(path: str, cls: Optional[str]) -> str:

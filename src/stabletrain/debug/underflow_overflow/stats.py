@@ -13,34 +13,94 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["tensor_stats", "Meter", "any_nonfinite", "unmasked_nonfinite", "to_host", "value_kind"]
+__all__ = [
+    "tensor_stats", "raw_stats", "nan_min", "check_abs_bits", "Meter", "any_nonfinite", "unmasked_nonfinite",
+    "to_host", "value_kind",
+]
+
+
+#: The signed integer type of each float type's width: after ``abs`` (sign bit clear) the bit
+#: patterns of non-negative floats order like the floats, NaN above +inf.
+_INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64, torch.float16: torch.int16,
+             torch.bfloat16: torch.int16}
+#: Per (device type, dtype): whether ``abs`` clears the sign bit of a NaN there (checked once).
+_ABS_CLEARS_NAN_SIGN: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def check_abs_bits(device: torch.device | str) -> None:
+    """Check, once per device type, that ``abs`` clears the sign bit of a NaN for each float type
+    (IEEE's abs does; a host read per type). The monitor calls it when it is created, so that the
+    check never falls in a training step."""
+    kind = torch.device(device).type
+    for dtype, ints in _INT_VIEW.items():
+        if (kind, dtype) in _ABS_CLEARS_NAN_SIGN:
+            continue
+        try:
+            # A NaN with its sign bit set, in a vectorised body and a scalar tail, each through abs.
+            nan = torch.full((67,), float("nan"), dtype=dtype, device=device)
+            signed = (nan.view(ints) | torch.iinfo(ints).min).view(dtype)
+            ok = bool((torch.abs(signed).view(ints) >= 0).all())
+        except RuntimeError:  # a type this device lacks
+            ok = False
+        _ABS_CLEARS_NAN_SIGN[(kind, dtype)] = ok
+
+
+def _int_view(t: Tensor) -> Optional[torch.dtype]:
+    """The integer type whose min/max of ``|t|``'s bits are ``|t|``'s abs min/max, or None where
+    that does not hold (a dtype without one, or an ``abs`` that leaves a NaN's sign bit set)."""
+    ints = _INT_VIEW.get(t.dtype)
+    if ints is None:
+        return None
+    ok = _ABS_CLEARS_NAN_SIGN.get((t.device.type, t.dtype))
+    if ok is None:
+        check_abs_bits(t.device)
+        ok = _ABS_CLEARS_NAN_SIGN[(t.device.type, t.dtype)]
+    return ints if ok else None
 
 
 def tensor_stats(t: Tensor, scratch: Optional[dict] = None) -> tuple[Tensor, Tensor]:
     """``(abs min, abs max)`` of ``t`` as device scalars, without a host synchronisation.
 
-    A NaN anywhere makes both NaN and an inf of either sign makes the abs max inf, so the
-    abs max alone decides finiteness.
+    A NaN anywhere makes both NaN and an inf of either sign makes the abs max inf, so the abs
+    max alone decides finiteness.
 
     Args:
         t: A floating-point tensor with at least one element.
         scratch: CPU only: a dict in which to keep a buffer per dtype for ``|t|`` (it grows
             to the largest tensor measured); without it ``|t|`` is allocated afresh.
     """
-    # On the CPU, |t| into a reused buffer then one aminmax was the fastest exact kernel measured
-    # (vector_norm(t, +-inf) is not vectorised there, and a fresh |t| costs far more on a busy
-    # machine). On a GPU vector_norm(t, +-inf) are fused passes that never materialise |t|, a
-    # temporary as large as the activation (the logits, say).
+    lo, hi = raw_stats(t.detach(), scratch)
+    return torch.where(torch.isnan(hi), hi, lo), hi
+
+
+def raw_stats(t: Tensor, scratch: Optional[dict] = None) -> tuple[Tensor, Tensor]:
+    """:func:`tensor_stats` as the hooks take it, without the device op per tensor that makes the
+    abs min NaN too: with a NaN in ``t`` the abs max is NaN but the abs min may be the smallest
+    other magnitude. :func:`nan_min` applies "a NaN makes both NaN" on the host, when a report
+    reads the values.
+
+    ``t`` must be detached (no graph is recorded) and have at least one element.
+    """
+    # On the CPU: |t| into a reused buffer, then one min/max over its bits read as integers
+    # (faster than over floats: no NaN handling; exact, since |t| has no sign bit). Fused passes
+    # that never write |t| (vector_norm(t, +-inf)) are not vectorised there. On a GPU
+    # vector_norm(t, +-inf) are fused passes that never materialise |t|, a temporary as large as
+    # the activation (the logits, say). Measured: docs/benchmarks.md, "Kernel choice".
     if t.device.type == "cpu":
         if scratch is None:
-            return torch.aminmax(t.abs())
-        n = t.numel()
-        buf = scratch.get(t.dtype)
-        if buf is None or buf.numel() < n:
-            buf = scratch[t.dtype] = torch.empty(n, dtype=t.dtype)
-        out = buf[:n].view(t.shape)
-        torch.abs(t, out=out)
-        return torch.aminmax(out)
+            out = torch.abs(t)
+        else:
+            n = t.numel()
+            buf = scratch.get(t.dtype)
+            if buf is None or buf.numel() < n:
+                buf = scratch[t.dtype] = torch.empty(n, dtype=t.dtype)
+            out = buf[:n].view(t.shape)
+            torch.abs(t, out=out)
+        ints = _int_view(t)
+        if ints is None:
+            return torch.aminmax(out)
+        lo, hi = torch.aminmax(out.view(ints))
+        return lo.view(t.dtype), hi.view(t.dtype)
     return torch.linalg.vector_norm(t, float("-inf")), torch.linalg.vector_norm(t, float("inf"))
 
 
@@ -54,15 +114,18 @@ class Meter:
         self._local = threading.local()  # per-thread scratch buffers of tensor_stats
 
     def stats(self, t: Tensor) -> tuple[Tensor, Tensor]:
+        """:func:`tensor_stats` of ``t`` (detached here: the hooks run without ``no_grad``)."""
         buffers = getattr(self._local, "buffers", None)
         if buffers is None:
             buffers = self._local.buffers = {}
-        return tensor_stats(t, buffers)
+        return raw_stats(t.detach(), buffers)
 
     def measure(self, t: Tensor) -> tuple[Tensor, Tensor, Any]:
         """``(abs min, abs max, weak reference)`` of ``t`` (no reference to an inference tensor)."""
         # A tensor is often the output of one module and the input of the next, and of the
-        # parents of both: measure each (tensor, version) once per forward.
+        # parents of both: measure each (tensor, version) once per forward. In the backward pass
+        # autograd hands the same gradient tensor to several hooks (both inputs of an add):
+        # measured once too.
         if t.is_inference():
             return (*self.stats(t), None)
         key = id(t)
@@ -128,6 +191,11 @@ def to_host(tensors: list[Tensor]) -> list[float]:
         for i, v in zip(idx, values, strict=True):
             out[i] = v
     return out
+
+
+def nan_min(amin: float, amax: float) -> tuple[float, float]:
+    """Host values of :func:`raw_stats`: a NaN anywhere makes the abs min NaN too."""
+    return (amax, amax) if amax != amax else (amin, amax)
 
 
 def value_kind(amin: float, amax: float) -> Optional[str]:

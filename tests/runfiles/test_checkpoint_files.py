@@ -1,0 +1,221 @@
+"""The checkpoint files of a run, without training: what is written where, rotation (and the newest
+healthy checkpoint it keeps), the free-space check, temporaries, reading back, the reasons a file
+cannot be read, and where to continue from when one cannot (docs/checkpoints.md)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import zipfile
+
+import pytest
+import torch
+
+from stabletrain.runfiles import checkpoint as ck
+from stabletrain.utils.text import shell_path
+
+
+def _state(step: int, healthy: bool | None = True, why: str = "fine") -> dict:
+    state = {"step": step, "model": {"w": torch.full((4,), float(step))}}
+    if healthy is not None:
+        state["health"] = {"healthy": healthy, "why": why}
+    return state
+
+
+def _names(folder) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def test_a_checkpoint_is_written_as_last_ckpt_and_a_periodic_one_as_both(tmp_path):
+    out = tmp_path / "run"
+    last = ck.save_checkpoint(_state(3), out, periodic=False, keep=5)
+    folder = out / "checkpoints"
+    assert last == folder / "last.ckpt" and _names(folder) == ["last.ckpt"]
+    state = ck.load_checkpoint(last)
+    assert (state["format"], state["version"], state["step"]) == ("stabletrain.runfiles.checkpoint", 1, 3)
+    assert "T" in state["saved_at"] and torch.equal(state["model"]["w"], torch.full((4,), 3.0))
+    ck.save_checkpoint(_state(4), out, periodic=True, keep=5)
+    assert _names(folder) == ["last.ckpt", "step_000004.ckpt"]
+    assert (folder / "last.ckpt").read_bytes() == (folder / "step_000004.ckpt").read_bytes()
+    assert ck.periodic_name(12) == "step_000012.ckpt" and ck.checkpoint_dir(out) == folder
+
+
+def test_rotation_keeps_the_newest_periodic_files(tmp_path):
+    out = tmp_path / "run"
+    for step in range(1, 6):
+        ck.save_checkpoint(_state(step), out, periodic=True, keep=2)
+    assert _names(out / "checkpoints") == ["last.ckpt", "step_000004.ckpt", "step_000005.ckpt"]
+    ck.save_checkpoint(_state(6), out, periodic=True, keep=0)
+    assert _names(out / "checkpoints") == ["last.ckpt"]
+    assert ck.load_checkpoint(out)["step"] == 6
+
+
+def test_rotation_keeps_the_newest_healthy_checkpoint_while_the_newest_is_not(tmp_path):
+    out = tmp_path / "run"
+    for step, healthy in ((1, True), (2, True), (3, False), (4, False)):
+        ck.save_checkpoint(_state(step, healthy), out, periodic=True, keep=1)
+    assert _names(out / "checkpoints") == ["last.ckpt", "step_000002.ckpt", "step_000004.ckpt"]
+    best = ck.newest_healthy(out / "checkpoints")
+    assert best is not None and (best.step, best.path.name) == (2, "step_000002.ckpt")
+    # Healthy again: rotation goes back to keeping the newest only.
+    ck.save_checkpoint(_state(5, True), out, periodic=True, keep=1)
+    assert _names(out / "checkpoints") == ["last.ckpt", "step_000005.ckpt"]
+
+
+def test_an_unhealthy_checkpoint_does_not_overwrite_the_only_copy_of_the_newest_healthy_one(tmp_path):
+    out = tmp_path / "run"
+    ck.save_checkpoint(_state(3, True), out, periodic=False, keep=1)
+    ck.save_checkpoint(_state(5, False, "exploding"), out, periodic=False, keep=1)
+    folder = out / "checkpoints"
+    assert _names(folder) == ["last.ckpt", "step_000003.ckpt"]
+    assert ck.load_checkpoint(folder / "step_000003.ckpt")["step"] == 3 and ck.load_checkpoint(out)["step"] == 5
+    # A healthy one that already has its periodic file is not copied again; a healthy write copies nothing.
+    ck.save_checkpoint(_state(6, True), out, periodic=False, keep=1)
+    assert _names(folder) == ["last.ckpt", "step_000003.ckpt"]
+
+
+def test_not_enough_space_is_refused_before_writing(tmp_path, monkeypatch):
+    from stabletrain.utils import io
+
+    out = tmp_path / "run"
+    ck.save_checkpoint(_state(1), out, periodic=False, keep=1)
+    last = out / "checkpoints" / "last.ckpt"
+    size = last.stat().st_size
+    before = last.read_bytes()
+    needed = int(size * 1.05) + 2**16  # the last checkpoint is larger than this state's tensors
+    monkeypatch.setattr(io, "free_bytes", lambda folder: needed - 1)
+    with pytest.raises(ck.NotEnoughSpaceError) as info:
+        ck.save_checkpoint(_state(2), out, periodic=False, keep=1)
+    err = info.value
+    assert (err.errno, err.needed, err.free, err.filename) == (errno.ENOSPC, needed, needed - 1, str(last))
+    assert f"not enough free space for the checkpoint ({needed / 2**20:,.1f} MiB needed, " in str(err)
+    assert last.read_bytes() == before
+    monkeypatch.setattr(io, "free_bytes", lambda folder: needed)
+    ck.save_checkpoint(_state(2), out, periodic=False, keep=1)  # exactly enough
+    # A periodic checkpoint is written twice (step_N.ckpt and its copy as last.ckpt).
+    monkeypatch.setattr(io, "free_bytes", lambda folder: 2 * needed - 1)
+    with pytest.raises(ck.NotEnoughSpaceError) as info:
+        ck.save_checkpoint(_state(3), out, periodic=True, keep=1)
+    assert info.value.needed == 2 * needed and info.value.filename == str(out / "checkpoints" / "step_000003.ckpt")
+    monkeypatch.setattr(io, "free_bytes", lambda folder: None)  # unknown: not checked
+    ck.save_checkpoint(_state(3), out, periodic=True, keep=1)
+
+
+def test_the_free_space_check_counts_the_state_s_tensors(tmp_path, monkeypatch):
+    from stabletrain.utils import io
+
+    big = {"step": 1, "model": {"w": torch.zeros(100_000)}}  # 400,000 bytes, no checkpoint yet
+    needed = int(400_000 * 1.05) + 2**16
+    monkeypatch.setattr(io, "free_bytes", lambda folder: needed - 1)
+    with pytest.raises(ck.NotEnoughSpaceError) as info:
+        ck.check_free_space(big, tmp_path, periodic=False)
+    assert info.value.needed == needed and info.value.filename == str(tmp_path / "last.ckpt")
+
+
+def test_remove_temporaries_removes_only_the_dot_tmp_files_of_killed_writers(tmp_path):
+    out = tmp_path / "run"
+    ck.save_checkpoint(_state(1), out, periodic=False, keep=1)
+    stray = [out / ".metrics.jsonl.x1.tmp", out / "checkpoints" / ".last.ckpt.y2.tmp"]
+    for p in stray:
+        p.write_bytes(b"partial")
+    (out / "keep.tmp").write_text("not a temporary of ours")
+    assert sorted(ck.remove_temporaries(out)) == sorted(stray)
+    assert not any(p.exists() for p in stray) and (out / "keep.tmp").exists()
+    assert ck.remove_temporaries(tmp_path / "nothing") == []
+
+
+def test_load_checkpoint_finds_last_ckpt_and_names_the_fallback_when_missing(tmp_path):
+    out = tmp_path / "run"
+    ck.save_checkpoint(_state(2), out, periodic=True, keep=3)
+    assert ck.load_checkpoint(out)["step"] == 2
+    assert ck.load_checkpoint(out / "checkpoints")["step"] == 2
+    (out / "checkpoints" / "last.ckpt").unlink()
+    with pytest.raises(ck.CheckpointError) as info:
+        ck.load_checkpoint(out)
+    missing = out / "checkpoints" / "last.ckpt"
+    assert str(info.value) == (f"no checkpoint at {missing}. The newest healthy checkpoint is "
+                               f"{out / 'checkpoints' / 'step_000002.ckpt'} (step 2); continue from it: "
+                               f"resume_from={shell_path(out / 'checkpoints' / 'step_000002.ckpt')}")
+    older = tmp_path / "older.ckpt"
+    torch.save({"format": "stabletrain.runfiles.checkpoint", "step": 1}, older)  # no version: format 0
+    assert ck.load_checkpoint(older)["step"] == 1
+
+
+def test_unreadable_reasons(tmp_path):
+    assert ck.unreadable_reason(tmp_path / "none.ckpt").startswith("cannot open it (")
+    empty = tmp_path / "empty.ckpt"
+    empty.write_bytes(b"")
+    assert ck.unreadable_reason(empty) == "the file is empty (0 bytes)"
+    cut = tmp_path / "cut.ckpt"
+    cut.write_bytes(b"x" * 1234)
+    assert ck.unreadable_reason(cut) == ("the file is cut short or is not a checkpoint (1,234 bytes without the index "
+                                         "torch.save writes last)")
+    other_zip = tmp_path / "other.zip"
+    with zipfile.ZipFile(other_zip, "w") as z:
+        z.writestr("a.txt", "a")
+        z.writestr("b.txt", "b")
+    assert ck.unreadable_reason(other_zip) == "the file is a zip archive but not a torch checkpoint (no data.pkl among " \
+                                              "2 entries)"
+    good = tmp_path / "good.ckpt"
+    torch.save({"a": 1}, good)
+    assert ck.unreadable_reason(good) is None
+    with pytest.raises(ck.CheckpointError, match=r"cannot read checkpoint .*empty.ckpt: the file is empty \(0 bytes\)"):
+        ck.load_checkpoint(empty)
+
+
+def test_fallback_advice_for_each_kind_of_neighbour(tmp_path):
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    failed = folder / "last.ckpt"
+    failed.write_bytes(b"garbage")
+    assert ck.fallback_advice(failed) == f"No other checkpoint in {folder} can be read; start again: overwrite=true"
+    torch.save({"format": "stabletrain.runfiles.checkpoint", "step": 2}, folder / "step_000002.ckpt")  # no health
+    assert ck.fallback_advice(failed) == (
+        f"The newest readable checkpoint is {folder / 'step_000002.ckpt'}, step 2 (health not recorded: written by an "
+        f"older stabletrain); continue from it: resume_from={shell_path(folder / 'step_000002.ckpt')}")
+    (folder / "step_000002.ckpt").unlink()
+    torch.save(_state(4, False, "exploding"), folder / "step_000004.ckpt")
+    assert ck.fallback_advice(failed, command=lambda **kw: json.dumps(kw, default=str)) == (
+        f"No other checkpoint in {folder} is healthy (the newest, {folder / 'step_000004.ckpt'}, is step 4 (not "
+        f'healthy: exploding)); start again: {{"overwrite": true}}')
+    torch.save(_state(3, True), folder / "step_000003.ckpt")
+    best = ck.fallback_checkpoint(failed)
+    assert best is not None and (best.step, best.healthy, best.reason()) == (3, True, "step 3 (healthy: fine)")
+
+
+def test_list_checkpoints_prefers_the_periodic_file_and_skips_unreadable_ones(tmp_path):
+    out = tmp_path / "run"
+    for step in (2, 4):
+        ck.save_checkpoint(_state(step, step == 2, "why" if step == 4 else "fine"), out, periodic=True, keep=5)
+    folder = out / "checkpoints"
+    (folder / "step_000009.ckpt").write_bytes(b"torn")
+    (folder / "notes.txt").write_text("x")
+    infos = ck.list_checkpoints(folder)
+    assert [(c.step, c.path.name, c.healthy, c.why) for c in infos] == [
+        (2, "step_000002.ckpt", True, "fine"), (4, "step_000004.ckpt", False, "why")]
+    assert ck.list_checkpoints(tmp_path / "none") == []
+    ck.save_checkpoint(_state(6, None), out, periodic=False, keep=5)  # last.ckpt alone holds step 6
+    infos = ck.list_checkpoints(folder)
+    assert [(c.step, c.path.name, c.healthy) for c in infos][-1] == (6, "last.ckpt", None)
+    assert infos[-1].reason() == "step 6 (health not recorded: written by an older stabletrain)"
+    assert [c.step for c in infos] == [2, 4, 6]
+    assert ck.newest_healthy(folder).step == 2 and ck.newest_healthy(folder, before_step=1) is None
+    ck.save_checkpoint(_state(8, True), out, periodic=True, keep=5)
+    assert ck.newest_healthy(folder).step == 8 and ck.newest_healthy(folder, before_step=7).step == 2
+    with pytest.raises(ValueError, match="is not a stabletrain checkpoint"):
+        torch.save({"a": 1}, tmp_path / "x.ckpt")
+        ck.read_checkpoint_health(tmp_path / "x.ckpt")
+
+
+def test_resume_conflicts_name_each_frozen_setting_that_changed():
+    saved = {"task": "language_model", "batch_size": 8, "model_args": {"dim": 32}, "seed": 0}
+    now = {"task": "language_model", "batch_size": 16, "model_args": {"dim": 32, "qk_norm": False}, "seed": 0}
+    assert ck.resume_conflicts(saved, now) == [
+        "batch_size: the checkpoint was trained with 8, now 16; this setting cannot change on resume (start a new run "
+        "in another out folder instead)"]
+    now2 = {**saved, "model_args": {"dim": 32, "qk_norm": True}}
+    assert ck.resume_conflicts(saved, now2) == [
+        "model_args.qk_norm: the checkpoint was trained with false, now true; this setting cannot change on resume "
+        "(start a new run in another out folder instead)"]
+    assert ck.resume_conflicts({**saved, "model_args": 3}, saved)[0].startswith(
+        "model_args.dim: the checkpoint was trained with null, now 32")

@@ -1,0 +1,84 @@
+"""The guard under FSDP2: what each rank found in its own shards, joined (``joined_failure``), and the
+optimizer-step capture of a sharded run, written as shards and put back together by diagnose. In one
+process (world size 1, the trainer's FSDP2 code path); the 2-process run with damage on one rank only is
+tests/distributed/test_fsdp_guard.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import stabletrain
+from conftest import tiny_lm
+from stabletrain.safety.guard import (
+    ORIGIN_GRADIENTS,
+    ORIGIN_OPTIMIZER,
+    GuardFailure,
+    NonFiniteStepError,
+    joined_failure,
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _process_group(fsdp_in_process):
+    """Fabric's process group of one for FSDP2 in this process, ended after the module."""
+    yield
+
+
+def _failure(rank, step, **kw):
+    base = dict(step=step, rank=rank, world_size=3, origin=ORIGIN_OPTIMIZER, nonfinite=[], loss=1.0,
+                gradient_norm=2.0, stopped_at=5)
+    return GuardFailure(**{**base, **kw})
+
+
+def test_a_rank_that_found_nothing_describes_what_the_others_found():
+    parts = [
+        _failure(0, -1, other_rank_step=5),
+        _failure(1, 5, nonfinite=["parameters"], param_names=["a.weight"], param_counts={"a.weight": 2},
+                 explanation="rank 1's why"),
+        _failure(2, 5, nonfinite=["parameters", "optimizer_state"], param_names=["a.weight", "b.weight"],
+                 param_counts={"a.weight": 3, "b.weight": 1}, state_entries=["b.weight: exp_avg"],
+                 largest_name="b.weight", largest_abs=math.inf),
+    ]
+    joined = joined_failure(parts[0], parts)
+    assert (joined.rank, joined.step, joined.other_rank_step, joined.origin) == (0, 5, None, ORIGIN_OPTIMIZER)
+    assert joined.param_names == ["a.weight", "b.weight"] and joined.param_counts == {"a.weight": 5, "b.weight": 1}
+    assert joined.nonfinite == ["parameters", "optimizer_state"] and joined.state_entries == ["b.weight: exp_avg"]
+    assert joined.explanation == "rank 1's why" and joined.largest_name == "b.weight"
+    assert "Parameters with NaN/Inf: 2: a.weight (5), b.weight (1)." in joined.describe()
+    assert "Another rank" not in joined.describe() and "(rank 0 of 3)" in joined.describe()
+    # A rank that found it keeps its own values and adds the others' names.
+    own = joined_failure(parts[2], parts)
+    assert own.rank == 2 and own.largest_name == "b.weight" and own.param_names == ["a.weight", "b.weight"]
+
+
+def test_gradient_names_of_every_rank_and_elementwise_finiteness_joined():
+    parts = [_failure(r, 4, origin=ORIGIN_GRADIENTS, nonfinite=["gradient_norm"], param_names=[f"p{r}"],
+                      gradients_elementwise_finite=not r) for r in range(3)]
+    joined = joined_failure(parts[0], parts)
+    assert joined.param_names == ["p0", "p1", "p2"] and joined.gradients_elementwise_finite is False
+    assert joined_failure(parts[0], [_failure(0, -1), _failure(1, -1)]) is parts[0], "nobody found it: unchanged"
+
+
+def test_the_optimizer_step_of_a_sharded_run_is_captured_as_shards_and_diagnosed(tmp_path):
+    """16-true AdamW under FSDP2: eps is 0 in float16, the first update divides by 0. The guard re-runs the
+    step from the shards kept at the start (no gather) and captures each rank's shards of the gradients and
+    optimizer state; diagnose puts them together and reproduces the step."""
+    out = tmp_path / "half"
+    with pytest.raises(NonFiniteStepError) as info:
+        stabletrain.train(out=out, strategy="fsdp", accelerator="cpu", devices=1, precision="16-true",
+                          debug_args={"nancapture": {"enabled": True}}, **tiny_lm(steps=5, checkpoint_every_num_steps=1))
+    err = info.value
+    assert (err.step, err.origin) == (0, ORIGIN_OPTIMIZER) and "tok_emb.weight" in err.param_names
+    raw = torch.load(err.capture_path, weights_only=True)
+    entry = raw["optimizer_step"]
+    assert raw["sharded"] is True and entry["source"]["path"] == "the start of the run"
+    assert entry["grads"] == {} and set(entry["grads_shards"]["tensors"]) == set(raw["params"])
+    assert entry["state_shards"]["tensors"] == {}, "AdamW creates its state in its first step, this one"
+    assert sorted(entry["after"]["nonfinite_params"]) == sorted(err.param_names)
+    d = stabletrain.diagnose(err.capture_path, write=False)
+    assert d.cause == "optimizer_step" and d.reproduced and d.float32_finite and d.gradients_finite
+    assert set(d.nonfinite_params) == set(err.param_names)
+    assert d.gradient_norm == d.captured_gradient_norm, "forward and backward replayed bitwise"
