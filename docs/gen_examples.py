@@ -49,10 +49,7 @@ FENCE = re.compile(r"^```(?P<lang>[\w-]*)[^\n]*\n(?P<body>.*?)^```", re.S | re.M
 OUTPUT_LANGS = ("console", "json", "text", "")
 NOT_OUTPUT = re.compile(r"<!-- not-output: [^>]+ -->\n$")
 #: Hand-written output blocks left as they are, by page and first line, with the reason.
-HAND_WRITTEN = {
-    ("docs/mechanisms.md", "Signals: no attention found in SmallCNN"):
-        "docs/mechanisms.md is being rewritten on issue 20's branch; its generator comes with it",
-}
+HAND_WRITTEN: dict[tuple[str, str], str] = {}
 
 
 class GenError(Exception):
@@ -222,6 +219,7 @@ RUNS: dict[str, Run] = {
     "attention": Run((ATTENTION,)),
     "attention-report": Run(("stabletrain report out/attention",), needs=("attention",)),
     "attention-diagnose": Run(("stabletrain diagnose out/attention",), needs=("attention",)),
+    "cnn-signals": Run(("stabletrain train out=out/cnn task=image_classification steps=2",), cheap=True),
     "false-alarms": Run(("python benchmarks/mechanism_false_alarms.py",),
                         files={"benchmarks/mechanism_false_alarms.py":
                                (ROOT / "benchmarks/mechanism_false_alarms.py").read_text()}),
@@ -504,6 +502,7 @@ BLOCKS: dict[str, Block] = {
     "mechanisms-row": metrics_row("demo", "out/demo/metrics.jsonl", lambda r: r.get("step") == 0 and "loss" in r,
                                   keys=MECHANISM_KEYS, digits=3),
     "mechanisms-plain": console("mechanisms-plain"),
+    "cnn-signals": console("cnn-signals", trim=pick(r"^Signals: ")),
     "mechanism-alert": console("attention", trim=pick(r"^WARNING mechanism", r"^  next", r"^  the newest",
                                                       r"^The run finished", r"^Done", first=(r"^step ",))),
     "mechanism-row": metrics_row("attention", "out/attention/metrics.jsonl", lambda r: r.get("event") == "mechanism",
