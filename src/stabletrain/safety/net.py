@@ -299,6 +299,7 @@ class SafetyNet:
         if host is None:
             host = self.guard.read()
         failure = self.guard.failure(host, stopped_at=stopped_at, other_rank_step=other_step if host[0] < 0 else None)
+        found_here = failure.step >= 0  # in this rank's own tensors (its shards, under FSDP2)
         if t.sharded and t.world_size > 1:  # each rank read its own shards: every rank names all ranks' tensors
             failure = join_rank_failures(failure)
         capture: Optional[Path] = None
@@ -312,7 +313,8 @@ class SafetyNet:
             # Every rank reports the message of the rank closest to the cause (its own loss non-finite,
             # then its own finding): a rank that saw only the NaN gradients averaged in from another
             # rank's loss must not name another cause (see utils.dist.leading_message).
-            level = 2 if failure.step >= 0 and "loss" in failure.nonfinite else (1 if failure.step >= 0 else 0)
+            # Under FSDP2 every rank names all ranks' tensors, but a rank whose own shards are finite does not lead.
+            level = 2 if found_here and "loss" in failure.nonfinite else (1 if found_here else 0)
             message, leader = leading_message(level, message, t.fabric)
         self._log_failure_rows(failure)
         t.log_event({
