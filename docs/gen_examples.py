@@ -15,7 +15,10 @@ to a file and run, so the code shown is the code that ran.
     python docs/gen_examples.py --list
 
 To add a block: add a Run (unless an existing one prints what you need) and a Block below, put the
-two markers where the output goes, and run ``--only NAME``. Timings in outputs (steps/s, ETA,
+two markers where the output goes, and run ``--only NAME``. A ``console``, ``json``, ``text`` or
+bare fenced block outside markers is refused (:func:`hand_written_outputs`): output comes from a
+Run; a block that is no program's output says so with ``<!-- not-output: what it is -->`` on the
+line before it. Timings in outputs (steps/s, ETA,
 seconds) are whatever the generating machine measured; figures that matter live in benchmarks.md.
 """
 
@@ -40,6 +43,13 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 MARKER = re.compile(r"<!-- gen:(?P<name>[\w.-]+) -->\n(?P<body>.*?)<!-- /gen:(?P=name) -->", re.S)
 OPEN_MARKER = re.compile(r"<!-- (/?)gen:([\w.-]+) -->")
 EXAMPLE = re.compile(r"<!-- example:(?P<name>[\w.-]+) -->\n```python\n(?P<code>.*?)```", re.S)
+FENCE = re.compile(r"^```(?P<lang>[\w-]*)[^\n]*\n(?P<body>.*?)^```", re.S | re.M)
+#: Fenced blocks in these languages show what a program printed, unless the line before says
+#: ``<!-- not-output: what it is -->`` (a tree drawn by hand, a table of hooks).
+OUTPUT_LANGS = ("console", "json", "text", "")
+NOT_OUTPUT = re.compile(r"<!-- not-output: [^>]+ -->\n$")
+#: Hand-written output blocks left as they are, by page and first line, with the reason.
+HAND_WRITTEN: dict[tuple[str, str], str] = {}
 
 
 class GenError(Exception):
@@ -68,6 +78,8 @@ class Run:
         files: Files written into the workspace first: name -> text or Example.
         hide: Modules made unimportable, to show what a user without them sees.
         cheap: A few seconds; ``--check`` runs it.
+        stderr: Show what the commands print on stderr too (False: a framework's own log lines
+            there are left out, as the docs say).
     """
 
     commands: Union[tuple[str, ...], Callable[["Workspace"], tuple[str, ...]]]
@@ -76,6 +88,7 @@ class Run:
     files: dict[str, Union[str, Example]] = field(default_factory=dict)
     hide: tuple[str, ...] = ()
     cheap: bool = False
+    stderr: bool = True
 
 
 # SGD at lr 1 with the default warmup: healthy for ~25 steps, then the weights grow until a
@@ -93,6 +106,31 @@ ATTENTION = ("stabletrain train out=out/attention model_args.lr=0.1 model_args.w
 PLAIN = "stabletrain diagnose out/plain/nan_capture/rank0 --model example.py:Net --step-fn example.py:my_step_fn"
 # A 201-byte text file: 3 windows of 65 tokens, fewer than one batch of 32.
 SMALL_TEXT = ("It was the best of times, it was the worst of times, " * 4)[:200] + "\n"
+# The built-in language model at the tests' size (tests/conftest.py TINY_LM): a run of a few seconds.
+TINY = ("batch_size=8 model_args.n_layers=1 model_args.n_heads=2 model_args.dim=32 model_args.context_length=16 "
+        "model_args.dropout=0.0 log_every_num_steps=1")
+# SIGTERM once step 20 is logged (as SLURM or Kubernetes would stop the job), then wait for the exit.
+SIGTERM = ("stabletrain train out=out/term steps=1000 log_every_num_steps=1 & "
+           "until grep -qs '\"step\": 20,' out/term/metrics.jsonl; do sleep 1; done; kill -TERM $!; wait $!")
+# 42 images in two class folders, two of which cannot be read: a text file named .jpg, a JPEG cut short.
+MAKE_IMAGES = """\
+from pathlib import Path
+
+from PIL import Image
+
+for label in ("cat", "dog"):
+    Path("images", label).mkdir(parents=True, exist_ok=True)
+    for i in range(20):
+        Image.new("RGB", (32, 32), (8 * i, 100, 200)).save(f"images/{label}/{i}.jpg")
+Path("images/cat/20.jpg").write_text("not an image")
+data = Path("images/dog/0.jpg").read_bytes()
+Path("images/dog/cut.jpg").write_bytes(data[: len(data) // 2])
+"""
+
+
+def _example_files(name: str) -> dict[str, Union[str, Example]]:
+    """An integration example as the repository has it, at the path its page shows."""
+    return {f"examples/integrations/{name}": (ROOT / "examples" / "integrations" / name).read_text()}
 
 
 def _resume_commands(ws: "Workspace") -> tuple[str, ...]:
@@ -144,9 +182,44 @@ RUNS: dict[str, Run] = {
     "lr-sensitivity": Run(("python benchmarks/lr_sensitivity.py",),
                           files={"benchmarks/lr_sensitivity.py": (ROOT / "benchmarks/lr_sensitivity.py").read_text()}),
     "heal": Run(("python heal.py",), files={"heal.py": Example("heal")}),
+    # docs/blowups.md
+    "explode": Run(("stabletrain train out=out/explode model_args.lr=1e3 steps=60",), code=1),
+    "half": Run((f"stabletrain train out=out/half precision=16-true {TINY} debug_args.nancapture.enabled=true",),
+                code=1),
+    "half-diagnose": Run(("stabletrain diagnose out/half/debug/nan_capture/rank0",), needs=("half",)),
+    "diverge": Run((f"stabletrain train out=out/diverge model_args.optimizer=sgd model_args.lr=3 {TINY} steps=40 "
+                    "model_args.warmup_steps=10 checkpoint_every_num_steps=2 max_checkpoints_to_keep=1",), code=1),
+    "sigterm": Run((SIGTERM,), code=143),
+    # docs/checkpoints.md
+    "cut-checkpoint": Run(("stabletrain train out=out/cut steps=20 checkpoint_every_num_steps=10",
+                           "truncate -s 0 out/cut/checkpoints/last.ckpt",
+                           "stabletrain train out=out/cut steps=30 resume_interrupted=true"), code=2),
+    # docs/training.md
+    "bad-images": Run(("python make_images.py", "stabletrain train out=o model=cnn data=images"), code=2,
+                      files={"make_images.py": MAKE_IMAGES}, cheap=True),
+    "warmup-warning": Run(("stabletrain train out=out/warm steps=20 model_args.warmup_steps=50",)),
+    # docs/benchmarks.md
+    "gpu-check-skip": Run(('CUDA_VISIBLE_DEVICES="" bash benchmarks/gpu_check.sh',), cheap=True, files={
+        f"benchmarks/{f}": (ROOT / "benchmarks" / f).read_text() for f in ("gpu_check.sh", "gpu_check.py")}),
+    # docs/integrations/: the example files as the repository has them
+    "hf-example": Run(("python examples/integrations/hf_trainer_example.py out/hf_trainer",), code=1,
+                      files=_example_files("hf_trainer_example.py")),
+    "hf-diagnose": Run(("stabletrain diagnose out/hf_trainer/debug/nan_capture/rank0",), needs=("hf-example",)),
+    "lightning-example": Run(("python examples/integrations/lightning_example.py out/lightning",), code=1,
+                             files=_example_files("lightning_example.py"), stderr=False),
+    "lightning-diagnose": Run(("stabletrain diagnose out/lightning/debug/nan_capture/rank0 "
+                               "--model examples/integrations/lightning_example.py:SiameseLit",),
+                              needs=("lightning-example",)),
+    "accelerate-example": Run(("torchrun --nproc_per_node 2 examples/integrations/accelerate_example.py "
+                               "out/accelerate",), code=1, files=_example_files("accelerate_example.py"), stderr=False),
+    "accelerate-diagnose": Run(("stabletrain diagnose out/accelerate/debug/nan_capture "
+                                "--model examples/integrations/accelerate_example.py:Siamese "
+                                "--step-fn examples/integrations/accelerate_example.py:step_fn",),
+                               needs=("accelerate-example",)),
     "attention": Run((ATTENTION,)),
     "attention-report": Run(("stabletrain report out/attention",), needs=("attention",)),
     "attention-diagnose": Run(("stabletrain diagnose out/attention",), needs=("attention",)),
+    "cnn-signals": Run(("stabletrain train out=out/cnn task=image_classification steps=2",), cheap=True),
     "false-alarms": Run(("python benchmarks/mechanism_false_alarms.py",),
                         files={"benchmarks/mechanism_false_alarms.py":
                                (ROOT / "benchmarks/mechanism_false_alarms.py").read_text()}),
@@ -273,13 +346,14 @@ class Block:
     copy: dict[str, str] = field(default_factory=dict)
 
 
-def console(*runs: str, trim: Optional[Trim] = None, exact: bool = False) -> Block:
-    """The runs' commands, each after ``$``, and their output (trimmed), as a console block."""
+def console(*runs: str, trim: Optional[Trim] = None, exact: bool = False, last: bool = False) -> Block:
+    """The runs' commands, each after ``$``, and their output (trimmed), as a console block; with
+    ``last``, only each run's last command (the ones before it prepare its input, as the docs say)."""
 
     def render(ws: "Workspace") -> str:
         text: list[str] = []
         for run in runs:
-            for command, output in ws.outputs[run]:
+            for command, output in ws.outputs[run][-1:] if last else ws.outputs[run]:
                 text.append(f"$ {command}")
                 lines = output.splitlines()
                 text.extend(_rstrip(trim(lines) if trim else lines))
@@ -383,6 +457,8 @@ BLOCKS: dict[str, Block] = {
     "tour-resume": console("resume", trim=head_tail(3, 1)),
     # docs/training.md
     "train-demo": console("demo", trim=head_tail(5, 2)),
+    "bad-images": console("bad-images", exact=True, last=True),
+    "warmup-warning": console("warmup-warning", trim=pick(r"^Warning: ")),
     "demo-metrics-row": metrics_row("demo", "out/demo/metrics.jsonl", lambda r: r.get("step") == 10 and "loss" in r,
                                     keys=DEMO_KEYS),
     "settings-errors": console("settings-errors", "settings-errors-2", exact=True),
@@ -426,6 +502,7 @@ BLOCKS: dict[str, Block] = {
     "mechanisms-row": metrics_row("demo", "out/demo/metrics.jsonl", lambda r: r.get("step") == 0 and "loss" in r,
                                   keys=MECHANISM_KEYS, digits=3),
     "mechanisms-plain": console("mechanisms-plain"),
+    "cnn-signals": console("cnn-signals", trim=pick(r"^Signals: ")),
     "mechanism-alert": console("attention", trim=pick(r"^WARNING mechanism", r"^  next", r"^  the newest",
                                                       r"^The run finished", r"^Done", first=(r"^step ",))),
     "mechanism-row": metrics_row("attention", "out/attention/metrics.jsonl", lambda r: r.get("event") == "mechanism",
@@ -437,6 +514,28 @@ BLOCKS: dict[str, Block] = {
     "false-alarms": console_then_markdown("false-alarms"),
     "lr-sensitivity": Block(("lr-sensitivity",), console_then_markdown("lr-sensitivity").render,
                             copy={"out/lr_sensitivity/lr_sensitivity.png": "docs/img/lr_sensitivity.png"}),
+    # docs/benchmarks.md
+    "gpu-check-skip": console("gpu-check-skip"),
+    # docs/blowups.md
+    "explode": console("explode", trim=drop(r"^Signals: ")),
+    "half": console("half", trim=pick(r"NonFiniteStepError", r"^Training stopped", r"^It carries", r"^Next:",
+                                      r"^  - ")),
+    "half-diagnose": console("half-diagnose", trim=pick(r"^\*\*Verdict", sections=(r"^## What happened", r"^## Why",
+                                                                                  r"^## Next actions"))),
+    "diverge-health": console("diverge", trim=pick(r"^The newest healthy checkpoint", r"^It carries")),
+    "sigterm": console("sigterm", trim=pick(r"^SIGTERM", r"^Continue with")),
+    # docs/checkpoints.md
+    "cut-checkpoint": console("cut-checkpoint", trim=pick(r"^Done", r"cannot read")),
+    # docs/integrations/
+    "hf-example": console("hf-example"),
+    "hf-diagnose": console("hf-diagnose", trim=head_tail(34, 0)),
+    "hf-next-actions": file_block("hf-diagnose", "out/hf_trainer/debug/nan_capture/rank0/diagnosis.md",
+                                  trim=pick(sections=(r"^## Next actions",))),
+    "lightning-example": console("lightning-example"),
+    "lightning-diagnose": console("lightning-diagnose"),
+    "accelerate-example": console("accelerate-example"),
+    "accelerate-diagnose": console("accelerate-diagnose", trim=pick(r"^# Diagnosis", r"^\*\*Verdict",
+                                                                    sections=(r"^## Which data",))),
     # docs/remedies.md
     "remedies": console("diagnose-verify", trim=pick(r"^Verifying ", r"^\[\d+/\d+\] ", r"^Added ",
                                                      r"^verification cost", sections=(r"^# Verified remedies",))),
@@ -461,7 +560,9 @@ class Workspace:
         self.seconds: dict[str, float] = {}
         bin_dir = root / ".bin"
         bin_dir.mkdir()
-        for name, argv in (("stabletrain", f'"{sys.executable}" -m stabletrain'), ("python", f'"{sys.executable}"')):
+        wrappers = (("stabletrain", f'"{sys.executable}" -m stabletrain'), ("python", f'"{sys.executable}"'),
+                    ("python3", f'"{sys.executable}"'), ("torchrun", f'"{sys.executable}" -m torch.distributed.run'))
+        for name, argv in wrappers:
             (bin_dir / name).write_text(f'#!/bin/sh\nexec {argv} "$@"\n')
             (bin_dir / name).chmod(0o755)
         hide_dir = root / ".hide"
@@ -524,7 +625,8 @@ class Workspace:
         outputs = []
         for i, command in enumerate(commands):
             proc = subprocess.run(["bash", "-c", command], cwd=self.root, env=env, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True, timeout=3600)
+                                  stderr=subprocess.STDOUT if spec.stderr else subprocess.DEVNULL, text=True,
+                                  timeout=3600)
             expected = spec.code if i == len(commands) - 1 else 0
             if proc.returncode != expected:
                 raise GenError(f"run {name}: `{command}` exited with {proc.returncode}, the docs say {expected}; "
@@ -551,9 +653,32 @@ def examples_of(pages: dict[Path, str]) -> dict[str, str]:
     return found
 
 
+def hand_written_outputs(pages: dict[Path, str]) -> list[str]:
+    """Fenced blocks that look like a program's output (console, json, text or no language) outside
+    ``<!-- gen:NAME -->`` markers: output that no command here produced."""
+    problems = []
+    for path, text in pages.items():
+        where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+        spans = [m.span() for m in MARKER.finditer(text)]
+        for m in FENCE.finditer(text):
+            if m.group("lang") not in OUTPUT_LANGS or any(a <= m.start() < b for a, b in spans):
+                continue
+            if NOT_OUTPUT.search(text[:m.start()]):
+                continue
+            first = m.group("body").split("\n", 1)[0]
+            if any(str(where) == page and first.startswith(line) for page, line in HAND_WRITTEN):
+                continue
+            line = text[:m.start()].count("\n") + 1
+            problems.append(f"{where}:{line}: a ```{m.group('lang')} block outside <!-- gen:NAME --> markers "
+                            f"({first[:60]!r}): generate it (a Run and a Block here), or say what it is with "
+                            "<!-- not-output: ... --> on the line before when it is no program's output")
+    return problems
+
+
 def marker_problems(pages: dict[Path, str]) -> list[str]:
-    """Markers without a block, blocks without a marker, markers that are not closed."""
-    problems, used = [], set()
+    """Markers without a block, blocks without a marker, markers that are not closed, and output
+    blocks outside markers (:func:`hand_written_outputs`)."""
+    problems, used = hand_written_outputs(pages), set()
     for path, text in pages.items():
         where = path.relative_to(ROOT)
         closed = {m.group("name") for m in MARKER.finditer(text)}

@@ -95,6 +95,20 @@ def test_every_example_output_has_a_generator_and_every_generator_a_place():
     assert gen_examples.marker_problems(gen_examples.read_pages()) == []
 
 
+def test_a_hand_written_output_block_is_caught():
+    """Output must come from the command beside it: a console/json/text block outside gen markers is a
+    problem, unless the line before says it is no program's output."""
+    page = ROOT / "docs" / "x.md"
+    text = ("# X\n\n```console\n$ stabletrain train out=o\nDone: 1 steps\n```\n\n"
+            "<!-- gen:tour-train -->\n```console\n$ generated\n```\n<!-- /gen:tour-train -->\n\n"
+            "<!-- not-output: a tree drawn by hand -->\n```\nsrc/\n  a.py\n```\n\n"
+            "```text\nNonFiniteStepError: ...\n```\n\n```json\n{\"step\": 0}\n```\n\n```python\nprint(1)\n```\n")
+    problems = gen_examples.hand_written_outputs({page: text})
+    assert [p.split(": a ")[0] for p in problems] == ["docs/x.md:3", "docs/x.md:20", "docs/x.md:24"], problems
+    assert "```console block outside <!-- gen:NAME --> markers ('$ stabletrain train out=o')" in problems[0]
+    assert any("docs/x.md" in p for p in gen_examples.marker_problems({page: text}))
+
+
 def test_marker_problems_are_found(monkeypatch):
     pages = {ROOT / "docs" / "x.md": "<!-- gen:nope -->\n```\n```\n<!-- /gen:nope -->\n<!-- gen:open -->\n"}
     problems = gen_examples.marker_problems(pages)
