@@ -81,6 +81,10 @@ def main(out: Path) -> None:
         optimizer.zero_grad(set_to_none=True)
     monitor.close()
     (out / f"rank{rank}.json").write_text(json.dumps(seen))
+    # Leave together and take the process group down before the interpreter does: on a loaded machine a rank
+    # exiting while gloo's threads still ran aborted it ("terminate called without an active exception").
+    fabric.barrier()
+    torch.distributed.destroy_process_group()
 
 
 def overflow_reads(lm, rank: int) -> dict:

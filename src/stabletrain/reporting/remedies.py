@@ -35,6 +35,7 @@ from stabletrain.debug.remedies.candidates import name_of
 from stabletrain.debug.remedies.plan import Plan, described_object
 from stabletrain.errors import StabletrainError
 from stabletrain.runfiles.commands import train_command
+from stabletrain.safety.interrupts import TrainingInterrupted
 
 __all__ = ["verify_remedies", "TrainerRunner", "remedy_command", "run_settings"]
 
@@ -232,6 +233,8 @@ class TrainerRunner:
         with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
             try:
                 train(out=request.out, **settings)
+            except TrainingInterrupted:  # the user's Ctrl-C or SIGTERM stops the verification
+                raise
             except StabletrainError as exc:
                 error = f"{type(exc).__name__}: {_one_line(str(exc))}"
         seconds = time.perf_counter() - start

@@ -54,7 +54,7 @@ def test_diagnose_a_capture_with_verify_puts_the_verified_lr_first_and_its_comma
     actions = numbered(out)
     assert actions[0].startswith("1. Resume with model_args.lr=0.1 (verified: final loss ")
     assert "where the run as it was went non-finite at step" in actions[0]
-    assert all(a.split(". ", 1)[1].startswith(("Not verified: ", "Replay the step yourself")) for a in actions[1:])
+    assert all(a.split(". ", 1)[1].startswith(("Not verified: ", "Tried: ", "Replay the step yourself")) for a in actions[1:])
     assert any(a.split(". ", 1)[1].startswith("Not verified: ") for a in actions[1:])
     assert "| rank | candidate | from step | result | vs as run | steps | seconds |" in out
     assert out.index("## Next actions") < out.index("# Verified remedies")
@@ -88,7 +88,7 @@ def test_report_with_verify_prints_the_verified_remedy_as_the_first_next_action(
     actions = numbered(out)
     assert actions[0].startswith(("1. Resume with model_args.eps=1e-08 (verified: ",
                                   "1. Start again with model_args.eps=1e-08 (verified: "))
-    assert all(a.split(". ", 1)[1].startswith("Not verified: ") for a in actions[1:])
+    assert all(a.split(". ", 1)[1].startswith(("Not verified: ", "Tried: ")) for a in actions[1:])
     assert "Not tried (budget): " in out and (rows.out / "report" / "summary.md").is_file()
 
 
@@ -143,3 +143,35 @@ def test_a_run_of_your_own_model_needs_it_and_then_is_verified(tmp_path):
     assert command.startswith("stabletrain.train(out=") and "... your other settings ..." in command
     (name, value), = report.best.candidate.overrides.items()
     assert command.endswith(f"with {name}={value!r}")
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_verify_stops_it_exits_130_and_leaves_the_run_untouched(tmp_path):
+    """A real SIGINT to `stabletrain diagnose RUN --verify` while a re-run trains: the verification stops
+    (it used to go on with the next candidate), says so, keeps what finished, exit 130."""
+    import hashlib
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import cli_env
+
+    rows = runs.run_attention_growth(tmp_path, steps=100, checkpoint_every_num_steps=10)
+    own = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in rows.out.rglob("*") if p.is_file()}
+    proc = subprocess.Popen([sys.executable, "-m", "stabletrain", "diagnose", str(rows.out), "--verify"],
+                            env={**cli_env(), "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    scratch = rows.out / SCRATCH
+    deadline = time.monotonic() + 120
+    while not any(scratch.glob("*/metrics.jsonl")) and time.monotonic() < deadline:  # a re-run is training
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    assert "SIGINT during the re-run of " in out and "the verification stops here" in out, out
+    finished = [line for line in out.split("SIGINT during")[0].splitlines()
+                if re.match(r"\[\d+/\d+\] ", line) and "] as run:" not in line]
+    assert (scratch / FILE_JSON).is_file() == bool(finished)  # what finished is kept, nothing else written
+    after = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in own}
+    assert after == own  # the run's own files, byte for byte

@@ -150,3 +150,46 @@ def test_no_lower_lr_when_a_higher_one_trains_best_and_at_most_two_below_the_can
     report = verify(plan(tmp_path / "b"), [lr(0.3), lr(0.1)], steady, progress=None)
     assert [r.candidate.name for r in steady.calls][2:] == ["model_args.lr=0.03", "model_args.lr=0.009"]
     assert report.best.name == "model_args.lr=0.009"  # 0.0027 would be the third below the candidates: not tried
+
+
+def test_a_signal_during_a_re_run_stops_the_verification_and_keeps_what_finished(tmp_path):
+    from stabletrain.safety.interrupts import TrainingInterrupted
+
+    class Interrupted(FakeRunner):
+        def __call__(self, request: RunRequest) -> RunOutput:
+            if request.candidate.name == "b":
+                self.calls.append(request)
+                raise TrainingInterrupted("SIGINT: stopped", signal_name="SIGINT", step=3, checkpoint=None,
+                                          command="")
+            return super().__call__(request)
+
+    p = plan(tmp_path)
+    runner = Interrupted({"a": -0.5})
+    lines: list[str] = []
+    with pytest.raises(TrainingInterrupted):
+        verify(p, [candidate("a"), candidate("b"), candidate("c")], runner, progress=lines.append)
+    assert [r.candidate.name for r in runner.calls] == ["a", "b"]  # c is never started
+    assert lines[-1] == (f"SIGINT during the re-run of b: the verification stops here. The run's own files are "
+                         f"untouched; the 1 candidate(s) finished so far are in {p.scratch}")
+    written = json.loads((p.run / "debug/remedies" / FILE_JSON).read_text())
+    assert written["best"] == "a" and [o["candidate"]["name"] for o in written["ranked"]] == ["a"]
+    assert any("Stopped by SIGINT during the re-run of b" in n for n in written["notes"])
+
+
+def test_after_the_verification_a_suggestion_it_tried_says_so_with_its_numbers(tmp_path):
+    runner = FakeRunner({"model_args.lr=0.3": -0.5, "model_args.lr=0.1": -0.2})
+    report = verify(plan(tmp_path), [lr(0.3), lr(0.1)], runner, progress=None)
+    assert report.best.name == "model_args.lr=0.3"
+    actions = report.next_actions([
+        "lower the learning rate: model_args.lr=0.1 (now 1; not verified on this run: --verify tries it)",
+        "clip gradients: gradient_clip_val=1.0",
+        "a lower lr: model_args.lr=0.3 or model_args.lr=0.03",
+        "Replay the step yourself: stabletrain replay out/x",
+    ])
+    assert actions[1] == ("Tried: lower the learning rate: model_args.lr=0.1 (now 1; tried by --verify) "
+                          f"(measured here: model_args.lr=0.1: final loss {BASE - 0.2:.3g})")
+    assert actions[2] == "Not verified: clip gradients: gradient_clip_val=1.0"
+    # model_args.lr=0.3 is the verified remedy; model_args.lr=0.03 was not tried (0.3 is not a prefix match).
+    assert actions[3] == ("Tried: a lower lr: model_args.lr=0.3 or model_args.lr=0.03 (measured here: "
+                          f"model_args.lr=0.3: final loss {BASE - 0.5:.3g} (the verified remedy above))")
+    assert actions[4] == "Replay the step yourself: stabletrain replay out/x"

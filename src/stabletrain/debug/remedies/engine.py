@@ -18,6 +18,7 @@ from stabletrain.debug.remedies.candidates import AS_RUN, Candidate
 from stabletrain.debug.remedies.outcome import ERROR, Outcome, beats, outcome_from_rows, rank
 from stabletrain.debug.remedies.plan import Plan
 from stabletrain.debug.remedies.report import RemedyReport
+from stabletrain.safety.interrupts import TrainingInterrupted
 
 __all__ = ["RunRequest", "RunOutput", "Runner", "StopAfter", "verify", "CONSOLE_FILE"]
 
@@ -93,6 +94,8 @@ def _run_one(plan: Plan, candidate: Candidate, runner: Runner) -> Outcome:
     start = time.perf_counter()
     try:
         output = runner(RunRequest(candidate, folder, resume, plan.end_step))
+    except TrainingInterrupted:  # Ctrl-C or SIGTERM: the verification stops, not only this re-run
+        raise
     except Exception as exc:  # the runner's own failure: said in the outcome, the others still run
         output = RunOutput(error=f"{type(exc).__name__}: {exc}")
     seconds = output.seconds or (time.perf_counter() - start)
@@ -144,6 +147,21 @@ def _budget_refusal(planned: int, steps: int, seconds: float, budget_steps: Opti
             return (f"needs about {_seconds(planned * rate)} ({planned} steps at {rate:.3g} s/step), "
                     f"{_seconds(budget_seconds - seconds)} of budget_seconds={budget_seconds:g} left")
     return None
+
+
+def _stop(plan: Plan, baseline: Outcome, tried: list[Outcome], not_tried: list[tuple[Candidate, str]], label: str,
+          exc: BaseException, say: Callable[[str], Any], write: bool) -> None:
+    """A signal during a re-run: say so, and keep what the finished re-runs measured (remedies.md/json)."""
+    what = getattr(exc, "signal_name", "") or "KeyboardInterrupt"
+    say(f"{what} during the re-run of {label}: the verification stops here. The run's own files are untouched"
+        + (f"; the {len(tried)} candidate(s) finished so far are in {plan.scratch}" if tried and write else "."))
+    if not (tried and write):
+        return
+    ranked = rank(tried)
+    best = next((o for o in ranked if beats(o, baseline)[0]), None)
+    RemedyReport(plan=plan, baseline=baseline, ranked=ranked, best=best, not_tried=not_tried,
+                 notes=[*plan.notes, f"Stopped by {what} during the re-run of {label}: not every candidate was "
+                        "tried."]).write()
 
 
 def _against(outcome: Outcome, baseline: Outcome) -> str:
@@ -233,7 +251,11 @@ def verify(plan: Plan, candidates: Sequence[Candidate], runner: Runner, *, budge
             not_tried.append((candidate, refusal))
             say(f"[{i}/{len(queue)}] {label}: not tried ({refusal})")
             continue
-        outcome = _run_one(plan, candidate, runner)
+        try:
+            outcome = _run_one(plan, candidate, runner)
+        except (TrainingInterrupted, KeyboardInterrupt) as exc:
+            _stop(plan, baseline, tried, not_tried, label, exc, say, write)
+            raise
         steps += outcome.steps_run
         seconds += outcome.seconds
         if candidate is AS_RUN:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -133,8 +134,20 @@ class RemedyReport:
         """The next actions to print: the verified remedy (or why there is none) first, then ``others``
         (suggestions of diagnose or the report, which were not verified), each labelled so; a command that
         replays a capture is not a suggestion and keeps its words."""
-        return [self.next_action(), *(a if a.startswith("Replay the step yourself") else f"Not verified: {a}"
-                                      for a in others)]
+        return [self.next_action(), *(self._labelled(a) for a in others)]
+
+    def _labelled(self, action: str) -> str:
+        """A suggestion of diagnose or the report, after the verification: ``Tried: ...`` with the numbers of
+        the candidates it names that were re-run, else ``Not verified: ...``."""
+        if action.startswith("Replay the step yourself"):
+            return action
+        action = action.replace("not verified on this run: --verify tries it", "tried by --verify")
+        tried = [o for o in self.ranked if re.search(re.escape(o.name) + r"(?![\w.])", action)]
+        if not tried:
+            return f"Not verified: {action}"
+        measured = "; ".join(f"{o.name}: {o.result_text()}" + (" (the verified remedy above)" if o is self.best else "")
+                             for o in tried)
+        return f"Tried: {action} (measured here: {measured})"
 
     def no_remedy_text(self) -> str:
         tried = len(self.ranked)
