@@ -15,6 +15,12 @@ class StabletrainError(Exception):
     """Base class for errors whose message is meant for the user, not for a debugger."""
 
 
+class Interrupted(StabletrainError):
+    """A run stopped by the user's signal (SIGINT, SIGTERM): whatever runs it stops too, instead of
+    going on with the next piece of work. :class:`stabletrain.safety.interrupts.TrainingInterrupted`
+    is the trainer's; defined here so that the tools below the trainer can tell it apart."""
+
+
 class ConfigError(StabletrainError, ValueError):
     """One or more settings are invalid.
 

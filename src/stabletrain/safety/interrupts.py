@@ -17,7 +17,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Callable, Optional
 
-from stabletrain.errors import StabletrainError
+from stabletrain.errors import Interrupted
 
 __all__ = ["StopSignals", "TrainingInterrupted", "EXIT_CODES"]
 
@@ -25,7 +25,7 @@ __all__ = ["StopSignals", "TrainingInterrupted", "EXIT_CODES"]
 EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}
 
 
-class TrainingInterrupted(StabletrainError):
+class TrainingInterrupted(Interrupted):
     """Training stopped on SIGINT or SIGTERM after finishing a step and writing a checkpoint.
 
     Attributes:

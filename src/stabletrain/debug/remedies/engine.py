@@ -18,7 +18,7 @@ from stabletrain.debug.remedies.candidates import AS_RUN, Candidate
 from stabletrain.debug.remedies.outcome import ERROR, Outcome, beats, outcome_from_rows, rank
 from stabletrain.debug.remedies.plan import Plan
 from stabletrain.debug.remedies.report import RemedyReport
-from stabletrain.safety.interrupts import TrainingInterrupted
+from stabletrain.errors import Interrupted
 
 __all__ = ["RunRequest", "RunOutput", "Runner", "StopAfter", "verify", "CONSOLE_FILE"]
 
@@ -94,7 +94,7 @@ def _run_one(plan: Plan, candidate: Candidate, runner: Runner) -> Outcome:
     start = time.perf_counter()
     try:
         output = runner(RunRequest(candidate, folder, resume, plan.end_step))
-    except TrainingInterrupted:  # Ctrl-C or SIGTERM: the verification stops, not only this re-run
+    except Interrupted:  # Ctrl-C or SIGTERM: the verification stops, not only this re-run
         raise
     except Exception as exc:  # the runner's own failure: said in the outcome, the others still run
         output = RunOutput(error=f"{type(exc).__name__}: {exc}")
@@ -253,7 +253,7 @@ def verify(plan: Plan, candidates: Sequence[Candidate], runner: Runner, *, budge
             continue
         try:
             outcome = _run_one(plan, candidate, runner)
-        except (TrainingInterrupted, KeyboardInterrupt) as exc:
+        except (Interrupted, KeyboardInterrupt) as exc:
             _stop(plan, baseline, tried, not_tried, label, exc, say, write)
             raise
         steps += outcome.steps_run
