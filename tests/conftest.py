@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 import torch
 
+from stabletrain.training.reproductions import settings_with
+
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 # The planted-fault models (nan_models, fault_models, real_models) are shared by the debug and
@@ -29,17 +31,6 @@ TINY_LM: dict[str, Any] = {
 def tiny_lm(**overrides: Any) -> dict[str, Any]:
     """TINY_LM with overrides; nested dicts are merged one level deep."""
     return settings_with(TINY_LM, **overrides)
-
-
-def settings_with(base: dict[str, Any], **overrides: Any) -> dict[str, Any]:
-    """``base`` with ``overrides``; nested dicts are merged one level deep."""
-    settings = {k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items()}
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(settings.get(key), dict):
-            settings[key].update(value)
-        else:
-            settings[key] = value
-    return settings
 
 
 def cli_env() -> dict[str, str]:

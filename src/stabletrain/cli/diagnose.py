@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 from stabletrain.cli import remedies, user_code
 from stabletrain.cli.paths import check_capture_path, is_run_without_capture
@@ -59,12 +60,7 @@ def run(argv: list[str]) -> int:
     except NaNCaptureError as exc:
         # The loader's hints name the replay command; the same options work here.
         raise NaNCaptureError(str(exc).replace("stabletrain replay ", "stabletrain diagnose "), exc.path) from None
-    if ns.json:
-        print(json.dumps(result.to_dict(), indent=2))
-    else:
-        print(result.to_markdown())
-        if result.files:
-            print(f"\nWritten: {', '.join(result.files)}")
+    _print_result(result, ns.json)
     return 0
 
 
@@ -72,13 +68,18 @@ def _run_diagnosis(ns: argparse.Namespace) -> int:
     from stabletrain.debug.diagnose.run_signals import diagnose_run
 
     result = diagnose_run(ns.path, write=not ns.no_write)
-    if ns.json:
+    _print_result(result, ns.json)
+    return 0
+
+
+def _print_result(result: Any, as_json: bool) -> None:
+    """A diagnosis (of a capture or of a run's signals) as JSON or Markdown, then the files written."""
+    if as_json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
         print(result.to_markdown())
         if result.files:
             print(f"\nWritten: {', '.join(result.files)}")
-    return 0
 
 
 def _list_recoveries(path: str) -> None:

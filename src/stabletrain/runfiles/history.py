@@ -124,6 +124,15 @@ class MechanismSpan:
 _SPANS: dict[str, tuple[int, int, list[MechanismSpan]]] = {}
 
 
+def logged_rows_before(path: str | Path, before_step: int) -> list[tuple[int, dict[str, Any]]]:
+    """``(step, row)`` of each logged step below ``before_step`` in ``metrics.jsonl`` (none when the file
+    is absent): what a callback replays on a resume to continue from the rows already logged."""
+    if not Path(path).exists():
+        return []
+    return [(row["step"], row) for row in read_run(path).rows
+            if isinstance(row.get("step"), int) and row["step"] < before_step]
+
+
 def mechanism_spans(out: str | Path) -> list[MechanismSpan]:
     """The mechanisms of the run's current timeline, from ``out/metrics.jsonl`` (empty when it has none).
 

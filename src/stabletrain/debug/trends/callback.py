@@ -60,15 +60,13 @@ class TrendAlerts:
 
     def _replay_history(self, path: Path, before_step: int) -> None:
         """After a resume, continue the trend of the steps already logged (alerts already given)."""
-        from stabletrain.runfiles.history import read_run
+        from stabletrain.runfiles.history import logged_rows_before
 
-        if self.detector is None or not path.exists():
+        if self.detector is None:
             return
-        for row in read_run(path).rows:
-            step = row.get("step")
-            if isinstance(step, int) and step < before_step:
-                self.detector.update(step, row)
-                self.history.append(_history_row(step, row))
+        for step, row in logged_rows_before(path, before_step):
+            self.detector.update(step, row)
+            self.history.append(_history_row(step, row))
 
     def on_log(self, trainer: TrainerLike, *, step: int, metrics: dict[str, float]) -> None:
         if self.detector is None:
