@@ -136,8 +136,8 @@ def test_when_the_lowest_lr_tried_trains_best_the_next_one_down_is_tried_until_o
     assert report.best.name == "model_args.lr=0.03"
     added = next(o for o in report.ranked if o.name == "model_args.lr=0.03").candidate
     assert added.overrides == {"model_args.lr": 0.03} and "the next one down" in added.why
-    assert lines[3] == ("Added model_args.lr=0.03: the lowest lr tried (0.1) trained best: the next one down (x0.3) "
-                        "may train better still")
+    assert lines[3] == ("Added model_args.lr=0.03: the lowest lr tried (0.1) trained best of the lrs: the next one "
+                        "down (x0.3) may train better still")
     assert lines[4].startswith("[3/3] model_args.lr=0.03: 100 steps") and lines[6].startswith("[4/4] model_args.lr=0.009")
 
 

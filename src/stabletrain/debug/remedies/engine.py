@@ -177,21 +177,19 @@ def _against(outcome: Outcome, baseline: Outcome) -> str:
 #: How many lrs below the candidates' lowest the verification tries at most (x0.3 each).
 MAX_LOWER_LRS = 2
 LR = "model_args.lr"
-_LOWER_WHY = "the lowest lr tried ({:g}) trained best: the next one down (x0.3) may train better still"
+_LOWER_WHY = "the lowest lr tried ({:g}) trained best of the lrs: the next one down (x0.3) may train better still"
 
 
 def lower_lr(tried: Sequence[Outcome], names: set[str]) -> Optional[Candidate]:
     """When the best of the lr candidates that trained is the lowest lr tried (a lower one may be
-    better still), the next one down: its lr x0.3, at most ``MAX_LOWER_LRS`` times past the given
-    candidates. None otherwise: the lr candidates bracket the best."""
+    better still), the next one down: its lr x0.3 (:func:`verify` adds at most ``MAX_LOWER_LRS``).
+    None otherwise: the lr candidates bracket the best."""
     lrs = [o for o in tried if set(o.candidate.overrides) == {LR} and o.trains]
     if not lrs:
         return None
     best = min(lrs, key=lambda o: math.inf if o.final_loss is None else o.final_loss)
     lr = float(best.candidate.overrides[LR])
     if lr != min(float(o.candidate.overrides[LR]) for o in lrs):
-        return None
-    if sum(o.candidate.why.startswith(_LOWER_WHY.split("(")[0]) for o in tried) >= MAX_LOWER_LRS:
         return None
     nxt = float(f"{lr * 0.3:.3g}")
     name = f"{LR}={nxt:g}"
@@ -238,7 +236,7 @@ def verify(plan: Plan, candidates: Sequence[Candidate], runner: Runner, *, budge
     not_tried: list[tuple[Candidate, str]] = []
     extra_notes: list[str] = []
     steps, seconds = 0, 0.0
-    i = 0
+    i, lowered = 0, 0
     while i < len(queue):
         candidate = queue[i]
         i += 1
@@ -270,10 +268,11 @@ def verify(plan: Plan, candidates: Sequence[Candidate], runner: Runner, *, budge
             tried.append(outcome)
         what = outcome.result_text() + ("" if candidate is AS_RUN else _against(outcome, baseline))
         say(f"[{i}/{len(queue)}] {label}: {outcome.steps_run} steps, {what} ({_seconds(outcome.seconds)})")
-        if i == len(queue):
+        if i == len(queue) and lowered < MAX_LOWER_LRS:
             lower = lower_lr(tried, {c.name for c in queue})
             if lower is not None:
                 queue.append(lower)
+                lowered += 1
                 say(f"Added {lower.name}: {lower.why}")
     ranked = rank(tried)
     best = next((o for o in ranked if beats(o, baseline)[0]), None)
