@@ -7,10 +7,13 @@ alike:
 * no monitor;
 * stabletrain's ``UnderflowOverflowMonitor`` (forward and backward, in a plain loop);
 * Hugging Face transformers' ``DebugUnderflowOverflow`` (forward only; ``pip install
-  ".[bench]"``), the tool this design comes from.
+  ".[bench]"``), the tool this design comes from;
+* LightlyTrain's ``UnderflowOverflowMonitor`` (forward only: its vendored copy of the same class,
+  driven by step number), when its wheel or install is given (``--lightly-train``; ``peers.py``
+  says how to get it without its dependencies).
 
-Two more copies run stabletrain's monitor with its statistics kernel replaced, to show where
-the time goes and where the floor is:
+More copies run stabletrain's monitor forward only (as the peers are) and with its statistics
+kernel replaced, to show where the time goes and where the floor is:
 
 * ``hooks only``: every hook runs, every row is recorded, but no tensor is read (the kernel
   returns a constant): the Python cost of watching every module;
@@ -23,7 +26,7 @@ It prints the step time of each over the plain loop's, and the host synchronisat
 --threads 1`` (CPU time of one thread, far less disturbed by other processes than wall time).
 
     python benchmarks/underflow_overflow_overhead.py [--rounds 12] [--repeats 1] [--threads N] [--clock wall|cpu]
-                                                     [--device cpu|cuda]
+                                                     [--device cpu|cuda] [--lightly-train WHEEL_OR_DIR]
 """
 
 from __future__ import annotations
@@ -32,10 +35,12 @@ import argparse
 import copy
 import tempfile
 import time
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 from common import bench_model_and_batches, device_sync, interleaved, machine, median
+from peers import lightly_train_debug_module
 
 from stabletrain import UnderflowOverflowMonitor
 from stabletrain.debug.underflow_overflow import stats
@@ -90,6 +95,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall")
+    parser.add_argument("--lightly-train", default=None, metavar="WHEEL_OR_DIR",
+                        help="LightlyTrain's wheel or install folder (default: an installed lightly_train, if any)")
     ns = parser.parse_args()
     if ns.threads:
         torch.set_num_threads(ns.threads)
@@ -106,6 +113,9 @@ def main() -> None:
             m = copy.deepcopy(model)
             floors.append(UnderflowOverflowMonitor(m, out_dir=tmp, rank=len(floors) + 1))
             loops[name] = Loop(m, batches, floors[-1].set_step, kernel=kernel)
+        fw_model = copy.deepcopy(model)
+        floors.append(UnderflowOverflowMonitor(fw_model, out_dir=tmp, rank=len(floors) + 1, include_backward=False))
+        loops["  forward only (include_backward=False)"] = Loop(fw_model, batches, floors[-1].set_step)
         try:
             from transformers.debug_utils import DebugUnderflowOverflow
         except ImportError:
@@ -114,6 +124,17 @@ def main() -> None:
             hf_model = copy.deepcopy(model)
             DebugUnderflowOverflow(hf_model)
             loops["transformers DebugUnderflowOverflow"] = Loop(hf_model, batches)
+        lt_module, lt_label = lightly_train_debug_module(ns.lightly_train)
+        lt_log = open(Path(tmp) / "lightly_train_underflow_overflow_rank0.log", "a")
+        if lt_module is None:
+            print(f"skipping LightlyTrain's monitor: {lt_label}")
+        else:
+            # As LightlyTrain's UnderflowOverflowMonitor drives it (peers.py).
+            lt_model = copy.deepcopy(model)
+            lt = lt_module.DebugUnderflowOverflow(lt_model, max_frames_to_save=21, trace_batch_nums=[],
+                                                  abort_after_batch_num=None, log_file=lt_log,
+                                                  batch_number_mode="manual")
+            loops[f"{lt_label} UnderflowOverflowMonitor"] = Loop(lt_model, batches, lt.set_batch_number)
 
         syncs = {name: syncs_per_step(loop) for name, loop in loops.items()}
         clock = time.process_time if ns.clock == "cpu" else time.perf_counter
@@ -122,6 +143,7 @@ def main() -> None:
         monitor.close()
         for f in floors:
             f.close()
+        lt_log.close()
 
     base = times["no monitor"]
     n_params = sum(p.numel() for p in model.parameters())
@@ -129,12 +151,12 @@ def main() -> None:
     print("model: built-in transformer LM, 4 layers, dim 256, batch 16, context 128 "
           f"({n_params / 1e6:.1f}M parameters); "
           f"AdamW step; {ns.rounds} rounds x {ns.repeats} steps, interleaved")
-    print(f"{'':40}{'ms/step':>10}{'ratio (median, quartiles)':>28}{'added syncs/step':>18}")
+    print(f"{'':46}{'ms/step':>10}{'ratio (median, quartiles)':>28}{'added syncs/step':>18}")
     for name, ts in times.items():
         ratios = [t / b for t, b in zip(ts, base)]
         q = sorted(ratios)
         spread = f"{median(ratios):.3f}x ({q[len(q) // 4]:.3f}-{q[(3 * len(q)) // 4]:.3f})"
-        print(f"{name:40}{median(ts) * 1e3:>10.0f}{spread:>28}{syncs[name] - syncs['no monitor']:>18}")
+        print(f"{name:46}{median(ts) * 1e3:>10.0f}{spread:>28}{syncs[name] - syncs['no monitor']:>18}")
 
 
 if __name__ == "__main__":
