@@ -187,7 +187,7 @@ def test_a_step_number_past_float32_s_integers_is_kept_exactly():
     step = 2**24 + 1  # 16,777,217: float32 has no such integer (it rounds to 16,777,216)
     guard = StepGuard(nn.Linear(2, 1))
     guard.check_gradients(step, torch.tensor(math.nan), losses=[torch.tensor(1.0)])
-    for sync in (True, False):  # the device verdict, and the host mirror the loop reads without waiting
+    for sync in (False, True):  # the host mirror the loop reads without waiting (first), and the device verdict
         with pytest.raises(NonFiniteStepError) as info:
             guard.raise_if_failed(sync=sync)
         assert info.value.step == step and f"at step {step} (rank 0 of 1)" in str(info.value)

@@ -158,3 +158,171 @@ def test_a_spike_before_any_logged_loss_needs_finite_losses_to_settle():
     assert tracker.spike_open
     tracker.observe(3, {"loss": 60.0, "gradient_norm": 1.0})
     assert not tracker.spike_open
+
+
+def test_verify_tensors_of_a_sharded_state_gives_each_rank_its_share_of_the_squared_norm(tmp_path):
+    """FSDP2 checkpoints hold DTensor shards: each rank's last entry is its shards' squared norm,
+    plus the unsharded tensors' on rank 0 only, so that the sum over ranks is the whole model's."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        shard = distribute_tensor(torch.tensor([3.0, 4.0]), mesh, [Shard(0)])  # squared norm 25
+        model = {"w": shard, "b": torch.tensor([12.0]), "n": torch.tensor([7])}  # b whole: 144
+        on0 = verify_tensors({"model": model}, CPU, rank=0)
+        on1 = verify_tensors({"model": model}, CPU, rank=1)
+        assert on0.tolist() == [0.0, 0.0, 0.0, 169.0] and on1.tolist() == [0.0, 0.0, 0.0, 25.0]
+        assert verify_tensors({"model": model}, CPU).tolist() == [0.0, 0.0, 0.0, 13.0], "not sharded: the norm"
+        bad = {"w": distribute_tensor(torch.tensor([math.nan, 1.0]), mesh, [Shard(0)]), "b": torch.ones(1)}
+        assert verify_tensors({"model": bad}, CPU, rank=1).tolist()[:3] == [1.0, 0.0, 0.0]
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+
+
+def test_a_state_entry_of_a_parameter_without_a_name_is_named_by_its_index():
+    state = _state(opt={0: {"exp_avg": torch.ones(1)}, 1: {"exp_avg": torch.tensor([math.nan])}})
+    assert nonfinite_entries(state, param_names=["a"]) == ["optimizer state exp_avg of 1"]
+    assert nonfinite_entries(state, param_names=["a", "b"]) == ["optimizer state exp_avg of b"]
+
+
+# ------------------------------------------------------------------------------------------------
+# The rules at their edges (each test kills what mutation testing found unchecked)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_an_open_non_finite_or_untolerated_spike_episode_is_not_healthy_a_tolerated_one_is():
+    nonfinite = _tracker(losses=(2.0, 2.1, 1.9, 2.0, math.nan), gns=(1.0, 1.0, 1.0, 1.0, math.nan))
+    h = nonfinite.assess(5, last_step=4, loss=math.nan, gradient_norm=math.nan, weight_norm=1.0)
+    assert not h["healthy"] and any("still open at step 4" in p for p in h["problems"]), h["problems"]
+    kinds = {e.kind for e in nonfinite.detector.open_episodes()}
+    assert "nonfinite" in kinds
+    gns = [1.0, 1.1, 0.9, 1.0, 1.05, 1.0, 0.95, 1.0, 12.0]  # one point 12x the band: a gradient-norm spike
+    for warmup, healthy in ((0, False), (100, True)):  # inside the lr warmup a spike is tolerated
+        tracker = HealthTracker(warmup_steps=warmup)
+        for step, gn in enumerate(gns):
+            tracker.observe(step, {"loss": 2.0, "gradient_norm": gn})
+        spikes = [e for e in tracker.detector.open_episodes() if e.kind == "spike"]
+        assert spikes and all(e.tolerated == (warmup > 0) for e in spikes)
+        h = tracker.assess(9, last_step=8, loss=2.0, gradient_norm=math.nan, weight_norm=1.0)
+        assert h["healthy"] is healthy, h["problems"]
+
+
+def test_the_trend_settings_given_are_the_ones_judged_by():
+    losses = [1.0] * 5 + [3.0]  # 3x the band: a spike for loss_spike_factor 2 (the default), not for 5
+    for factor, healthy in ((2.0, False), (5.0, True)):
+        tracker = HealthTracker(TrendAlertArgs(loss_spike_factor=factor))
+        for step, loss in enumerate(losses):
+            tracker.observe(step, {"loss": loss, "gradient_norm": 1.0})
+        assert tracker.assess(6, last_step=5, loss=math.nan, gradient_norm=1.0, weight_norm=1.0)["healthy"] is healthy
+
+
+def test_the_reference_is_the_median_of_the_last_window_of_logged_values():
+    tracker = _tracker(losses=(10.0, 10.0, 10.0, 1.0, 1.0, 1.0), gns=(1.0,) * 6, window=3)
+    h = tracker.assess(6, last_step=5, loss=4.5, gradient_norm=1.0, weight_norm=1.0)
+    assert h["reference"]["loss"] == 1.0 and not h["healthy"], "4.5 is above 4x the last 3 losses' median"
+
+
+def test_rows_without_a_signal_or_with_a_non_finite_one_are_not_part_of_the_reference():
+    tracker = HealthTracker()
+    tracker.observe(0, {"loss": 2.0})  # no gradient_norm in this row
+    tracker.observe(1, {"loss": math.nan, "gradient_norm": math.inf})
+    tracker.observe(2, {"loss": 3.0, "gradient_norm": 1.0})
+    h = tracker.assess(3, last_step=2, loss=3.0, gradient_norm=1.0, weight_norm=1.0)
+    assert h["reference"] == {"loss": 2.5, "gradient_norm": 1.0}
+
+
+def test_step_0_is_judged_and_the_healthy_why_names_step_0():
+    tracker = HealthTracker()
+    tracker.observe(0, {"loss": 2.0, "gradient_norm": 1.0})
+    h = tracker.assess(1, last_step=0, loss=2.0, gradient_norm=1.0, weight_norm=1.0)
+    assert h["why"] == ("every tensor finite; loss 2 and gradient_norm 1 at step 0 within 4x / 10x of the recent "
+                        "logged medians; no exploding or non-finite episode open")
+    bad = HealthTracker().assess(1, last_step=0, loss=math.inf, gradient_norm=1.0, weight_norm=1.0)
+    assert bad["problems"] == ["loss at step 0 is inf"]
+    # A step ran, but nothing was logged yet: no medians to name.
+    unlogged = HealthTracker().assess(1, last_step=0, loss=2.0, gradient_norm=1.0, weight_norm=1.0)
+    assert unlogged["why"] == "every tensor finite; no exploding or non-finite episode open"
+
+
+def test_a_zero_median_or_a_zero_start_weight_norm_is_no_reference():
+    zeros = _tracker(losses=(0.0, 0.0, 0.0), gns=(0.0, 0.0, 0.0))
+    assert zeros.assess(3, last_step=2, loss=0.5, gradient_norm=0.5, weight_norm=1.0)["healthy"]
+    zero_start = HealthTracker()
+    assert zero_start.assess(1, last_step=-1, loss=math.nan, gradient_norm=math.nan, weight_norm=0.0)["healthy"]
+    assert zero_start.assess(2, last_step=-1, loss=math.nan, gradient_norm=math.nan, weight_norm=5.0)["healthy"]
+    small_start = HealthTracker()
+    small_start.assess(1, last_step=-1, loss=math.nan, gradient_norm=math.nan, weight_norm=0.5)
+    h = small_start.assess(2, last_step=-1, loss=math.nan, gradient_norm=math.nan, weight_norm=60.0)
+    assert h["problems"] == ["the weight norm is 60, 120x its 0.5 at the start of the run (limit 100x)"]
+
+
+def test_two_problems_are_both_told():
+    tracker = _tracker()
+    tracker.assess(1, last_step=0, loss=2.0, gradient_norm=1.0, weight_norm=1.0)
+    h = tracker.assess(5, last_step=4, loss=math.inf, gradient_norm=1.0, weight_norm=500.0)
+    assert h["why"] == "loss at step 4 is inf; the weight norm is 500, 500x its 1 at the start of the run (limit 100x)"
+
+
+def test_a_resume_carries_the_start_weight_norm_and_an_open_spike_or_none():
+    tracker = HealthTracker()
+    tracker.resume({"initial_weight_norm": 2.0, "open_spike": None})
+    assert tracker.initial_weight_norm == 2.0 and tracker.spike is None and not tracker.spike_open
+    h = tracker.assess(10, last_step=-1, loss=math.nan, gradient_norm=math.nan, weight_norm=300.0)
+    assert h["problems"] == ["the weight norm is 300, 150x its 2 at the start of the run (limit 100x)"]
+    spike = {"step": 3, "trigger": "loss_spike", "reference": 2.2, "calm": 0, "first": 3, "window": 3}
+    resumed = HealthTracker()
+    resumed.resume({"open_spike": spike})
+    assert resumed.spike == spike and resumed.spike is not spike
+
+
+def test_a_recovery_whose_loss_went_non_finite_says_so():
+    tracker = _tracker(losses=(2.0, 2.2, 1.9), gns=(1.0, 1.0, 1.0))
+    tracker.note_recovery(3, "loss_spike")
+    tracker.observe(4, {"loss": math.nan, "gradient_norm": 1.0})
+    h = tracker.assess(5, last_step=4, loss=math.nan, gradient_norm=1.0, weight_norm=1.0)
+    assert h["problems"][0] == "loss is not finite (step 4): nan (still open at step 4)"
+    assert h["problems"][1].endswith("for 3 logged steps in a row (now nan)")
+
+
+class _Mechanisms:
+    """The part of MechanismDetector that assess reads: what it named, and a step still pending."""
+
+    def __init__(self, found, pending=None):
+        self.found, self._pending = found, pending
+
+    def update(self, step, metrics):
+        pass
+
+    def pending_since(self):
+        return self._pending
+
+
+def _mechanism(start, end=None, where="blocks.0.attn"):
+    from stabletrain.debug.mechanisms.rules import Mechanism
+
+    return Mechanism("attention_logit_growth", where, start_step=start, detected_step=start + 10,
+                     evidence="max attention logit 80", end_step=end)
+
+
+def test_a_mechanism_open_at_the_checkpoint_or_closed_within_its_last_step_makes_it_unhealthy():
+    def judged(m, step=20, pending=None):
+        tracker = HealthTracker(mechanisms=_Mechanisms([m], pending))
+        return tracker.assess(step, last_step=step - 1, loss=math.nan, gradient_norm=math.nan, weight_norm=1.0)
+
+    open_one = judged(_mechanism(10))
+    assert open_one["problems"] == ["attention-logit growth in blocks.0.attn began at step 10 (named at step 20): "
+                                    "max attention logit 80"], open_one["problems"]
+    assert judged(_mechanism(10, where=""))["problems"][0].startswith("attention-logit growth began at step 10")
+    assert not judged(_mechanism(19, end=19))["healthy"], "it held at the checkpoint's last step"
+    assert judged(_mechanism(10, end=18))["healthy"], "it had stopped before the last step"
+    assert judged(_mechanism(20))["healthy"], "it began at the checkpoint's step: after the steps it holds"
+    healthy = judged(_mechanism(10, end=5), pending=15)
+    assert healthy["why"] == ("every tensor finite; no exploding or non-finite episode open; no mechanism named in "
+                              "the signals") and healthy["pending_since"] == 15
+    assert judged(_mechanism(10), pending=15)["pending_since"] is None, "only a healthy checkpoint waits"
