@@ -92,6 +92,7 @@ GROUPS = [
            "tests/safety/test_checkpoint_health.py", *_SLOW_HEALTH)),
     Group("checkpoint", ("stabletrain/runfiles/checkpoint.py",),
           ("tests/runfiles/test_checkpoint_files.py", "tests/runfiles/test_checkpoint.py",
+           "tests/training/test_sharded_checkpoints.py",
            "tests/runfiles/test_torn_files.py", "tests/safety/test_checkpoint_health.py", *_SLOW_CHECKPOINT,
            *_SLOW_HEALTH)),
     Group("net", ("stabletrain/safety/net.py",),

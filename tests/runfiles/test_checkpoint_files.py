@@ -219,3 +219,149 @@ def test_resume_conflicts_name_each_frozen_setting_that_changed():
         "(start a new run in another out folder instead)"]
     assert ck.resume_conflicts({**saved, "model_args": 3}, saved)[0].startswith(
         "model_args.dim: the checkpoint was trained with null, now 32")
+
+
+# ------------------------------------------------------------------------------------------------
+# Edges found by mutation testing (scripts/mutation_test.py checkpoint)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_not_enough_space_says_how_much_in_mib(tmp_path):
+    err = ck.NotEnoughSpaceError(tmp_path / "last.ckpt", needed=3 * 2**20, free=2**20 + 2**19)
+    assert err.errno == errno.ENOSPC and (err.needed, err.free) == (3 * 2**20, 2**20 + 2**19)
+    assert "(3.0 MiB needed, 1.5 MiB free)" in str(err)
+
+
+def test_an_exception_is_told_by_its_type_and_first_line():
+    assert ck._exception_text(EOFError()) == "EOFError"
+    assert ck._exception_text(ValueError("\n  the first line  \nthe second")) == "ValueError: the first line"
+
+
+def test_settings_allowed_to_differ_do_not_stop_the_others_being_checked():
+    saved = {k: 1 for k in ck.FROZEN_ON_RESUME if "." not in k}
+    current = dict(saved, task=2, seed=3)
+    keys = [p.split(":")[0] for p in ck.resume_conflicts(saved, current, allow=("task",))]
+    assert "seed" in keys and "task" not in keys, keys
+    assert "task" in [p.split(":")[0] for p in ck.resume_conflicts(saved, current)]
+
+
+def test_unreadable_files_and_duplicate_steps_do_not_hide_later_checkpoints(tmp_path):
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    (folder / "step_000001.ckpt").write_bytes(b"not a checkpoint")  # unreadable: skipped
+    torch.save(_state(2), folder / "step_000002.ckpt")
+    torch.save(_state(2), folder / "last.ckpt")  # the same step as step_000002: listed once
+    torch.save(_state(4), folder / "step_000004.ckpt")
+    infos = ck.list_checkpoints(folder)
+    assert [(c.step, c.path.name) for c in infos] == [(2, "step_000002.ckpt"), (4, "step_000004.ckpt")]
+    assert ck.newest_healthy(folder, before_step=4).step == 4, "at most before_step steps: 4 included"
+    assert ck.newest_healthy(folder, before_step=3).step == 2
+
+
+def test_what_looks_like_a_sharded_checkpoint_folder(tmp_path):
+    named = tmp_path / "step_000010.ckpt"
+    named.mkdir()
+    with_meta = tmp_path / "a"
+    with_meta.mkdir()
+    (with_meta / ck.META_NAME).write_bytes(b"")
+    with_index = tmp_path / "b"
+    with_index.mkdir()
+    (with_index / ck.DCP_INDEX).write_bytes(b"")
+    plain = tmp_path / "run"
+    plain.mkdir()
+    assert [ck._looks_sharded(p) for p in (named, with_meta, with_index, plain)] == [True, True, True, False]
+    assert ck.resolve_checkpoint(plain) == plain / "last.ckpt"
+    assert ck.resolve_checkpoint(with_index) == with_index
+
+
+def test_a_file_and_a_folder_replace_each_other(tmp_path):
+    folder = tmp_path / "src_folder"
+    folder.mkdir()
+    (folder / "x").write_text("shards")
+    dst = tmp_path / "last.ckpt"
+    dst.write_text("a full file")
+    ck._replace(folder, dst)  # a sharded checkpoint replaces a full file
+    assert dst.is_dir() and (dst / "x").read_text() == "shards"
+    src = tmp_path / "new_file"
+    src.write_text("a full file again")
+    ck._replace(src, dst)  # and a full file replaces the folder
+    assert dst.is_file() and dst.read_text() == "a full file again" and not src.exists()
+    other = tmp_path / "other"
+    other.write_text("newer")
+    ck._replace(other, dst)  # a file over a file
+    assert dst.read_text() == "newer" and not other.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"], "nothing left behind (no .old)"
+
+
+def test_link_tree_links_meta_last_and_copies_where_links_fail(tmp_path, monkeypatch):
+    import os
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in (ck.META_NAME, "__0_0.distcp", "__1_0.distcp", ck.DCP_INDEX):
+        (src / name).write_text(name)
+    order = []
+    real_link = os.link
+    monkeypatch.setattr(os, "link", lambda a, b: (order.append(os.path.basename(b)), real_link(a, b))[1])
+    dst = ck.link_tree(src, tmp_path / "deep" / "dst")
+    assert order[-1] == ck.META_NAME and sorted(order) == sorted(p.name for p in src.iterdir())
+    assert os.stat(dst / "__0_0.distcp").st_ino == os.stat(src / "__0_0.distcp").st_ino, "a hard link"
+
+    def no_links(a, b):
+        raise OSError(errno.EXDEV, "cross-device link")
+
+    monkeypatch.setattr(os, "link", no_links)
+    copy = ck.link_tree(src, tmp_path / "copy")
+    assert {p.name: p.read_text() for p in copy.iterdir()} == {p.name: p.read_text() for p in src.iterdir()}
+    assert os.stat(copy / "__0_0.distcp").st_ino != os.stat(src / "__0_0.distcp").st_ino, "a copy"
+
+
+def test_a_sharded_checkpoint_checks_every_rank_s_bytes_once_in_a_new_run_folder(tmp_path, monkeypatch):
+    from stabletrain.utils import io
+
+    out = tmp_path / "deep" / "run"  # nothing exists yet
+    nbytes = 3_000_000  # every rank's shards together; the meta itself holds no tensors
+    needed = int(nbytes * 1.05) + 2**16  # once: last.ckpt of a periodic folder is hard links
+    monkeypatch.setattr(io, "free_bytes", lambda folder: needed - 1)
+    with pytest.raises(ck.NotEnoughSpaceError) as info:
+        ck.begin_sharded({"step": 8}, out, periodic=True, nbytes=nbytes)
+    assert info.value.needed == needed and info.value.filename == str(out / "checkpoints" / "step_000008.ckpt")
+    monkeypatch.setattr(io, "free_bytes", lambda folder: needed)
+    tmp = ck.begin_sharded({"step": 8}, out, periodic=True, nbytes=nbytes)
+    assert tmp == out / "checkpoints" / ".step_000008.ckpt.tmp" and tmp.is_dir() and not any(tmp.iterdir())
+
+
+def test_an_unhealthy_sharded_checkpoint_keeps_the_only_copy_of_the_newest_healthy_one(tmp_path):
+    import datetime
+
+    out = tmp_path / "run"
+    ck.save_checkpoint(_state(4), out, periodic=False, keep=1)  # last.ckpt: the only copy of step 4
+    meta = {"step": 6, "health": {"healthy": False, "why": "loss is exploding"}}
+    tmp = ck.begin_sharded(meta, out, periodic=False, nbytes=10)
+    (tmp / "__0_0.distcp").write_bytes(b"shard")
+    (tmp / ck.DCP_INDEX).write_bytes(b"index")
+    last = ck.commit_sharded(meta, out, periodic=False, keep=1)
+    folder = out / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt", "step_000004.ckpt"]
+    assert ck.read_checkpoint_health(folder / "step_000004.ckpt") == (4, {"healthy": True, "why": "fine"})
+    written = ck.read_sharded_meta(last)
+    assert (written["format"], written["version"], written["step"]) == (ck.FORMAT, ck.VERSION, 6)
+    assert written["files"] == {"__0_0.distcp": 5, ck.DCP_INDEX: 5}
+    saved_at = datetime.datetime.fromisoformat(written["saved_at"])
+    assert saved_at.utcoffset() == datetime.timedelta(0), "saved_at is in UTC"
+
+
+def test_a_sharded_meta_that_cannot_be_read_or_is_not_ours_is_refused(tmp_path):
+    out = tmp_path / "run"
+    meta = {"step": 2}
+    tmp = ck.begin_sharded(meta, out, periodic=False, nbytes=10)
+    (tmp / "__0_0.distcp").write_bytes(b"shard")
+    (tmp / ck.DCP_INDEX).write_bytes(b"index")
+    last = ck.commit_sharded(meta, out, periodic=False, keep=1)
+    assert ck.read_sharded_meta(last)["step"] == 2
+    torch.save(["not", "a", "dict"], last / ck.META_NAME)
+    with pytest.raises(ck.CheckpointError, match=r"is not a stabletrain checkpoint"):
+        ck.read_sharded_meta(last)
+    torch.save({"format": "someone else's", "step": 2}, last / ck.META_NAME)
+    with pytest.raises(ck.CheckpointError, match=r"is not a stabletrain checkpoint"):
+        ck.read_sharded_meta(last)
