@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import json
+import pickle
 import zipfile
 
 import pytest
@@ -346,6 +347,7 @@ def test_an_unhealthy_sharded_checkpoint_keeps_the_only_copy_of_the_newest_healt
     assert ck.read_checkpoint_health(folder / "step_000004.ckpt") == (4, {"healthy": True, "why": "fine"})
     written = ck.read_sharded_meta(last)
     assert (written["format"], written["version"], written["step"]) == (ck.FORMAT, ck.VERSION, 6)
+    assert written["layout"] == "sharded"
     assert written["files"] == {"__0_0.distcp": 5, ck.DCP_INDEX: 5}
     saved_at = datetime.datetime.fromisoformat(written["saved_at"])
     assert saved_at.utcoffset() == datetime.timedelta(0), "saved_at is in UTC"
@@ -365,3 +367,73 @@ def test_a_sharded_meta_that_cannot_be_read_or_is_not_ours_is_refused(tmp_path):
     torch.save({"format": "someone else's", "step": 2}, last / ck.META_NAME)
     with pytest.raises(ck.CheckpointError, match=r"is not a stabletrain checkpoint"):
         ck.read_sharded_meta(last)
+    torch.save({"format": ck.FORMAT, "step": 2, "x": _Payload()}, last / ck.META_NAME)
+    with pytest.raises(ck.CheckpointError, match=r"cannot read checkpoint .*last\.ckpt: UnpicklingError: \S.*\. "):
+        ck.read_sharded_meta(last)
+    assert _Payload.unpickled == 0
+
+
+class _Payload:
+    """An arbitrary Python object in a checkpoint file: reading its health must not unpickle it."""
+
+    unpickled = 0
+
+    def __reduce__(self):
+        return (_Payload._make, ())
+
+    @staticmethod
+    def _make():
+        _Payload.unpickled += 1
+        return _Payload()
+
+
+def test_reading_a_checkpoint_s_health_never_unpickles_arbitrary_objects(tmp_path):
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    torch.save({"step": 3, "health": {"healthy": True, "why": "fine"}, "x": _Payload()}, folder / "step_000003.ckpt")
+    torch.save(_state(5), folder / "step_000005.ckpt")
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        ck.read_checkpoint_health(folder / "step_000003.ckpt")
+    assert [c.step for c in ck.list_checkpoints(folder)] == [5], "the file with a foreign object is skipped"
+    assert _Payload.unpickled == 0
+
+
+def test_removing_a_folder_never_raises(tmp_path, monkeypatch):
+    """A temporary that cannot be removed (permissions, a busy network share) must not fail the run."""
+    import shutil
+
+    def rmtree(path, ignore_errors=False, **kw):
+        if not ignore_errors:
+            raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    folder = tmp_path / ".last.ckpt.tmp"
+    folder.mkdir()
+    ck._remove(folder)
+
+
+def test_a_pending_mechanism_keeps_the_newest_healthy_checkpoint_from_before_its_step(tmp_path):
+    out = tmp_path / "run"
+    folder = out / "checkpoints"
+    ck.save_checkpoint(_state(2), out, periodic=True, keep=5)  # step_000002.ckpt and last.ckpt
+    ck.save_checkpoint(_state(4), out, periodic=False, keep=5)  # last.ckpt: the only copy of step 4
+    pending = _state(6)
+    pending["health"]["pending_since"] = 3  # a mechanism may be named that began at step 3
+    ck.save_checkpoint(pending, out, periodic=False, keep=5)
+    assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt", "step_000002.ckpt"], (
+        "step 2 (before step 3) is kept already; step 4 is not copied")
+    # With nothing healthy at all, an unhealthy checkpoint is written and nothing is copied.
+    fresh = tmp_path / "fresh"
+    ck.save_checkpoint(_state(1, healthy=False, why="exploding"), fresh, periodic=False, keep=5)
+    assert sorted(p.name for p in (fresh / "checkpoints").iterdir()) == ["last.ckpt"]
+
+
+def test_two_checkpoints_of_the_same_size_and_time_are_not_confused(tmp_path):
+    import os
+
+    a, b = tmp_path / "a.ckpt", tmp_path / "b.ckpt"
+    torch.save(_state(10), a)
+    torch.save(_state(20), b)
+    assert a.stat().st_size == b.stat().st_size
+    os.utime(b, ns=(a.stat().st_atime_ns, a.stat().st_mtime_ns))
+    assert ck.read_checkpoint_health(a)[0] == 10 and ck.read_checkpoint_health(b)[0] == 20

@@ -201,3 +201,14 @@ def test_the_loss_ratio_rule_with_losses_below_1():
         assert verdict[3] == last / 0.125 and verdict[0] == bad, verdict
         if bad:
             assert verdict[1] == 3 and math.isnan(verdict[2]) is False
+
+
+def test_the_loss_ratio_rule_is_off_while_every_good_loss_was_zero():
+    """The ratio to the largest good loss is undefined while that is 0 (a loss that sat at exactly 0):
+    a loss of 1e-28 is 100 times the floor it is divided by, yet no spike. With a wide noise floor
+    (min_std=1) the z-score rule does not flag it either, so only the ratio rule could."""
+    detector = SpikeDetector(min_std=1.0, warmup=5)
+    for _ in range(10):
+        assert detector.observe(torch.tensor(0.0), torch.tensor(1.0))[0] == 0
+    verdict = detector.observe(torch.tensor(1e-28), torch.tensor(1.0))
+    assert verdict[0] == 0 and verdict[3] > detector.max_ratio, verdict.tolist()
