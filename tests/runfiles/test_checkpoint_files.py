@@ -437,3 +437,30 @@ def test_two_checkpoints_of_the_same_size_and_time_are_not_confused(tmp_path):
     assert a.stat().st_size == b.stat().st_size
     os.utime(b, ns=(a.stat().st_atime_ns, a.stat().st_mtime_ns))
     assert ck.read_checkpoint_health(a)[0] == 10 and ck.read_checkpoint_health(b)[0] == 20
+
+
+def test_small_readers_of_checkpoint_files(tmp_path):
+    assert ck.checkpoint_size(tmp_path / "missing.ckpt") == 0
+    newer = tmp_path / "newer.ckpt"
+    torch.save({**_state(1), "format": ck.FORMAT, "version": ck.VERSION + 1}, newer)
+    with pytest.raises(ck.CheckpointError) as info:
+        ck.load_checkpoint(newer)
+    assert str(info.value) == (f"{newer} was written by a newer stabletrain (checkpoint format {ck.VERSION + 1}, "
+                               f"this version reads up to {ck.VERSION}); upgrade stabletrain")
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    torch.save({"step": 2, "health": {"healthy": True}}, folder / "step_000002.ckpt")  # no "why" recorded
+    assert [(c.step, c.healthy, c.why) for c in ck.list_checkpoints(folder)] == [(2, True, "")]
+
+
+def test_removing_temporaries_never_raises(tmp_path, monkeypatch):
+    import shutil
+
+    def rmtree(path, ignore_errors=False, **kw):
+        if not ignore_errors:
+            raise PermissionError(13, "Permission denied", str(path))
+
+    out = tmp_path / "run"
+    (out / "checkpoints" / ".step_000004.ckpt.tmp").mkdir(parents=True)
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    assert [p.name for p in ck.remove_temporaries(out)] == [".step_000004.ckpt.tmp"]
