@@ -125,11 +125,12 @@ def main() -> None:
             DebugUnderflowOverflow(hf_model)
             loops["transformers DebugUnderflowOverflow"] = Loop(hf_model, batches)
         lt_module, lt_label = lightly_train_debug_module(ns.lightly_train)
-        lt_log = open(Path(tmp) / "lightly_train_underflow_overflow_rank0.log", "a")
+        lt_log = None
         if lt_module is None:
             print(f"skipping LightlyTrain's monitor: {lt_label}")
         else:
             # As LightlyTrain's UnderflowOverflowMonitor drives it (peers.py).
+            lt_log = open(Path(tmp) / "lightly_train_underflow_overflow_rank0.log", "a")
             lt_model = copy.deepcopy(model)
             lt = lt_module.DebugUnderflowOverflow(lt_model, max_frames_to_save=21, trace_batch_nums=[],
                                                   abort_after_batch_num=None, log_file=lt_log,
@@ -143,7 +144,8 @@ def main() -> None:
         monitor.close()
         for f in floors:
             f.close()
-        lt_log.close()
+        if lt_log is not None:
+            lt_log.close()
 
     base = times["no monitor"]
     n_params = sum(p.numel() for p in model.parameters())

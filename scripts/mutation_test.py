@@ -168,7 +168,7 @@ def _listed(name: str, code: object, mutated: str, equivalents: list[dict[str, s
     """Whether mutant ``name``, judged a survivor (``code``), is listed as equivalent."""
     if code not in SURVIVED:
         return False
-    old, new = _changed_lines(_diff(name, "", mutated))
+    old, new = _changes(name, mutated)
     return is_listed(readable(name), old, new, equivalents) is not None
 
 
@@ -243,18 +243,22 @@ def group_results(group: Group) -> list[dict[str, object]]:
         if not meta.exists():
             continue
         codes = json.loads(meta.read_text())["exit_code_by_key"]
-        source = (work / "src" / module).read_text(encoding="utf-8")
         mutated = (work / "mutants" / "src" / module).read_text(encoding="utf-8")
         for name, code in codes.items():
             status = CAUGHT.get(code) or SURVIVED.get(code) or ("not run" if code is None else f"exit {code}")
             row: dict[str, object] = {"name": name, "function": readable(name), "status": status}
             if code not in CAUGHT:
-                row["old"], row["new"] = _changed_lines(_diff(name, source, mutated))
+                row["old"], row["new"] = _changes(name, mutated)
             rows.append(row)
     return rows
 
 
-def _diff(name: str, source: str, mutated: str) -> str:
+def _changes(name: str, mutated: str) -> tuple[str, str]:
+    """The lines mutant ``name`` removes and adds, read from the mutants file ``mutated``."""
+    return _changed_lines(_diff(name, mutated))
+
+
+def _diff(name: str, mutated: str) -> str:
     """The mutant's function against the original one, as a unified diff (read from the mutants file)."""
     mangled = name.rpartition(".")[2]
     func = mangled.partition("__mutmut_")[0]

@@ -10,6 +10,7 @@ import pickle
 
 import pytest
 import torch
+from test_step_guard import _scaled_step
 from torch import nn
 
 from stabletrain.debug.grad_norm import compute_grad_norm
@@ -95,18 +96,6 @@ class _TwoParams(nn.Module):
         self.weight = nn.Parameter(torch.zeros(4))
         self.bias = nn.Parameter(torch.zeros(1))
         self.unused = nn.Parameter(torch.zeros(2))
-
-
-def _scaled_step(guard, model, opt, scaler, step, x, factor):
-    base = model(x).pow(2).mean()
-    loss = base / float(base.detach()) * factor  # the loss is `factor`
-    scaler.scale(loss).backward()
-    scaler.unscale_(opt)
-    guard.check_gradients(step, compute_grad_norm(model.named_parameters()).total, losses=[loss])
-    scaler.step(opt)
-    scaler.update()
-    guard.check_update(step)
-    opt.zero_grad()
 
 
 def _gradient_failure(weight_grad: list[float], bias_grad: float, *, stopped_at=None, zero_grad=False):

@@ -123,10 +123,9 @@ def test_the_optimizer_step_of_a_sharded_run_is_captured_as_shards_and_diagnosed
 
 def _rank_failure(rank: int) -> GuardFailure:
     if rank == 0:  # found nothing in its own shards; stops because rank 1 did
-        return GuardFailure(step=-1, rank=0, world_size=2, origin="forward_backward", nonfinite=[], loss=1.0,
-                            gradient_norm=2.0, stopped_at=7, other_rank_step=7)
-    return GuardFailure(step=7, rank=1, world_size=2, origin=ORIGIN_OPTIMIZER, nonfinite=["parameters"], loss=1.0,
-                        gradient_norm=2.0, stopped_at=7, param_names=["fc.weight"], param_counts={"fc.weight": 3})
+        return _failure(0, -1, world_size=2, origin=ORIGIN_GRADIENTS, stopped_at=7, other_rank_step=7)
+    return _failure(1, 7, world_size=2, nonfinite=["parameters"], stopped_at=7, param_names=["fc.weight"],
+                    param_counts={"fc.weight": 3})
 
 
 def _worker(rank: int, init: str, out: str) -> None:
