@@ -4,6 +4,7 @@ cannot be read, and where to continue from when one cannot (docs/checkpoints.md)
 
 from __future__ import annotations
 
+import datetime
 import errno
 import json
 import pickle
@@ -34,7 +35,9 @@ def test_a_checkpoint_is_written_as_last_ckpt_and_a_periodic_one_as_both(tmp_pat
     assert last == folder / "last.ckpt" and _names(folder) == ["last.ckpt"]
     state = ck.load_checkpoint(last)
     assert (state["format"], state["version"], state["step"]) == ("stabletrain.runfiles.checkpoint", 1, 3)
-    assert "T" in state["saved_at"] and torch.equal(state["model"]["w"], torch.full((4,), 3.0))
+    assert torch.equal(state["model"]["w"], torch.full((4,), 3.0))
+    saved_at = datetime.datetime.fromisoformat(state["saved_at"])
+    assert saved_at.utcoffset() == datetime.timedelta(0), "saved_at is in UTC"
     ck.save_checkpoint(_state(4), out, periodic=True, keep=5)
     assert _names(folder) == ["last.ckpt", "step_000004.ckpt"]
     assert (folder / "last.ckpt").read_bytes() == (folder / "step_000004.ckpt").read_bytes()
@@ -143,7 +146,7 @@ def test_load_checkpoint_finds_last_ckpt_and_names_the_fallback_when_missing(tmp
 
 
 def test_unreadable_reasons(tmp_path):
-    assert ck.unreadable_reason(tmp_path / "none.ckpt").startswith("cannot open it (")
+    assert ck.unreadable_reason(tmp_path / "none.ckpt") == "cannot open it (No such file or directory)"
     empty = tmp_path / "empty.ckpt"
     empty.write_bytes(b"")
     assert ck.unreadable_reason(empty) == "the file is empty (0 bytes)"
@@ -155,8 +158,18 @@ def test_unreadable_reasons(tmp_path):
     with zipfile.ZipFile(other_zip, "w") as z:
         z.writestr("a.txt", "a")
         z.writestr("b.txt", "b")
-    assert ck.unreadable_reason(other_zip) == "the file is a zip archive but not a torch checkpoint (no data.pkl among " \
-                                              "2 entries)"
+    assert ck.unreadable_reason(other_zip) == ("the file is a zip archive but not a torch checkpoint (no FOLDER/data.pkl, "
+                                               "which torch.save writes, among its 2 entries)")
+    # A checkpoint's entries moved out of their folder: torch.load refuses it, and so does the check.
+    flat = tmp_path / "flat.ckpt"
+    torch.save({"a": 1}, tmp_path / "whole.ckpt")
+    with zipfile.ZipFile(tmp_path / "whole.ckpt") as whole, zipfile.ZipFile(flat, "w") as z:
+        for name in whole.namelist():
+            z.writestr(name.split("/", 1)[1], whole.read(name))
+    assert "data.pkl" in zipfile.ZipFile(flat).namelist()
+    with pytest.raises(RuntimeError, match="not in a subdirectory"):
+        torch.load(flat, weights_only=True)
+    assert ck.unreadable_reason(flat).startswith("the file is a zip archive but not a torch checkpoint (no FOLDER/")
     good = tmp_path / "good.ckpt"
     torch.save({"a": 1}, good)
     assert ck.unreadable_reason(good) is None
@@ -299,7 +312,8 @@ def test_link_tree_links_meta_last_and_copies_where_links_fail(tmp_path, monkeyp
 
     src = tmp_path / "src"
     src.mkdir()
-    for name in (ck.META_NAME, "__0_0.distcp", "__1_0.distcp", ck.DCP_INDEX):
+    # "rng.bin" sorts after meta.pt by name: meta.pt is still linked last.
+    for name in (ck.META_NAME, "__0_0.distcp", "__1_0.distcp", ck.DCP_INDEX, "rng.bin"):
         (src / name).write_text(name)
     order = []
     real_link = os.link
@@ -333,8 +347,6 @@ def test_a_sharded_checkpoint_checks_every_rank_s_bytes_once_in_a_new_run_folder
 
 
 def test_an_unhealthy_sharded_checkpoint_keeps_the_only_copy_of_the_newest_healthy_one(tmp_path):
-    import datetime
-
     out = tmp_path / "run"
     ck.save_checkpoint(_state(4), out, periodic=False, keep=1)  # last.ckpt: the only copy of step 4
     meta = {"step": 6, "health": {"healthy": False, "why": "loss is exploding"}}
@@ -464,3 +476,76 @@ def test_removing_temporaries_never_raises(tmp_path, monkeypatch):
     (out / "checkpoints" / ".step_000004.ckpt.tmp").mkdir(parents=True)
     monkeypatch.setattr(shutil, "rmtree", rmtree)
     assert [p.name for p in ck.remove_temporaries(out)] == [".step_000004.ckpt.tmp"]
+
+
+def test_remove_temporaries_puts_back_an_interrupted_replacement_or_drops_what_it_replaced(tmp_path):
+    out = tmp_path / "run"
+    folder = out / "checkpoints"
+    ck.save_checkpoint(_state(4), out, periodic=False, keep=1)
+    # Killed after the new last.ckpt landed, before the one it replaced was removed: the new one stays.
+    torch.save(_state(2), folder / ".last.ckpt.old")
+    # A sharded writer killed mid-write: its temporary folder, with a shard in it.
+    (folder / ".step_000006.ckpt.tmp").mkdir()
+    (folder / ".step_000006.ckpt.tmp" / "__0_0.distcp").write_bytes(b"shard")
+    removed = ck.remove_temporaries(out)
+    assert sorted(removed) == [folder / ".last.ckpt.old", folder / ".step_000006.ckpt.tmp"]
+    assert _names(folder) == ["last.ckpt"] and ck.load_checkpoint(folder / "last.ckpt")["step"] == 4
+    # Killed between the two renames: the old file is the only checkpoint, and it is put back.
+    (folder / "last.ckpt").rename(folder / ".last.ckpt.old")
+    assert ck.remove_temporaries(out) == []
+    assert _names(folder) == ["last.ckpt"] and ck.load_checkpoint(folder / "last.ckpt")["step"] == 4
+
+
+def _fake_sharded(out, step: int):
+    """A committed sharded checkpoint folder whose shard and index are not DCP's: its meta reads,
+    its tensors do not."""
+    meta = {"step": step}
+    tmp = ck.begin_sharded(meta, out, periodic=False, nbytes=10)
+    (tmp / "__0_0.distcp").write_bytes(b"shard")
+    (tmp / ck.DCP_INDEX).write_bytes(b"index")
+    return ck.commit_sharded(meta, out, periodic=False, keep=1)
+
+
+def test_a_sharded_checkpoint_with_damaged_shards_or_from_a_newer_version_is_refused_by_name(tmp_path):
+    last = _fake_sharded(tmp_path / "run", 2)
+    assert ck.load_checkpoint(last, tensors=False)["step"] == 2
+    with pytest.raises(ck.CheckpointError) as info:
+        ck.load_checkpoint(last)
+    assert str(info.value) == (f"cannot read checkpoint {last}: UnpicklingError: could not find MARK. "
+                               f"No other checkpoint in {last.parent} can be read; start again: overwrite=true")
+    torch.save({**ck.read_sharded_meta(last), "version": ck.VERSION + 1}, last / ck.META_NAME)
+    with pytest.raises(ck.CheckpointError) as info:
+        ck.load_checkpoint(last, tensors=False)
+    assert str(info.value) == (f"{last} was written by a newer stabletrain (checkpoint format {ck.VERSION + 1}, "
+                               f"this version reads up to {ck.VERSION}); upgrade stabletrain")
+
+
+def test_a_checkpoint_file_holding_a_foreign_object_is_refused_with_torch_s_reason(tmp_path):
+    path = tmp_path / "last.ckpt"
+    torch.save({**_state(3), "format": ck.FORMAT, "x": _Payload()}, path)
+    assert ck.unreadable_reason(path) is None, "whole on disk: the reason is torch's"
+    with pytest.raises(ck.CheckpointError) as info:
+        ck.load_checkpoint(path)
+    text = str(info.value)  # the object torch names depends on how it pickles (here getattr)
+    assert text.startswith(f"cannot read checkpoint {path}: UnpicklingError: Weights only load failed: Unsupported "
+                           "global: GLOBAL ")
+    assert text.endswith(" was not an allowed global by default. "
+                         f"No other checkpoint in {tmp_path} can be read; start again: overwrite=true"), text
+    assert _Payload.unpickled == 0
+
+
+def test_exception_text_is_one_plain_clause():
+    assert ck._exception_text(EOFError()) == "EOFError"
+    assert ck._exception_text(ValueError("\n  bad header.\nmore detail")) == "ValueError: bad header"
+    assert ck._exception_text(OSError("\x1b[1mbold\x1b[0m text")) == "OSError: bold text"
+
+
+def test_why_a_sharded_folder_cannot_be_read(tmp_path):
+    empty = tmp_path / "step_000004.ckpt"
+    empty.mkdir()
+    assert ck.unreadable_reason(empty) == ("the folder holds no meta.pt, which a sharded checkpoint gets last: its write "
+                                           "did not finish, or it is not a checkpoint")
+    last = _fake_sharded(tmp_path / "run", 2)
+    assert ck.unreadable_reason(last) is None
+    (last / ck.META_NAME).write_bytes(b"")
+    assert ck.unreadable_reason(last) == "meta.pt: the file is empty (0 bytes)"

@@ -466,8 +466,11 @@ def unreadable_reason(path: str | Path) -> Optional[str]:
             names = archive.namelist()
     except (zipfile.BadZipFile, OSError):
         return f"the file is cut short or is not a checkpoint ({size:,} bytes without the index torch.save writes last)"
-    if not any(n == "data.pkl" or n.endswith("/data.pkl") for n in names):
-        return f"the file is a zip archive but not a torch checkpoint (no data.pkl among {len(names)} entries)"
+    # torch.save puts every entry in one top folder (``<stem>/data.pkl``); torch.load refuses a
+    # data.pkl outside one.
+    if not any(n.endswith("/data.pkl") for n in names):
+        return (f"the file is a zip archive but not a torch checkpoint (no FOLDER/data.pkl, which torch.save writes, "
+                f"among its {len(names)} entries)")
     return None
 
 
@@ -500,7 +503,7 @@ def _recorded_files(meta: Path) -> dict[str, int]:
 
     try:
         with zipfile.ZipFile(meta) as archive:
-            name = next(n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl")
+            name = next(n for n in archive.namelist() if n.endswith("/data.pkl"))
             raw = archive.read(name)
     except (zipfile.BadZipFile, OSError, StopIteration):
         return {}
@@ -572,9 +575,19 @@ def fallback_advice(failed: str | Path, command: Optional[Callable[..., str]] = 
     return f"No other checkpoint in {failed.parent} {found}; start again: {build(overwrite=True)}"
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
 def _exception_text(exc: BaseException) -> str:
-    """``Type: first line of the message``; the type alone when the message is empty (EOFError)."""
-    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+    """``Type: first line of the message`` without its final full stop (the caller's sentence goes
+    on) or terminal colour codes; the type alone when the message is empty (EOFError). torch's
+    weights-only refusal is a page of advice: its line that names the object is kept instead."""
+    lines = [line.strip() for line in _ANSI.sub("", str(exc)).splitlines() if line.strip()]
+    unpickler = [line for line in lines if line.startswith("WeightsUnpickler error: ")]
+    if unpickler:  # "Unsupported global: GLOBAL mod.Name was not an allowed global by default. Please use ..."
+        why = unpickler[0][len("WeightsUnpickler error: "):].split(". ")[0]
+        lines = [f"Weights only load failed: {why}"]
+    first = lines[0].rstrip(".") if lines else ""
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
