@@ -187,3 +187,25 @@ def test_a_grad_scaler_that_skips_the_step_leaves_no_skip_aware_step_behind():
         p.grad = g
     opt.step()  # torch's own, as if the guard were not there
     assert not _same(list(model.parameters()), before)
+
+
+def test_a_scheduled_lr_keeps_steps_torch_s_own_and_the_factor_constants_bounded():
+    """AdamW's decoupled decay factor 1 - lr * wd is a new value at every step of a schedule: each
+    step is still torch's own, and the 0-dim constants the factors are made of stay few."""
+    model, ref_model = _model(), _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.1)
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)) for o in (opt, ref)]
+    skipper = SkipStep(opt)
+    skip_aware._CONSTANTS.clear()
+    for step in range(3 * skip_aware._MAX_CONSTANTS):
+        for p, r, g in zip(model.parameters(), ref_model.parameters(), _grads(step % 3, model)):
+            p.grad, r.grad = g.clone(), g.clone()
+        skipper.save(torch.tensor(False))
+        opt.step()
+        ref.step()
+        for s in scheds:
+            s.step()
+        assert len(skip_aware._CONSTANTS) <= skip_aware._MAX_CONSTANTS
+    assert _same(list(model.parameters()), list(ref_model.parameters()))
+    assert _same(_state(opt), _state(ref))

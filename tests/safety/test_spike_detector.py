@@ -62,7 +62,7 @@ def _trained(device="cpu") -> SpikeDetector:
 def test_a_state_saved_elsewhere_loads_onto_the_detector_s_device_and_dtypes():
     saved = _trained().state_dict()
     # As read back from a file by other code: float32 values, int32 count, 1-element tensors.
-    foreign = {"buffer": saved["buffer"].float(), "count": saved["count"].int().reshape(1),
+    foreign = {"recent": saved["recent"].float(), "count": saved["count"].int().reshape(1),
                "max_loss": saved["max_loss"].float().reshape(1)}
     d = SpikeDetector(window=4, warmup=2, device="meta")  # a device other than the state's
     d.load_state_dict(foreign)
@@ -72,7 +72,29 @@ def test_a_state_saved_elsewhere_loads_onto_the_detector_s_device_and_dtypes():
     on_cpu = SpikeDetector(window=4, warmup=2)
     on_cpu.load_state_dict(foreign)
     assert int(on_cpu.count) == 5 and float(on_cpu.max_loss) == pytest.approx(2.0)
-    assert torch.equal(on_cpu.buffer, saved["buffer"].float().double())
+    assert torch.equal(on_cpu.buffer, saved["recent"].float().double())
+
+
+def test_the_window_is_kept_newest_first_and_an_older_ring_state_loads_the_same():
+    """stabletrain before 2026-12-05 saved a ring ``buffer`` (the newest good step at
+    ``(count - 1) % window``): a checkpoint of it resumes to the same window and the same verdicts."""
+    d = _trained()  # 5 good steps through a window of 4
+    logs = torch.tensor([[2.0, 1.9, 1.8, 1.85, 1.7], [1.0, 1.1, 0.9, 1.0, 1.05]]).double().log()
+    assert torch.allclose(d.buffer, logs.flip(1)[:, :4], rtol=0, atol=1e-15), "newest first"
+    ring = torch.zeros(2, 4, dtype=torch.float64)
+    for i in range(5):
+        ring[:, i % 4] = logs[:, i]
+    old = SpikeDetector(window=4, warmup=2)
+    old.load_state_dict({"buffer": ring, "count": torch.tensor(5), "max_loss": torch.tensor(2.0)})
+    assert torch.equal(old.buffer, d.buffer) and int(old.count) == 5
+    for loss, gn in ((1.75, 1.0), (9.0, 1.0), (1.7, 30.0)):
+        a, b = (t.observe(torch.tensor(loss), torch.tensor(gn)).tolist() for t in (d, old))
+        assert a == b or all(x == y or (math.isnan(x) and math.isnan(y)) for x, y in zip(a, b)), (a, b)
+    partial = torch.zeros(2, 4, dtype=torch.float64)
+    partial[:, :2] = logs[:, :2]  # 2 good steps: slots 0 and 1, the rest never written
+    young = SpikeDetector(window=4, warmup=2)
+    young.load_state_dict({"buffer": partial, "count": torch.tensor(2), "max_loss": torch.tensor(2.0)})
+    assert torch.equal(young.buffer[:, :2], logs[:, :2].flip(1)) and not young.buffer[:, 2:].any()
 
 
 def test_a_state_of_another_window_is_refused_with_the_setting_to_keep():
@@ -154,10 +176,10 @@ def test_state_lives_on_the_detector_s_device_in_float64_and_int64():
     d = SpikeDetector(window=4, warmup=2, device="meta")
     state = d.state_dict()
     assert {k: (v.device.type, v.dtype) for k, v in state.items()} == {
-        "buffer": ("meta", torch.float64), "count": ("meta", torch.int64), "max_loss": ("meta", torch.float64)}
+        "recent": ("meta", torch.float64), "count": ("meta", torch.int64), "max_loss": ("meta", torch.float64)}
     verdict = d.observe(torch.tensor(2.0), torch.tensor(1.0))  # host values, moved to the detector's device
     assert verdict.device.type == "meta" and verdict.dtype == torch.float64 and verdict.shape == (6,)
-    assert {k: v.device.type for k, v in d.state_dict().items()} == {"buffer": "meta", "count": "meta",
+    assert {k: v.device.type for k, v in d.state_dict().items()} == {"recent": "meta", "count": "meta",
                                                                       "max_loss": "meta"}
 
 

@@ -106,6 +106,22 @@ def _mask(t: Tensor, bits: Tensor) -> Tensor:
     return torch.bitwise_and(t.view(_INT[t.dtype]), bits).view(t.dtype)
 
 
+#: (value, device, dtype) -> a 0-dim tensor of it, made once and read by the steps' factors; at most
+#: _MAX_CONSTANTS (a scheduled lr makes 1 - lr * wd a new value every step).
+_CONSTANTS: dict[tuple, Tensor] = {}
+_MAX_CONSTANTS = 64
+
+
+def _constant(value: float, like: Tensor) -> Tensor:
+    key = (value, like.device, like.dtype)
+    t = _CONSTANTS.get(key)
+    if t is None:
+        if len(_CONSTANTS) >= _MAX_CONSTANTS:
+            _CONSTANTS.clear()
+        t = _CONSTANTS[key] = torch.tensor(value, dtype=like.dtype, device=like.device)
+    return t
+
+
 class _Factors:
     """The 0-dim factors of one step, per (device, dtype): a value when kept, another when skipped."""
 
@@ -118,8 +134,7 @@ class _Factors:
         t = self._cache.get(key)
         if t is None:
             keep = self.keep.to(like.device)
-            t = self._cache[key] = torch.where(keep, torch.tensor(kept, dtype=like.dtype, device=like.device),
-                                               torch.tensor(skipped, dtype=like.dtype, device=like.device))
+            t = self._cache[key] = torch.where(keep, _constant(kept, like), _constant(skipped, like))
         return t
 
     def bits(self, like: Tensor) -> Tensor:

@@ -1,7 +1,7 @@
 """Decide on the device whether a step is non-finite or spikes, with no host synchronisation.
 
 :class:`SpikeDetector` keeps the last ``window`` good steps' log loss and log gradient norm in a
-device ring buffer; :meth:`~SpikeDetector.observe` returns the verdict as a device vector
+device buffer, the newest first; :meth:`~SpikeDetector.observe` returns the verdict as a device vector
 ``[bad, trigger, zscore, ratio, loss, gradient_norm]`` (triggers ``nonfinite_loss``,
 ``nonfinite_grad``, ``loss_spike``, ``grad_spike``). See docs/self_healing.md.
 """
@@ -52,10 +52,15 @@ class SpikeDetector:
         self.window, self.zscore, self.warmup = int(window), float(zscore), int(warmup)
         self.max_ratio, self.min_std = float(max_ratio), float(min_std)
         self.device = torch.device(device)
+        #: The last ``window`` good steps' log loss (row 0) and log gradient norm (row 1), the newest
+        #: first; the entries past the good steps seen are 0.
         self.buffer = torch.zeros(2, self.window, dtype=torch.float64, device=self.device)
         self.count = torch.zeros((), dtype=torch.int64, device=self.device)
         self.max_loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        self._slots = torch.arange(self.window, device=self.device)
+        self._table = _weights(self.window).to(self.device)
+        self._codes = torch.arange(1, len(TRIGGERS), device=self.device)
+        self._nan = torch.full((3,), math.nan, dtype=torch.float64, device=self.device)
+        self._limits = torch.tensor([self.max_ratio, math.inf], dtype=torch.float64, device=self.device)
 
     def observe(self, loss: Tensor, grad_norm: Tensor) -> Tensor:
         """Judge one step from its (mean) loss and total gradient norm; device ops only.
@@ -63,62 +68,85 @@ class SpikeDetector:
         Returns the float64 verdict vector ``[bad, trigger, zscore, ratio, loss, gradient_norm]``
         (``zscore``: of the value that triggered, NaN for non-finite triggers).
         """
-        loss_v = loss.detach().reshape(()).double().to(self.device)
-        gn_v = grad_norm.detach().reshape(()).double().to(self.device)
-        nf_loss, nf_grad = ~torch.isfinite(loss_v), ~torch.isfinite(gn_v)
-        x = torch.log(torch.stack([loss_v, gn_v]).nan_to_num(0.0, 0.0, 0.0).clamp_min(_TINY))
-        n = torch.clamp(self.count, max=self.window)
-        age = (self.count - 1 - self._slots) % self.window  # 0: the newest good step
-        recent = ((age < REFERENCE_STEPS) & (age < n)).double()
-        mean = (self.buffer * recent).sum(1) / recent.sum().clamp_min(1)
-        # Noise from successive differences (von Neumann): a loss that falls fast in early
+        # About 80 small device ops, each launched from Python: what the step pays for the detector
+        # (docs/benchmarks.md). What depends on the number of good steps alone is read from a table.
+        w = self.window
+        v = torch.stack([loss.detach().reshape(()).to(self.device, torch.float64),
+                         grad_norm.detach().reshape(()).to(self.device, torch.float64)])
+        x = v.nan_to_num(0.0, 0.0, 0.0).clamp_min_(_TINY).log_()
+        # The weights for n = min(count, window) good steps (a 0-dim index would be read on the host).
+        row = self._table.index_select(0, self.count.clamp(max=w).reshape(1)).reshape(-1)
+        buf = self.buffer
+        # Means: row 0 of the newest REFERENCE_STEPS good log losses, row 1 of the window's log norms.
+        mean = (buf * row[:2 * w].view(2, w)).sum(1)
+        # Loss noise from successive differences (von Neumann): a loss that falls fast in early
         # training does not widen it, as it would widen the window's plain std. Each difference
         # is capped at CLIP times their median, so that a spike the warm-up let into the window
         # (two huge differences, into and out of it) does not inflate the noise for the next
-        # `window` steps and hide the same spike when it comes back.
-        pairs = age <= n - 2
-        diff = (self.buffer - torch.roll(self.buffer, 1, dims=1)).abs()
-        cap = CLIP * torch.nanmedian(torch.where(pairs, diff, math.nan), dim=1).values.nan_to_num(0.0)
-        capped = torch.minimum(diff, cap[:, None])
-        var_vn = (capped**2 * pairs).sum(1) / (2 * pairs.sum().clamp_min(1))
-        floor = max(self.min_std, _TINY)
-        z_loss = (x[0] - mean[0]) / var_vn[0].sqrt().clamp_min(floor)
+        # `window` steps and hide the same spike when it comes back. NaN marks what is not a pair.
+        diff = (buf[0, :-1] - buf[0, 1:]).abs_().add_(row[3 * w:4 * w - 1])
+        capped = torch.minimum(diff, torch.nanmedian(diff) * CLIP)
         # The gradient norm has no steady trend to discount but wanders (it rises early in
         # training): its z-score is against the whole window's mean and standard deviation.
-        valid = (self._slots < n).double()
-        w_mean = (self.buffer[1] * valid).sum() / n.clamp_min(1)
-        w_var = ((self.buffer[1] - w_mean) ** 2 * valid).sum() / (n - 1).clamp_min(1)
-        z = torch.stack([z_loss, (x[1] - w_mean) / w_var.sqrt().clamp_min(floor)])
-        judged = self.count >= self.warmup
-        spike = judged & (z > self.zscore)
-        ratio = loss_v / self.max_loss.clamp_min(_TINY)
-        ratio_bad = judged & (self.max_loss > 0) & (ratio > self.max_ratio)
-        loss_bad = spike[0] | ratio_bad
-        trigger = torch.where(nf_loss, 1, torch.where(nf_grad, 2, torch.where(loss_bad, 3,
-                                                                              torch.where(spike[1], 4, 0))))
-        nan = torch.full((), math.nan, dtype=torch.float64, device=self.device)
-        score = torch.where(trigger == 3, z[0], torch.where(trigger == 4, z[1], nan))
-        bad = trigger > 0
-        good = ~bad
-        slot = (self._slots == self.count % self.window) & good
-        self.buffer = torch.where(slot, x[:, None], self.buffer)
-        self.count = self.count + good.long()
-        self.max_loss = torch.where(good, torch.maximum(self.max_loss, loss_v), self.max_loss)
-        return torch.stack([bad.double(), trigger.double(), score, ratio, loss_v, gn_v])
+        dev = (buf[1] - mean[1]).mul_(row[2 * w:3 * w])
+        squares = torch.stack([capped.square_().nansum(), torch.dot(dev, dev)])
+        std = squares.div_(row[4 * w - 1:]).sqrt_().clamp_min_(max(self.min_std, _TINY))
+        z = (x - mean).div_(std)
+        # A loss above max_ratio x the largest good loss (no rule while every good loss was 0); the
+        # gradient norm's entry of the ratio is compared with inf: never above it.
+        ratio = v / self.max_loss.clamp_min(_TINY)
+        bad = (z > self.zscore) | ((ratio > self._limits) & (self.max_loss > 0))
+        judged = bad & (self.count >= self.warmup)
+        # The first condition that holds names the trigger (codes 1..4; 5: none). v - v is NaN for a
+        # NaN or an Inf, 0 otherwise.
+        first = torch.where(torch.cat([(v - v).ne(0), judged]), self._codes, len(TRIGGERS)).amin()
+        trigger = first % len(TRIGGERS)
+        good = first == len(TRIGGERS)
+        self.buffer = torch.where(good, torch.cat([x[:, None], buf[:, :-1]], 1), buf)
+        self.count = self.count + good
+        self.max_loss = torch.where(good, torch.maximum(self.max_loss, v[0]), self.max_loss)
+        score = torch.cat([self._nan, z, self._nan[:1]]).index_select(0, first.reshape(1))
+        head = torch.stack([trigger.clamp(max=1), trigger]).double()
+        return torch.cat([head, score, ratio[:1], v])
 
     def state_dict(self) -> dict[str, Tensor]:
         """The detector's state (device copies: ``torch.save`` moves them with the rest of a
         checkpoint, no read of its own), for checkpoints: a resumed run judges the same."""
-        return {"buffer": self.buffer.clone(), "count": self.count.clone(), "max_loss": self.max_loss.clone()}
+        return {"recent": self.buffer.clone(), "count": self.count.clone(), "max_loss": self.max_loss.clone()}
 
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
-        buffer = state["buffer"].to(self.device, torch.float64)
+        """Load :meth:`state_dict`'s output, or an older stabletrain's (a ring ``buffer`` whose newest
+        entry is at ``(count - 1) % window``), on the device without reading it."""
+        ring = "recent" not in state
+        buffer = state["buffer" if ring else "recent"].to(self.device, torch.float64)
         if buffer.shape != self.buffer.shape:
             raise ValueError(f"the saved detector window holds {buffer.shape[1]} steps, this one {self.window}: "
                              "resume with the same on_instability.window")
+        count = state["count"].to(self.device, torch.int64).reshape(())
+        if ring:
+            age = torch.arange(self.window, device=self.device)
+            buffer = torch.where(age < count, buffer[:, (count - 1 - age) % self.window], 0.0)
         self.buffer = buffer
-        self.count = state["count"].to(self.device, torch.int64).reshape(())
+        self.count = count
         self.max_loss = state["max_loss"].to(self.device, torch.float64).reshape(())
+
+
+def _weights(window: int) -> Tensor:
+    """Row ``n`` (good steps in the window, 0 to ``window``): what :meth:`SpikeDetector.observe` needs
+    that depends on ``n`` alone, float64: the mean weights of the loss (1/k on the newest k =
+    min(n, REFERENCE_STEPS)) and of the gradient norm (1/n on the newest n); 1 on the n valid
+    entries; 0 on the n - 1 successive pairs and NaN on the others; the divisors of the squares,
+    2 max(n - 1, 1) and max(n - 1, 1)."""
+    w = window
+    table = torch.zeros(w + 1, 4 * w + 1, dtype=torch.float64)
+    for n in range(w + 1):
+        k = min(n, REFERENCE_STEPS)
+        table[n, :k] = 1.0 / max(k, 1)
+        table[n, w:w + n] = 1.0 / max(n, 1)
+        table[n, 2 * w:2 * w + n] = 1.0
+        table[n, 3 * w + max(n - 1, 0):4 * w - 1] = math.nan
+        table[n, 4 * w - 1:] = torch.tensor([2.0 * max(n - 1, 1), float(max(n - 1, 1))], dtype=torch.float64)
+    return table
 
 
 def trigger_name(code: float) -> str:
