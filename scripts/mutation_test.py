@@ -96,7 +96,7 @@ GROUPS = [
            "tests/runfiles/test_torn_files.py", "tests/safety/test_checkpoint_health.py", *_SLOW_CHECKPOINT,
            *_SLOW_HEALTH)),
     Group("net", ("stabletrain/safety/net.py",),
-          ("tests/safety/test_optimizer_state_overflow.py", "tests/safety/test_guard.py",
+          ("tests/safety/test_safety_net.py", "tests/safety/test_optimizer_state_overflow.py", "tests/safety/test_guard.py",
            "tests/safety/test_checkpoint_health.py", "tests/safety/test_interrupts.py",
            "tests/safety/test_write_failures.py", *_SLOW_GUARD, *_SLOW_HEALTH)),
     Group("healing", ("stabletrain/safety/healing.py",), ("tests/safety/test_self_healing.py",)),

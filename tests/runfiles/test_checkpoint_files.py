@@ -538,6 +538,7 @@ def test_exception_text_is_one_plain_clause():
     assert ck._exception_text(EOFError()) == "EOFError"
     assert ck._exception_text(ValueError("\n  bad header.\nmore detail")) == "ValueError: bad header"
     assert ck._exception_text(OSError("\x1b[1mbold\x1b[0m text")) == "OSError: bold text"
+    assert ck._exception_text(ValueError("no column X.")) == "ValueError: no column X", "only full stops go"
 
 
 def test_why_a_sharded_folder_cannot_be_read(tmp_path):
