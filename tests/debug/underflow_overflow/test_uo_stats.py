@@ -136,3 +136,30 @@ def test_the_same_gradient_handed_to_two_hooks_is_measured_once():
     assert second[0] is first[0] and second[1] is first[1]
     g.add_(1.0)
     assert meter.measure(g)[1] is not first[1], "changed in place: measured again"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_a_large_tensor_is_measured_in_chunks_exactly(dtype):
+    """Past 2 chunks (stats.CHUNK elements each) a contiguous CPU tensor is taken chunk by chunk:
+    the extremes at a chunk's edges, in its last partial chunk, a NaN or an Inf in a later chunk
+    are found as in one pass; a strided view of the same size takes the one pass."""
+    from stabletrain.debug.underflow_overflow import stats
+
+    gen = torch.Generator().manual_seed(1)
+    n = 3 * stats.CHUNK + 5
+    t = (torch.rand(n, generator=gen, dtype=torch.float64) + 0.5).to(dtype)
+    t[stats.CHUNK - 1] = -0.125  # the smallest magnitude, the last element of the first chunk
+    t[2 * stats.CHUNK] = -64.0  # the largest, the first of the third
+    for x in (t, torch.stack([t, t], 1)[:, 0]):
+        scratch: dict = {}
+        lo, hi = raw_stats(x, scratch)
+        assert (lo.item(), hi.item()) == (0.125, 64.0)
+        assert ("chunk", dtype) in scratch if x.is_contiguous() else ("chunk", dtype) not in scratch
+    for bad, want in ((NAN, "nan"), (-INF, "inf")):
+        t[n - 2] = bad  # in the last, partial chunk
+        assert value_kind(*nan_min(*(v.item() for v in raw_stats(t, {})))) == want
+    scratch = {}
+    with CountSyncs() as syncs:
+        raw_stats(t, scratch)
+    assert syncs.count == 0
+    assert scratch[("chunk", dtype)].numel() == stats.CHUNK, "one chunk's buffer, not the tensor's size"

@@ -87,21 +87,46 @@ def raw_stats(t: Tensor, scratch: Optional[dict] = None) -> tuple[Tensor, Tensor
     # vector_norm(t, +-inf) are fused passes that never materialise |t|, a temporary as large as
     # the activation (the logits, say). Measured: docs/benchmarks.md, "Kernel choice".
     if t.device.type == "cpu":
+        n = t.numel()
+        ints = _int_view(t)
+        if scratch is not None and ints is not None and n > 2 * CHUNK and t.is_contiguous():
+            return _chunked_stats(t.view(-1), ints, scratch)
         if scratch is None:
             out = torch.abs(t)
         else:
-            n = t.numel()
             buf = scratch.get(t.dtype)
             if buf is None or buf.numel() < n:
                 buf = scratch[t.dtype] = torch.empty(n, dtype=t.dtype)
             out = buf[:n].view(t.shape)
             torch.abs(t, out=out)
-        ints = _int_view(t)
         if ints is None:
             return torch.aminmax(out)
         lo, hi = torch.aminmax(out.view(ints))
         return lo.view(t.dtype), hi.view(t.dtype)
     return torch.linalg.vector_norm(t, float("-inf")), torch.linalg.vector_norm(t, float("inf"))
+
+
+#: Elements of a large CPU tensor taken at a time: ``|t|`` of a chunk (1 MiB of float32) is read
+#: back from the core's cache, not from memory (docs/benchmarks.md, "Kernel choice").
+CHUNK = 1 << 18
+
+
+def _chunked_stats(flat: Tensor, ints: torch.dtype, scratch: dict) -> tuple[Tensor, Tensor]:
+    """:func:`raw_stats` of a large contiguous CPU tensor (viewed flat), chunk by chunk."""
+    key = ("chunk", flat.dtype)
+    buf = scratch.get(key)
+    if buf is None:
+        buf = scratch[key] = torch.empty(CHUNK, dtype=flat.dtype)
+    n = flat.numel()
+    parts = (n + CHUNK - 1) // CHUNK
+    los = torch.empty(parts, dtype=ints)
+    his = torch.empty(parts, dtype=ints)
+    for i in range(parts):
+        part = flat[i * CHUNK:(i + 1) * CHUNK]
+        out = buf[:part.numel()]
+        torch.abs(part, out=out)
+        torch.aminmax(out.view(ints), out=(los[i], his[i]))
+    return los.amin().view(flat.dtype), his.amax().view(flat.dtype)
 
 
 class Meter:
