@@ -225,6 +225,16 @@ def test_the_loss_ratio_rule_with_losses_below_1():
             assert verdict[1] == 3 and math.isnan(verdict[2]) is False
 
 
+def test_the_loss_ratio_is_compared_in_float64():
+    """A max_ratio that float32 cannot hold (10.1 rounds up to 10.100000381): a ratio of
+    10.1000001 is above the setting and flags the step."""
+    d = SpikeDetector(window=8, warmup=2, zscore=1e9, max_ratio=10.1)
+    for _ in range(3):
+        d.observe(torch.tensor(1.0, dtype=torch.float64), torch.tensor(1.0))
+    verdict = d.observe(torch.tensor(10.1000001, dtype=torch.float64), torch.tensor(1.0)).tolist()
+    assert verdict[3] == 10.1000001 and verdict[:2] == [1.0, 3.0], verdict
+
+
 def test_the_loss_ratio_rule_is_off_while_every_good_loss_was_zero():
     """The ratio to the largest good loss is undefined while that is 0 (a loss that sat at exactly 0):
     a loss of 1e-28 is 100 times the floor it is divided by, yet no spike. With a wide noise floor

@@ -73,7 +73,8 @@ class SpikeDetector:
         w = self.window
         v = torch.stack([loss.detach().reshape(()).to(self.device, torch.float64),
                          grad_norm.detach().reshape(()).to(self.device, torch.float64)])
-        x = v.nan_to_num(0.0, 0.0, 0.0).clamp_min_(_TINY).log_()
+        # The log of a NaN or an Inf is never read: such a step is bad, and only good steps are written.
+        x = v.clamp_min(_TINY).log_()
         # The weights for n = min(count, window) good steps (a 0-dim index would be read on the host).
         row = self._table.index_select(0, self.count.clamp(max=w).reshape(1)).reshape(-1)
         buf = self.buffer
@@ -105,7 +106,7 @@ class SpikeDetector:
         self.buffer = torch.where(good, torch.cat([x[:, None], buf[:, :-1]], 1), buf)
         self.count = self.count + good
         self.max_loss = torch.where(good, torch.maximum(self.max_loss, v[0]), self.max_loss)
-        score = torch.cat([self._nan, z, self._nan[:1]]).index_select(0, first.reshape(1))
+        score = torch.cat([self._nan, z, self._nan]).index_select(0, first.reshape(1))  # codes 3, 4: z
         head = torch.stack([trigger.clamp(max=1), trigger]).double()
         return torch.cat([head, score, ratio[:1], v])
 
