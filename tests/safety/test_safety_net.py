@@ -60,6 +60,7 @@ class _Trainer:
         self.out = tmp_path / "run"
         self.model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.optimizer.param_groups[0]["base_lr"] = 0.02  # the schedule's base, as the trainer's scheduler keeps it
         self.scaler = None
         self.rank, self.world_size, self.sharded = rank, world_size, False
         self.is_rank_zero = rank == 0
@@ -71,6 +72,7 @@ class _Trainer:
         self.rows: list[tuple[int, dict]] = []
         self.loggers = [types.SimpleNamespace(log_metrics=lambda row, step: self.rows.append((step, row)))]
         self.settled = 0
+        self.settle_checkpoints = self._settle  # an instance attribute: a trainer may lack it
         self.stop_requests: list[str] = []
 
     def log_event(self, event: dict) -> None:
@@ -79,7 +81,7 @@ class _Trainer:
     def lr_factor(self, step: int) -> float:
         return 0.5
 
-    def settle_checkpoints(self) -> None:
+    def _settle(self) -> None:
         self.settled += 1
 
     def request_stop(self, why: str) -> None:
@@ -108,9 +110,12 @@ def messages(monkeypatch):
 
     def guard_message(t, failure, capture):
         seen["failure"], seen["capture"] = failure, capture
-        return f"rank {t.rank}: {failure.nonfinite} at step {failure.step}", None, f"command of rank {t.rank}"
+        if "names" in seen:  # a failure naming more than the event keeps
+            failure.param_names, failure.state_entries = seen["names"], seen["names"]
+        return f"rank {t.rank}: {failure.nonfinite} at step {failure.step}", seen.get("best"), f"command of rank {t.rank}"
 
     def leading_message(level, message, fabric):
+        assert isinstance(fabric, _Fabric), "the trainer's fabric does the exchange"
         seen["level"] = level
         if seen["other_level"] > level:
             return "the other rank's message", 1
@@ -144,7 +149,7 @@ def test_a_bad_step_on_this_rank_leads_with_its_own_loss_and_is_logged_once(tmp_
     assert [(s, sorted(r)) for s, r in t.rows] == [(1, ["gradient_norm", "loss", "lr", "samples"])]
     row = t.rows[0][1]
     assert math.isinf(row["loss"]) or math.isnan(row["loss"])
-    assert row["lr"] == t.settings.model_args.lr * 0.5 and row["samples"] == 2 * t.settings.batch_size
+    assert row["lr"] == 0.02 * 0.5 and row["samples"] == 2 * t.settings.batch_size, "the base lr at this step"
 
 
 def test_a_bad_step_on_the_other_rank_stops_this_one_with_that_rank_s_step(tmp_path, messages):
@@ -236,10 +241,28 @@ def test_a_checkpoint_is_judged_with_every_rank_s_flags_and_the_mean_loss(tmp_pa
     net = SafetyNet(t)
     _step(t, net, 0)
     loss = float(net._last[0][0])
+    net.health.observe(0, {"loss": 3.0, "gradient_norm": 1.0})  # a logged row: the medians to compare with
     health = net.verify(_state(t))
     assert t.fabric.ops == ["max", "mean", "max"]
     assert health["loss"] == pytest.approx((loss + 3.0) / 2, rel=1e-6), "the ranks' mean loss"
-    assert health["step"] == 1 and health["healthy"] is True
+    assert (health["step"], health["last_step"], health["healthy"]) == (1, 0, True)
+    assert " at step 0 within " in health["why"]
+    whole = float(torch.cat([p.detach().reshape(-1) for p in t.model.parameters()]).double().norm())
+    assert health["weight_norm"] == pytest.approx(whole, rel=1e-6), "each rank holds the whole model: its norm"
+
+
+def test_a_checkpoint_before_any_step_or_without_losses_holds_no_step_s_values(tmp_path, messages):
+    t = _Trainer(tmp_path, world_size=1)
+    t.step = 5  # resumed at step 5: no step ran in this process yet
+    net = SafetyNet(t)
+    net.health.observe(4, {"loss": 3.0, "gradient_norm": 1.0})
+    health = net.verify(_state(t))
+    assert (health["loss"], health["gradient_norm"], health["last_step"]) == ("nan", "nan", -1)
+    assert health["healthy"] is True and " at step " not in health["why"], "no step of this process to name"
+    net.check_gradients(5, [], torch.tensor(1.0))  # a step that recorded no loss
+    t.step = 6
+    health = net.verify(_state(t))
+    assert (health["loss"], health["gradient_norm"], health["last_step"]) == ("nan", "nan", 5)
 
 
 def test_a_sharded_checkpoint_sums_the_ranks_squared_norms(tmp_path, messages):
@@ -253,7 +276,10 @@ def test_a_sharded_checkpoint_sums_the_ranks_squared_norms(tmp_path, messages):
     assert health["weight_norm"] == pytest.approx(math.sqrt(float(own[3]) + 9.0), rel=1e-6)
 
 
-def test_a_checkpoint_with_a_non_finite_entry_on_the_other_rank_is_refused(tmp_path, messages):
+def test_a_checkpoint_with_a_non_finite_entry_on_the_other_rank_is_refused(tmp_path, messages, monkeypatch):
+    import stabletrain.utils.dist as dist_utils
+
+    monkeypatch.setattr(dist_utils, "gather_names", lambda names: pytest.fail("each rank holds the whole state"))
     t = _Trainer(tmp_path, other=[[0.0, 1.0, 0.0, 0.0], 3.0, [0.0, -1e18]])
     net = SafetyNet(t)
     _step(t, net, 0)
@@ -285,6 +311,9 @@ def test_a_refused_checkpoint_names_the_entries_and_the_kept_file(tmp_path, mess
     text = str(info.value)
     assert info.value.entries == ["model 0.weight"]
     assert f"NaN/Inf in model 0.weight. The previous checkpoint stays ({kept}); training stopped." in text
+    # Where to go on from: no checkpoint before step 1, a command that changes what failed, and why.
+    assert "No checkpoint was written before step 1 " in text and " overwrite=true model_args.lr=0.0001" in text
+    assert "It carries model_args.lr=0.0001 instead of 0.001 (10x lower)" in text
     assert text.endswith(" The guard is off (guard.enabled=false): turn it on to stop at the step that went bad.")
 
 
@@ -342,3 +371,126 @@ def test_the_start_weight_norm_of_a_sharded_model_adds_the_ranks_squares(tmp_pat
         assert net.health.initial_weight_norm == pytest.approx(math.sqrt(own + 16.0), rel=1e-6)
     finally:
         net.close()
+
+
+def test_a_first_step_that_goes_bad_is_named_logged_and_leads(tmp_path, messages):
+    t = _Trainer(tmp_path, other=[0.0, [0.0, -1e18]])
+    net = SafetyNet(t)
+    _step(t, net, 0, scale=math.inf)
+    with pytest.raises(NonFiniteStepError) as info:
+        net.any_rank(False)
+    err = info.value
+    assert (err.step, err.failure.other_rank_step, messages["level"]) == (0, None, 2)
+    assert t.events[0]["step"] == 0 and [s for s, _ in t.rows] == [0], "step 0 is a step: its row is logged"
+
+
+def test_a_failure_found_here_without_a_bad_loss_leads_at_level_1_and_is_captured(tmp_path, messages, monkeypatch):
+    import stabletrain.safety.optimizer_capture as optimizer_capture
+
+    captured = []
+    monkeypatch.setattr(optimizer_capture, "capture_optimizer_step",
+                        lambda t, failure: captured.append(failure.step) or tmp_path / "capture")
+    t = _Trainer(tmp_path, other=[0.0, [0.0, -1e18]], debug_args={"nancapture": {"enabled": True}})
+    net = SafetyNet(t)
+    x = torch.randn(8, 4)
+    (t.model(x) ** 2).mean().backward()  # step 0: finite loss and gradients, then the update breaks a weight
+    net.check_gradients(0, [torch.tensor(1.0)], compute_grad_norm(t.model.named_parameters()).total)
+    with torch.no_grad():
+        t.model[2].bias.fill_(math.nan)
+    net.check_update(0)
+    t.step = 1
+    messages["best"] = types.SimpleNamespace(path=tmp_path / "step_000000.ckpt")
+    messages["names"] = [f"p{i}" for i in range(25)]
+    with pytest.raises(NonFiniteStepError) as info:
+        net.any_rank(False)
+    err = info.value
+    assert err.origin == "optimizer_step" and err.step == 0 and messages["level"] == 1, "found here, loss finite"
+    assert captured == [0] and messages["capture"] == tmp_path / "capture" == err.capture_path
+    assert err.checkpoint == tmp_path / "step_000000.ckpt"
+    assert t.events[0]["param_names"] == t.events[0]["state_entries"] == [f"p{i}" for i in range(20)]
+
+
+def test_a_forward_failure_is_not_captured_as_an_optimizer_step(tmp_path, messages, monkeypatch):
+    import stabletrain.safety.optimizer_capture as optimizer_capture
+
+    monkeypatch.setattr(optimizer_capture, "capture_optimizer_step",
+                        lambda t, failure: pytest.fail("not an optimizer step"))
+    t = _Trainer(tmp_path, world_size=1, debug_args={"nancapture": {"enabled": True}})
+    del t.settle_checkpoints  # a trainer without asynchronous checkpoints
+    net = SafetyNet(t)
+    _step(t, net, 0)
+    with pytest.raises(NonFiniteStepError) as first:
+        _step(t, net, 1, scale=math.inf)  # one rank: the verdict is on the host at once
+    assert first.value.step == 1 and first.value.failure.stopped_at == 1
+    with pytest.raises(NonFiniteStepError) as info:
+        net.fail(None, stopped_at=2)  # no verdict given: read here
+    err = info.value
+    assert err.step == 1 and err.failure.stopped_at == 2
+    assert err.capture_path is None and messages["capture"] is None
+    assert not err.other_rank and t.fabric.barriers == 0 and "level" not in messages, "one rank: no exchange"
+
+
+def test_under_fsdp_every_rank_names_all_ranks_tensors(tmp_path, messages, monkeypatch):
+    joined = []
+
+    def join(failure):
+        joined.append(failure.step)
+        failure.param_names = ["0.weight (rank 0)", "0.weight (rank 1)"]
+        return failure
+
+    monkeypatch.setattr(net_mod, "join_rank_failures", join)
+    t = _Trainer(tmp_path, other=[0.0, [0.0, -1e18]])
+    t.sharded = True
+    net = SafetyNet(t)
+    _step(t, net, 0, scale=math.inf)
+    with pytest.raises(NonFiniteStepError) as info:
+        net.any_rank(False)
+    assert joined == [0] and info.value.failure.param_names == ["0.weight (rank 0)", "0.weight (rank 1)"]
+    t2 = _Trainer(tmp_path / "two", other=[0.0, [0.0, -1e18]])  # not sharded: each rank names its own
+    net2 = SafetyNet(t2)
+    _step(t2, net2, 0, scale=math.inf)
+    with pytest.raises(NonFiniteStepError):
+        net2.any_rank(False)
+    assert joined == [0]
+
+
+def test_a_refused_sharded_checkpoint_joins_the_ranks_entries(tmp_path, messages, monkeypatch):
+    import stabletrain.utils.dist as dist_utils
+
+    monkeypatch.setattr(dist_utils, "gather_names", lambda names: [*names, "model 2.weight (rank 1)"])
+    t = _Trainer(tmp_path, other=[[0.0, 0.0, 0.0, 1.0], 3.0, [0.0, -1e18]])
+    net = SafetyNet(t)
+    _step(t, net, 0)
+    with torch.no_grad():
+        t.model[0].bias[0] = math.inf
+    with pytest.raises(NonFiniteCheckpointError) as info:
+        net.verify(_state(t, layout=SHARDED))
+    assert info.value.entries == ["model 0.bias", "model 2.weight (rank 1)"]
+    assert "NaN/Inf in model 0.bias, model 2.weight (rank 1). " in str(info.value)
+
+
+def test_one_rank_reads_its_own_flag_and_verdict_without_an_exchange(tmp_path, messages):
+    t = _Trainer(tmp_path, world_size=1)
+    net = SafetyNet(t)
+    _step(t, net, 0)
+    assert net.any_rank(False) is False and net.any_rank(True) is True and t.fabric.ops == []
+    t.sharded = True  # one rank's shards are the whole model: nothing to join
+    net_mod.join_rank_failures = lambda failure: pytest.fail("one rank: nothing to join")
+    try:
+        net.guard._state[0] = 0.0  # the verdict says step 0 went bad (as its device vector would)
+        with pytest.raises(NonFiniteStepError) as info:
+            net.any_rank(False)
+    finally:
+        from stabletrain.safety.guard import join_rank_failures
+
+        net_mod.join_rank_failures = join_rank_failures
+    assert info.value.failure.other_rank_step is None and not info.value.other_rank
+
+
+def test_without_the_guard_the_flag_alone_is_exchanged(tmp_path, messages):
+    t = _Trainer(tmp_path, other=[0.0, 1.0], guard={"enabled": False})
+    net = SafetyNet(t)
+    assert net.guard is None
+    _step(t, net, 0)
+    assert net.any_rank(True) is True and net.any_rank(False) is True, "the other rank's flag"
+    assert t.fabric.ops == ["max", "max"]
