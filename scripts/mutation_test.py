@@ -78,8 +78,9 @@ _SLOW_CHECKPOINT = (
     "--deselect=tests/runfiles/test_torn_files.py::test_resume_and_report_after_torn_line",
 )
 GROUPS = [
-    Group("skip", ("stabletrain/safety/skip_step.py", "stabletrain/safety/rollback_snapshot.py"),
-          ("tests/safety/test_skip_step.py", "tests/safety/test_rollback_snapshot.py",
+    Group("skip", ("stabletrain/safety/skip_step.py", "stabletrain/safety/skip_aware.py",
+                   "stabletrain/safety/rollback_snapshot.py"),
+          ("tests/safety/test_skip_step.py", "tests/safety/test_skip_aware.py", "tests/safety/test_rollback_snapshot.py",
            "tests/safety/test_self_healing.py")),
     Group("detector", ("stabletrain/safety/spike_detector.py",),
           ("tests/safety/test_spike_detector.py", "tests/safety/test_self_healing.py")),
