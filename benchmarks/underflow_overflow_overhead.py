@@ -25,8 +25,13 @@ It prints the step time of each over the plain loop's, and the host synchronisat
 1.05x step time and 2 added synchronisations. On a loaded machine use ``--clock cpu
 --threads 1`` (CPU time of one thread, far less disturbed by other processes than wall time).
 
+``--kernel`` instead times the statistics kernel alone on CPU tensors of 8 MiB to 128 MiB, each
+written just before it is measured (as a module's output is): over the whole tensor, in 1 MiB
+chunks (what the monitor does past 2 MiB), and one plain read, interleaved.
+
     python benchmarks/underflow_overflow_overhead.py [--rounds 12] [--repeats 1] [--threads N] [--clock wall|cpu]
                                                      [--device cpu|cuda] [--lightly-train WHEEL_OR_DIR]
+    python benchmarks/underflow_overflow_overhead.py --kernel [--rounds 21] [--threads N]
 """
 
 from __future__ import annotations
@@ -88,6 +93,42 @@ def syncs_per_step(loop: Loop) -> int:
     return counter.count
 
 
+def kernel_sizes(rounds: int) -> None:
+    """The statistics kernel alone, whole tensor against 1 MiB chunks, by tensor size (CPU)."""
+    from statistics import median
+
+    from stabletrain.debug.underflow_overflow import stats
+
+    def whole(t: torch.Tensor, scratch: dict) -> Any:
+        chunk, stats.CHUNK = stats.CHUNK, 1 << 62  # never chunked
+        try:
+            return stats.raw_stats(t, scratch)
+        finally:
+            stats.CHUNK = chunk
+
+    print(f"statistics kernel, {torch.get_num_threads()} threads, wall clock, median of {rounds} interleaved rounds "
+          "(each tensor written just before)")
+    for numel in (1 << 21, 1 << 23, 1 << 25):
+        t, src = torch.empty(numel), torch.randn(numel)
+        scratch_a: dict = {}
+        scratch_b: dict = {}
+        kinds: dict[str, Callable[[], Any]] = {
+            "write": lambda: None, "one read": lambda t=t: torch.sum(t),
+            "whole": lambda t=t, s=scratch_a: whole(t, s), "chunks": lambda t=t, s=scratch_b: stats.raw_stats(t, s)}
+        times: dict[str, list[float]] = {k: [] for k in kinds}
+        for _ in range(rounds):
+            for name, f in kinds.items():
+                t0 = time.perf_counter()
+                for _ in range(5):
+                    torch.add(src, 1.0, out=t)
+                    f()
+                times[name].append((time.perf_counter() - t0) / 5)
+        base = median(times["write"])
+        us = {k: (median(v) - base) * 1e6 for k, v in times.items() if k != "write"}
+        print(f"  {numel * 4 / 2**20:5.0f} MiB: one read {us['one read']:7.0f} us, whole tensor {us['whole']:7.0f} us, "
+              f"1 MiB chunks {us['chunks']:7.0f} us ({us['chunks'] / us['whole']:.2f}x)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=12)
@@ -97,9 +138,12 @@ def main() -> None:
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     parser.add_argument("--lightly-train", default=None, metavar="WHEEL_OR_DIR",
                         help="LightlyTrain's wheel or install folder (default: an installed lightly_train, if any)")
+    parser.add_argument("--kernel", action="store_true", help="time the statistics kernel alone by tensor size")
     ns = parser.parse_args()
     if ns.threads:
         torch.set_num_threads(ns.threads)
+    if ns.kernel:
+        return kernel_sizes(ns.rounds)
 
     model, batches = bench_model_and_batches(num_batches=4, device=ns.device)
     loops: dict[str, Loop] = {"no monitor": Loop(model, batches)}
