@@ -333,8 +333,9 @@ def test_the_verdict_terms_carry_every_rank_s_first_bad_step(tmp_path, messages)
     own = net.guard.pending().tolist()
     terms = net.verdict_terms().tolist()
     assert terms[:-2] == own and terms[-2:] == [1.0, -7.0], "the other rank's step 7 went bad"
-    _step(t, net, 1, scale=math.inf)
-    assert net.verdict_terms().tolist()[-2:] == [1.0, -1.0], "this rank's step 1 is the earlier one"
+    _step(t, net, 1)
+    _step(t, net, 2, scale=math.inf)
+    assert net.verdict_terms().tolist()[-2:] == [1.0, -2.0], "this rank's step 2 is the earlier one"
     assert t.fabric.ops == ["max", "max"]
     net.replaying = True  # a replay re-runs a step: its verdict is not the run's
     assert net.verdict_terms() is None
@@ -494,3 +495,105 @@ def test_without_the_guard_the_flag_alone_is_exchanged(tmp_path, messages):
     _step(t, net, 0)
     assert net.any_rank(True) is True and net.any_rank(False) is True, "the other rank's flag"
     assert t.fabric.ops == ["max", "max"]
+
+
+class _Healer:
+    is_healer = True
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def check(self, step, losses, grad_norm):
+        self.calls.append(f"check {step}")
+        return None
+
+    def after_step(self):
+        self.calls.append("after_step")
+
+    def end_of_step(self):
+        self.calls.append("end_of_step")
+
+
+def test_a_new_net_holds_this_run_s_settings_and_nothing_yet(tmp_path, messages):
+    t = _Trainer(tmp_path, rank=1, trend_alerts={"window": 7}, model_args={"warmup_steps": 9})
+    t.precision = "bf16-mixed"
+    healer = _Healer()
+    t.callbacks.callbacks.append(healer)
+    net = SafetyNet(t)
+    assert (net.guard.rank, net.guard.world_size) == (1, 2)
+    assert net.health.args is t.settings.trend_alerts and net.health.detector.warmup_steps == 9
+    mechanisms = net.health.mechanisms
+    assert mechanisms.args is t.settings.debug_args.mechanisms and mechanisms.context.precision == "bf16-mixed"
+    assert net.healer is healer
+    assert (net.write_failed, net._last, net.step_batches, net.start_state) == (False, None, None, None)
+    assert net._agree.dtype == np.int64, "steps exchanged as integers"
+    batches = [([0, 1], {"x": torch.zeros(2)})]
+    _step(t, net, 0)
+    net.check_gradients(1, [torch.tensor(1.0)], torch.tensor(1.0), batches=batches)
+    assert net.step_batches[0] == 1 and net.step_batches[1] is batches
+    net.check_update(1)
+    assert healer.calls == ["check 0", "after_step", "check 1", "after_step"]
+    net.replaying = True  # a replay re-runs a step: the healer neither judges nor undoes it
+    net.check_gradients(2, [torch.tensor(1.0)], torch.tensor(1.0))
+    net.check_update(2)
+    assert healer.calls[-1] == "after_step" and len(healer.calls) == 4
+    off = SafetyNet(_Trainer(tmp_path / "off", debug_args={"mechanisms": {"enabled": False}}))
+    assert off.health.mechanisms is None
+
+
+def test_starting_keeps_the_start_state_for_a_capture_and_measures_the_weights(tmp_path, messages, monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "get_backend", lambda: "gloo")
+    monkeypatch.setattr(dist, "new_group", lambda backend: pytest.fail("gloo already: no second group"))
+    t = _Trainer(tmp_path, world_size=1, debug_args={"nancapture": {"enabled": True}})
+    asked = []
+    t.checkpoint_state = lambda on_cpu, layout: asked.append((on_cpu, layout)) or {"step": t.step}
+    net = SafetyNet(t)
+    net.start()
+    net.close()
+    whole = float(torch.cat([p.detach().reshape(-1) for p in t.model.parameters()]).double().norm())
+    assert net.health.initial_weight_norm == pytest.approx(whole, rel=1e-6)
+    assert asked == [(True, None)] and net.start_state == {"step": 0}, "a fresh run keeps its start on the CPU"
+    t.sharded = True  # one rank's shards: the whole model, no exchange
+    net = SafetyNet(t)
+    net.start()
+    net.close()
+    assert asked[-1] == (True, "sharded") and t.fabric.ops == []
+    assert net.health.initial_weight_norm == pytest.approx(whole, rel=1e-6)
+    t.step = 5  # resumed: the checkpoint is the start to go back to
+    net = SafetyNet(t)
+    net.start()
+    net.close()
+    assert len(asked) == 2 and net.start_state is None
+    two = _Trainer(tmp_path / "two", other=[])
+    net = SafetyNet(two)
+    net.health.initial_weight_norm = 1.0  # a resumed run's: not measured again
+    net.start()
+    net.close()
+    assert net._group is None and two.fabric.ops == []
+
+
+def test_one_rank_stops_at_a_bad_first_step_at_once(tmp_path, messages):
+    t = _Trainer(tmp_path, world_size=1)
+    net = SafetyNet(t)
+    with pytest.raises(NonFiniteStepError) as info:
+        _step(t, net, 0, scale=math.inf)
+    assert (info.value.step, info.value.failure.stopped_at) == (0, 0), "before the optimizer step"
+    t2 = _Trainer(tmp_path / "read", world_size=1)
+    net2 = SafetyNet(t2)
+    net2.absorb([], stopped_at=0)  # nothing read: nothing to take
+    state = net2.guard.pending().clone()
+    state[0] = 0.0  # a read that says step 0 went bad
+    with pytest.raises(NonFiniteStepError) as info:
+        net2.absorb(state.tolist(), stopped_at=1)
+    assert info.value.step == 0 and info.value.failure.stopped_at == 1
+    off = SafetyNet(_Trainer(tmp_path / "off", world_size=1, guard={"enabled": False}))
+    off.absorb(state.tolist(), stopped_at=1)  # no guard: nothing to take, nothing to stop
+
+
+def test_the_verdict_terms_of_a_bad_first_step(tmp_path, messages):
+    t = _Trainer(tmp_path, other=[[0.0, -1e18]])
+    net = SafetyNet(t)
+    _step(t, net, 0, scale=math.inf)
+    assert net.verdict_terms().tolist()[-2:] == [1.0, 0.0], "step 0 went bad here"
