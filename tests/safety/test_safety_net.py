@@ -580,6 +580,7 @@ def test_one_rank_stops_at_a_bad_first_step_at_once(tmp_path, messages):
     with pytest.raises(NonFiniteStepError) as info:
         _step(t, net, 0, scale=math.inf)
     assert (info.value.step, info.value.failure.stopped_at) == (0, 0), "before the optimizer step"
+    assert t.settled == 1 and t.fabric.barriers == 0, "checkpoints settled; one rank waits for no other"
     t2 = _Trainer(tmp_path / "read", world_size=1)
     net2 = SafetyNet(t2)
     net2.absorb([], stopped_at=0)  # nothing read: nothing to take
@@ -597,3 +598,17 @@ def test_the_verdict_terms_of_a_bad_first_step(tmp_path, messages):
     net = SafetyNet(t)
     _step(t, net, 0, scale=math.inf)
     assert net.verdict_terms().tolist()[-2:] == [1.0, 0.0], "step 0 went bad here"
+
+
+def test_one_rank_s_refused_sharded_checkpoint_names_its_own_entries(tmp_path, messages, monkeypatch):
+    import stabletrain.utils.dist as dist_utils
+
+    monkeypatch.setattr(dist_utils, "gather_names", lambda names: pytest.fail("one rank: nothing to join"))
+    t = _Trainer(tmp_path, world_size=1)
+    net = SafetyNet(t)
+    _step(t, net, 0)
+    with torch.no_grad():
+        t.model[0].bias[0] = math.inf
+    with pytest.raises(NonFiniteCheckpointError) as info:
+        net.verify(_state(t, layout=SHARDED))
+    assert info.value.entries == ["model 0.bias"]
