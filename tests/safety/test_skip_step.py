@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from stabletrain.safety.skip_step import SkipStep, optimizer_tensors
@@ -54,3 +55,128 @@ def test_a_skip_after_the_optimizer_state_was_replaced_restores_the_new_state():
     assert not all(torch.equal(a, b) for a, b in zip(before, _values(opt)))
     skipper.apply(torch.tensor(True))
     assert all(torch.equal(a, b) for a, b in zip(before, _values(opt))), "skipped: bitwise as before the step"
+
+
+# ------------------------------------------------------------------------------------------------
+# Which step is taken follows the optimizer's settings as they change (the choice is cached)
+
+
+def _sgd(**settings):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, **settings)
+
+
+@pytest.mark.parametrize("change", [
+    {"amsgrad": True}, {"maximize": True}, {"differentiable": True}, {"fused": True}, {"capturable": True},
+])
+def test_a_setting_changed_mid_run_that_the_skip_aware_step_does_not_follow_switches_to_the_copy(change):
+    model, opt = _setup()
+    skipper = SkipStep(opt)
+    _backward(model)
+    skipper.save(torch.tensor(False))
+    assert skipper.mode == "skip_aware"
+    opt.step()
+    opt.param_groups[0].update(change)
+    skipper.save(torch.tensor(False))
+    assert skipper.mode == "copy", change
+
+
+def test_an_lr_tensor_params_of_another_dtype_or_a_new_group_are_seen_mid_run():
+    model, opt = _setup()
+    skipper = SkipStep(opt)
+    skipper.save(torch.tensor(False))
+    assert skipper.mode == "skip_aware"
+    opt.param_groups[0]["lr"] = torch.tensor(0.1)  # a tensor lr: not followed
+    skipper.save(torch.tensor(False))
+    assert skipper.mode == "copy"
+    opt.param_groups[0]["lr"] = 0.1
+    skipper.save(torch.tensor(False))
+    assert skipper.mode == "skip_aware"
+    half = torch.nn.Parameter(torch.zeros(2, dtype=torch.float16))
+    opt.add_param_group({"params": [half]})  # float16 parameters: not followed
+    skipper.save(torch.tensor(False))
+    assert skipper.mode == "copy"
+    model2, opt2 = _setup()
+    skipper2 = SkipStep(opt2)
+    opt2.param_groups[0]["params"] = [torch.nn.Parameter(torch.zeros(2, dtype=torch.float16)), *opt2.param_groups[0]["params"]]
+    skipper2.save(torch.tensor(False))
+    assert skipper2.mode == "copy", "the group's first parameter decides its dtype"
+    empty = torch.optim.SGD([{"params": []}, {"params": list(torch.nn.Linear(2, 2).parameters())}], lr=0.1)
+    assert SkipStep(empty).can_skip_aware(), "an empty group takes no step"
+
+
+@pytest.mark.parametrize("change", [
+    {"weight_decay": 0.1}, {"momentum": 0.9}, {"momentum": 0.9, "nesterov": True}, {"momentum": 0.9, "dampening": 0.5},
+    {"foreach": True},
+])
+def test_each_sgd_configuration_is_checked_against_torch_before_its_first_step(change, monkeypatch):
+    from stabletrain.safety import skip_aware
+
+    monkeypatch.setattr(skip_aware, "_AGREES", {})  # checks made in this test only
+    model, opt = _sgd()
+    skipper = SkipStep(opt)
+    skipper.save(torch.tensor(False))  # the plain configuration, checked once and cached
+    assert len(skip_aware._AGREES) == 1
+    before = set(skip_aware._AGREES)
+    opt.param_groups[0].update(change)
+    skipper.save(torch.tensor(False))
+    checked = set(skip_aware._AGREES) - before
+    assert skipper.mode == "skip_aware" and checked, f"{change}: checked, not taken from the plain one's cache"
+    _backward(model)
+    opt.step()  # and the step it takes is torch's (checked) one
+
+
+def test_the_adam_configurations_that_select_different_operations_are_told_apart():
+    from stabletrain.safety.skip_aware import _structure
+
+    base = {"weight_decay": 0.0}
+    assert _structure(torch.optim.Adam, base) == ("adam", False, False)
+    assert _structure(torch.optim.AdamW, base) == ("adam", True, False)
+    assert _structure(torch.optim.Adam, {"weight_decay": 0.1, "decoupled_weight_decay": True}) == ("adam", True, True)
+    sgd = {"weight_decay": 0.1, "momentum": 0.9, "nesterov": 1, "dampening": 0.5}
+    assert _structure(torch.optim.SGD, sgd) == ("sgd", True, True, True, True)
+
+
+def test_the_local_view_of_an_fsdp_shard_is_one_object_while_its_memory_stays(tmp_path):
+    """Under FSDP2 the saved copies are matched to the live tensors by identity: the local view of a
+    DTensor is the same object on every call while its shard stays where it is, a new one once it
+    moved, and its cache entry goes with the DTensor."""
+    import gc
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from stabletrain.safety import skip_step
+
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        plain = torch.zeros(3)
+        assert skip_step.local_view(plain) is plain, "a plain tensor is its own view"
+        d = distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])
+        first = skip_step.local_view(d)
+        assert skip_step.local_view(d) is first and torch.equal(first, torch.arange(4.0))
+        first.add_(1)  # writing the view writes the DTensor
+        assert torch.equal(d.to_local(), torch.arange(4.0) + 1)
+        with torch.no_grad():
+            d._local_tensor = torch.zeros(4)  # the shard moved (as FSDP2 may reallocate it)
+        moved = skip_step.local_view(d)
+        assert moved is not first and moved.data_ptr() == d.to_local().data_ptr()
+        assert skip_step.local_view(d) is moved
+        with torch.no_grad():
+            d._local_tensor = torch.zeros(2)  # a resharded shard of another size, same storage kind
+        assert skip_step.local_view(d).shape == (2,)
+        other = distribute_tensor(torch.ones(2), mesh, [Shard(0)])
+        assert skip_step.local_view(other) is not skip_step.local_view(d)
+        key = id(d)
+        assert key in skip_step._LOCAL_VIEWS
+        del d, first, moved
+        gc.collect()
+        assert key not in skip_step._LOCAL_VIEWS, "the entry goes with its DTensor"
+    finally:
+        if own_group:
+            dist.destroy_process_group()
