@@ -80,8 +80,8 @@ _SLOW_CHECKPOINT = (
 GROUPS = [
     Group("skip", ("stabletrain/safety/skip_step.py", "stabletrain/safety/skip_aware.py",
                    "stabletrain/safety/rollback_snapshot.py"),
-          ("tests/safety/test_skip_step.py", "tests/safety/test_skip_aware.py", "tests/safety/test_rollback_snapshot.py",
-           "tests/safety/test_self_healing.py")),
+          ("tests/safety/test_skip_step.py", "tests/safety/test_skip_aware.py",
+           "tests/safety/test_rollback_snapshot.py", "tests/safety/test_self_healing.py")),
     Group("detector", ("stabletrain/safety/spike_detector.py",),
           ("tests/safety/test_spike_detector.py", "tests/safety/test_self_healing.py")),
     Group("interrupts", ("stabletrain/safety/interrupts.py",), ("tests/safety/test_interrupts.py",)),
@@ -98,8 +98,8 @@ GROUPS = [
            "tests/runfiles/test_torn_files.py", "tests/safety/test_checkpoint_health.py", *_SLOW_CHECKPOINT,
            *_SLOW_HEALTH)),
     Group("net", ("stabletrain/safety/net.py",),
-          ("tests/safety/test_safety_net.py", "tests/safety/test_optimizer_state_overflow.py", "tests/safety/test_guard.py",
-           "tests/safety/test_checkpoint_health.py", "tests/safety/test_interrupts.py",
+          ("tests/safety/test_safety_net.py", "tests/safety/test_optimizer_state_overflow.py",
+           "tests/safety/test_guard.py", "tests/safety/test_checkpoint_health.py", "tests/safety/test_interrupts.py",
            "tests/safety/test_write_failures.py", *_SLOW_GUARD, *_SLOW_HEALTH)),
     Group("healing", ("stabletrain/safety/healing.py",), ("tests/safety/test_self_healing.py",)),
 ]
