@@ -470,21 +470,16 @@ def test_a_refused_sharded_checkpoint_joins_the_ranks_entries(tmp_path, messages
     assert "NaN/Inf in model 0.bias, model 2.weight (rank 1). " in str(info.value)
 
 
-def test_one_rank_reads_its_own_flag_and_verdict_without_an_exchange(tmp_path, messages):
+def test_one_rank_reads_its_own_flag_and_verdict_without_an_exchange(tmp_path, messages, monkeypatch):
     t = _Trainer(tmp_path, world_size=1)
     net = SafetyNet(t)
     _step(t, net, 0)
     assert net.any_rank(False) is False and net.any_rank(True) is True and t.fabric.ops == []
     t.sharded = True  # one rank's shards are the whole model: nothing to join
-    net_mod.join_rank_failures = lambda failure: pytest.fail("one rank: nothing to join")
-    try:
-        net.guard._state[0] = 0.0  # the verdict says step 0 went bad (as its device vector would)
-        with pytest.raises(NonFiniteStepError) as info:
-            net.any_rank(False)
-    finally:
-        from stabletrain.safety.guard import join_rank_failures
-
-        net_mod.join_rank_failures = join_rank_failures
+    monkeypatch.setattr(net_mod, "join_rank_failures", lambda failure: pytest.fail("one rank: nothing to join"))
+    net.guard._state[0] = 0.0  # the verdict says step 0 went bad (as its device vector would)
+    with pytest.raises(NonFiniteStepError) as info:
+        net.any_rank(False)
     assert info.value.failure.other_rank_step is None and not info.value.other_rank
 
 
