@@ -23,6 +23,16 @@ CONFIGS = [
     (torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9, "weight_decay": 1e-3}),
     (torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9, "nesterov": True, "foreach": True}),
     (torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9, "dampening": 0.1, "foreach": True}),
+    # Each path of the step once more: Adam's L2 decay tensor by tensor, Adam with decoupled decay
+    # (as AdamW) both ways, SGD's decay with and without momentum by foreach, dampening and
+    # Nesterov tensor by tensor.
+    (torch.optim.Adam, {"lr": 1e-2, "weight_decay": 0.05}),
+    (torch.optim.Adam, {"lr": 1e-2, "weight_decay": 0.05, "decoupled_weight_decay": True}),
+    (torch.optim.Adam, {"lr": 1e-2, "weight_decay": 0.05, "decoupled_weight_decay": True, "foreach": True}),
+    (torch.optim.SGD, {"lr": 1e-2, "weight_decay": 1e-3, "foreach": True}),
+    (torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9, "weight_decay": 1e-3, "foreach": True}),
+    (torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9, "dampening": 0.1}),
+    (torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9, "nesterov": True}),
 ]
 SKIPPED = {0, 3, 6}  # 0: a skipped first step (no state yet); 3 and 6 with NaN/Inf gradients
 
@@ -209,3 +219,23 @@ def test_a_scheduled_lr_keeps_steps_torch_s_own_and_the_factor_constants_bounded
         assert len(skip_aware._CONSTANTS) <= skip_aware._MAX_CONSTANTS
     assert _same(list(model.parameters()), list(ref_model.parameters()))
     assert _same(_state(opt), _state(ref))
+
+
+@pytest.mark.parametrize("cls,kwargs", [(torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+                                        (torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9, "foreach": True})],
+                         ids=["AdamW", "SGD"])
+def test_float64_parameters_take_the_skip_aware_step_bitwise_torch_s(cls, kwargs):
+    """The factors are made in the parameters' dtype: float64 weights take the skip-aware step, and
+    its kept steps are torch's to the bit."""
+    model, ref_model = _model().double(), _model().double()
+    opt, ref = cls(model.parameters(), **kwargs), cls(ref_model.parameters(), **kwargs)
+    skipper = SkipStep(opt)
+    for step in (1, 2, 4):
+        for p, r, g in zip(model.parameters(), ref_model.parameters(), _grads(step, model)):
+            p.grad, r.grad = g.double(), g.double()
+        skipper.save(torch.tensor(False))
+        assert skipper.mode == "skip_aware"
+        opt.step()
+        ref.step()
+    assert all(torch.equal(a.view(torch.int64), b.view(torch.int64))
+               for a, b in zip(model.parameters(), ref_model.parameters()))
