@@ -88,6 +88,20 @@ class Regression(torch.nn.Module):
         return torch.nn.functional.mse_loss(self.body(batch["x"]), batch["y"])
 
 
+@pytest.fixture
+def gloo_group_of_one(tmp_path):
+    """A gloo process group of one in this process, for DTensors on a one-rank mesh; ended after the
+    test unless one was running already (``fsdp_in_process``'s)."""
+    import torch.distributed as dist
+
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    yield
+    if own:
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="module")
 def fsdp_in_process():
     """For a module that trains with ``strategy="fsdp", devices=1`` in this process: Lightning Fabric starts a

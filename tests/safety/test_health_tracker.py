@@ -160,29 +160,22 @@ def test_a_spike_before_any_logged_loss_needs_finite_losses_to_settle():
     assert not tracker.spike_open
 
 
-def test_verify_tensors_of_a_sharded_state_gives_each_rank_its_share_of_the_squared_norm(tmp_path):
+def test_verify_tensors_of_a_sharded_state_gives_each_rank_its_share_of_the_squared_norm(gloo_group_of_one):
     """FSDP2 checkpoints hold DTensor shards: each rank's last entry is its shards' squared norm,
     plus the unsharded tensors' on rank 0 only, so that the sum over ranks is the whole model's."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    own_group = not dist.is_initialized()
-    if own_group:
-        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        shard = distribute_tensor(torch.tensor([3.0, 4.0]), mesh, [Shard(0)])  # squared norm 25
-        model = {"w": shard, "b": torch.tensor([12.0]), "n": torch.tensor([7])}  # b whole: 144
-        on0 = verify_tensors({"model": model}, CPU, rank=0)
-        on1 = verify_tensors({"model": model}, CPU, rank=1)
-        assert on0.tolist() == [0.0, 0.0, 0.0, 169.0] and on1.tolist() == [0.0, 0.0, 0.0, 25.0]
-        assert verify_tensors({"model": model}, CPU).tolist() == [0.0, 0.0, 0.0, 13.0], "not sharded: the norm"
-        bad = {"w": distribute_tensor(torch.tensor([math.nan, 1.0]), mesh, [Shard(0)]), "b": torch.ones(1)}
-        assert verify_tensors({"model": bad}, CPU, rank=1).tolist()[:3] == [1.0, 0.0, 0.0]
-    finally:
-        if own_group:
-            dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    shard = distribute_tensor(torch.tensor([3.0, 4.0]), mesh, [Shard(0)])  # squared norm 25
+    model = {"w": shard, "b": torch.tensor([12.0]), "n": torch.tensor([7])}  # b whole: 144
+    on0 = verify_tensors({"model": model}, CPU, rank=0)
+    on1 = verify_tensors({"model": model}, CPU, rank=1)
+    assert on0.tolist() == [0.0, 0.0, 0.0, 169.0] and on1.tolist() == [0.0, 0.0, 0.0, 25.0]
+    assert verify_tensors({"model": model}, CPU).tolist() == [0.0, 0.0, 0.0, 13.0], "not sharded: the norm"
+    bad = {"w": distribute_tensor(torch.tensor([math.nan, 1.0]), mesh, [Shard(0)]), "b": torch.ones(1)}
+    assert verify_tensors({"model": bad}, CPU, rank=1).tolist()[:3] == [1.0, 0.0, 0.0]
 
 
 def test_a_state_entry_of_a_parameter_without_a_name_is_named_by_its_index():

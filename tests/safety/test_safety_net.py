@@ -235,6 +235,22 @@ def _state(t: _Trainer, **more: Any) -> dict:
     return {"step": t.step, "model": t.model.state_dict(), "optimizer": t.optimizer.state_dict(), **more}
 
 
+def _squared_norm(model: nn.Module) -> float:
+    """The model's squared L2 weight norm, in float64."""
+    return float(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double().pow(2).sum())
+
+
+def _refuse_sharded(t: _Trainer) -> NonFiniteCheckpointError:
+    """One step, then an Inf planted in ``0.bias``: the error that refuses the sharded checkpoint."""
+    net = SafetyNet(t)
+    _step(t, net, 0)
+    with torch.no_grad():
+        t.model[0].bias[0] = math.inf
+    with pytest.raises(NonFiniteCheckpointError) as info:
+        net.verify(_state(t, layout=SHARDED))
+    return info.value
+
+
 def test_a_checkpoint_is_judged_with_every_rank_s_flags_and_the_mean_loss(tmp_path, messages):
     # verify's exchanges: the flags (max), the loss (mean), the verdict pair (max).
     t = _Trainer(tmp_path, other=[[0.0, 0.0, 0.0, 0.0], 3.0, [0.0, -1e18]])
@@ -247,7 +263,7 @@ def test_a_checkpoint_is_judged_with_every_rank_s_flags_and_the_mean_loss(tmp_pa
     assert health["loss"] == pytest.approx((loss + 3.0) / 2, rel=1e-6), "the ranks' mean loss"
     assert (health["step"], health["last_step"], health["healthy"]) == (1, 0, True)
     assert " at step 0 within " in health["why"]
-    whole = float(torch.cat([p.detach().reshape(-1) for p in t.model.parameters()]).double().norm())
+    whole = math.sqrt(_squared_norm(t.model))
     assert health["weight_norm"] == pytest.approx(whole, rel=1e-6), "each rank holds the whole model: its norm"
 
 
@@ -364,7 +380,7 @@ def test_the_start_weight_norm_of_a_sharded_model_adds_the_ranks_squares(tmp_pat
     t = _Trainer(tmp_path, other=[16.0])
     t.sharded = True
     net = SafetyNet(t)
-    own = float(torch.cat([p.detach().reshape(-1) for p in t.model.parameters()]).double().pow(2).sum())
+    own = _squared_norm(t.model)
     net.start()
     try:
         assert groups == ["gloo"] and net._group == "gloo group", "the host exchange gets a gloo group under NCCL"
@@ -459,15 +475,9 @@ def test_a_refused_sharded_checkpoint_joins_the_ranks_entries(tmp_path, messages
     import stabletrain.utils.dist as dist_utils
 
     monkeypatch.setattr(dist_utils, "gather_names", lambda names: [*names, "model 2.weight (rank 1)"])
-    t = _Trainer(tmp_path, other=[[0.0, 0.0, 0.0, 1.0], 3.0, [0.0, -1e18]])
-    net = SafetyNet(t)
-    _step(t, net, 0)
-    with torch.no_grad():
-        t.model[0].bias[0] = math.inf
-    with pytest.raises(NonFiniteCheckpointError) as info:
-        net.verify(_state(t, layout=SHARDED))
-    assert info.value.entries == ["model 0.bias", "model 2.weight (rank 1)"]
-    assert "NaN/Inf in model 0.bias, model 2.weight (rank 1). " in str(info.value)
+    err = _refuse_sharded(_Trainer(tmp_path, other=[[0.0, 0.0, 0.0, 1.0], 3.0, [0.0, -1e18]]))
+    assert err.entries == ["model 0.bias", "model 2.weight (rank 1)"]
+    assert "NaN/Inf in model 0.bias, model 2.weight (rank 1). " in str(err)
 
 
 def test_one_rank_reads_its_own_flag_and_verdict_without_an_exchange(tmp_path, messages, monkeypatch):
@@ -547,7 +557,7 @@ def test_starting_keeps_the_start_state_for_a_capture_and_measures_the_weights(t
     net = SafetyNet(t)
     net.start()
     net.close()
-    whole = float(torch.cat([p.detach().reshape(-1) for p in t.model.parameters()]).double().norm())
+    whole = math.sqrt(_squared_norm(t.model))
     assert net.health.initial_weight_norm == pytest.approx(whole, rel=1e-6)
     assert asked == [(True, None)] and net.start_state == {"step": 0}, "a fresh run keeps its start on the CPU"
     t.sharded = True  # one rank's shards: the whole model, no exchange
@@ -599,11 +609,4 @@ def test_one_rank_s_refused_sharded_checkpoint_names_its_own_entries(tmp_path, m
     import stabletrain.utils.dist as dist_utils
 
     monkeypatch.setattr(dist_utils, "gather_names", lambda names: pytest.fail("one rank: nothing to join"))
-    t = _Trainer(tmp_path, world_size=1)
-    net = SafetyNet(t)
-    _step(t, net, 0)
-    with torch.no_grad():
-        t.model[0].bias[0] = math.inf
-    with pytest.raises(NonFiniteCheckpointError) as info:
-        net.verify(_state(t, layout=SHARDED))
-    assert info.value.entries == ["model 0.bias"]
+    assert _refuse_sharded(_Trainer(tmp_path, world_size=1)).entries == ["model 0.bias"]

@@ -139,45 +139,37 @@ def test_the_adam_configurations_that_select_different_operations_are_told_apart
     assert _structure(torch.optim.SGD, sgd) == ("sgd", True, True, True, True)
 
 
-def test_the_local_view_of_an_fsdp_shard_is_one_object_while_its_memory_stays(tmp_path):
+def test_the_local_view_of_an_fsdp_shard_is_one_object_while_its_memory_stays(gloo_group_of_one):
     """Under FSDP2 the saved copies are matched to the live tensors by identity: the local view of a
     DTensor is the same object on every call while its shard stays where it is, a new one once it
     moved, and its cache entry goes with the DTensor."""
     import gc
 
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from stabletrain.safety import skip_step
 
-    own_group = not dist.is_initialized()
-    if own_group:
-        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        plain = torch.zeros(3)
-        assert skip_step.local_view(plain) is plain, "a plain tensor is its own view"
-        d = distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])
-        first = skip_step.local_view(d)
-        assert skip_step.local_view(d) is first and torch.equal(first, torch.arange(4.0))
-        first.add_(1)  # writing the view writes the DTensor
-        assert torch.equal(d.to_local(), torch.arange(4.0) + 1)
-        with torch.no_grad():
-            d._local_tensor = torch.zeros(4)  # the shard moved (as FSDP2 may reallocate it)
-        moved = skip_step.local_view(d)
-        assert moved is not first and moved.data_ptr() == d.to_local().data_ptr()
-        assert skip_step.local_view(d) is moved
-        with torch.no_grad():
-            d._local_tensor = torch.zeros(2)  # a resharded shard of another size, same storage kind
-        assert skip_step.local_view(d).shape == (2,)
-        other = distribute_tensor(torch.ones(2), mesh, [Shard(0)])
-        assert skip_step.local_view(other) is not skip_step.local_view(d)
-        key = id(d)
-        assert key in skip_step._LOCAL_VIEWS
-        del d, first, moved
-        gc.collect()
-        assert key not in skip_step._LOCAL_VIEWS, "the entry goes with its DTensor"
-    finally:
-        if own_group:
-            dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (1,))
+    plain = torch.zeros(3)
+    assert skip_step.local_view(plain) is plain, "a plain tensor is its own view"
+    d = distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])
+    first = skip_step.local_view(d)
+    assert skip_step.local_view(d) is first and torch.equal(first, torch.arange(4.0))
+    first.add_(1)  # writing the view writes the DTensor
+    assert torch.equal(d.to_local(), torch.arange(4.0) + 1)
+    with torch.no_grad():
+        d._local_tensor = torch.zeros(4)  # the shard moved (as FSDP2 may reallocate it)
+    moved = skip_step.local_view(d)
+    assert moved is not first and moved.data_ptr() == d.to_local().data_ptr()
+    assert skip_step.local_view(d) is moved
+    with torch.no_grad():
+        d._local_tensor = torch.zeros(2)  # a resharded shard of another size, same storage kind
+    assert skip_step.local_view(d).shape == (2,)
+    other = distribute_tensor(torch.ones(2), mesh, [Shard(0)])
+    assert skip_step.local_view(other) is not skip_step.local_view(d)
+    key = id(d)
+    assert key in skip_step._LOCAL_VIEWS
+    del d, first, moved
+    gc.collect()
+    assert key not in skip_step._LOCAL_VIEWS, "the entry goes with its DTensor"
