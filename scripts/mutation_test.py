@@ -17,6 +17,9 @@ timeout; a mutant no test reaches counts as a survivor.
     python scripts/mutation_test.py               # every group (see --list)
     python scripts/mutation_test.py guard skip    # some groups
     python scripts/mutation_test.py --report      # the score of the last runs, without running
+    python scripts/mutation_test.py --try healing _ordinal -- tests/safety/test_healing_text.py
+                          # this checkout's tests against the last run's unexplained survivors whose
+                          # name holds "_ordinal", one pytest per mutant: killed or not, in seconds
 
 Results stay in ``.mutation/<group>/mutants/`` and mutmut reuses them for functions whose source did
 not change (a change to a group's test files makes it judge every mutant again); survivors not
@@ -337,6 +340,43 @@ def report(groups: list[Group], seconds: dict[str, float]) -> int:
     return 1 if unexplained else 0
 
 
+def try_mutants(group: Group, patterns: list[str], pytest_args: list[str], timeout: float = 300) -> int:
+    """Run this checkout's tests (``pytest_args``, default the group's) against each unexplained
+    survivor of the group's last run whose mangled or readable name holds one of ``patterns`` (all
+    of them when none is given): the quick check of a new test before the group is run again."""
+    src = WORK / group.name / "mutants" / "src"
+    if not src.exists():
+        raise SystemExit(f"{group.name} has not run yet: python scripts/mutation_test.py {group.name}")
+    equivalents = load_equivalents()
+    names = [str(r["name"]) for r in group_results(group)
+             if r["status"] in SURVIVED.values()
+             and is_listed(str(r["function"]), str(r["old"]), str(r["new"]), equivalents) is None
+             and (not patterns or any(p in str(r["name"]) or p in str(r["function"]) for p in patterns))]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    tests = pytest_args or list(group.tests)
+    killed = 0
+    for name in names:
+        env["MUTANT_UNDER_TEST"] = name
+        try:
+            result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider",
+                                     "-o", f"pythonpath={src}", *tests], cwd=ROOT, env=env, capture_output=True,
+                                    timeout=timeout)
+            caught = result.returncode not in (0, 5)  # 5: no test selected
+        except subprocess.TimeoutExpired:  # mutmut counts a timeout as caught too
+            caught = True
+        killed += caught
+        old, new = _changes(name, (src / _module_file(name)).read_text(encoding="utf-8"))
+        print(f"{'killed  ' if caught else 'SURVIVED'} {name}: {_norm(new)[:150]!r}", flush=True)
+    print(f"{killed} of {len(names)} killed")
+    return 0 if killed == len(names) else 1
+
+
+def _module_file(mutant: str) -> str:
+    """``stabletrain/safety/healing.py`` from a mutant's mangled name."""
+    module = mutant.partition("__mutmut_")[0].rpartition(".")[0]
+    return module.replace(".", "/") + ".py"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("groups", nargs="*", help="groups to run (default: all)")
@@ -344,7 +384,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report", action="store_true", help="only report the last runs' results")
     parser.add_argument("--fresh", action="store_true", help="forget a group's previous results")
     parser.add_argument("--children", type=int, default=2, help="mutants run at once (default 2)")
+    parser.add_argument("--try", dest="try_group", metavar="GROUP",
+                        help="run this checkout's tests (after --, default the group's) against the last run's "
+                             "unexplained survivors whose name holds one of the given words")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pytest_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
     args = parser.parse_args(argv)
+    if args.try_group:
+        found = [g for g in GROUPS if g.name == args.try_group]
+        if not found:
+            parser.error(f"unknown group {args.try_group!r}; available: {', '.join(g.name for g in GROUPS)}")
+        return try_mutants(found[0], args.groups, pytest_args)
     unknown = set(args.groups) - {g.name for g in GROUPS}
     if unknown:
         parser.error(f"unknown group(s) {sorted(unknown)}; available: {', '.join(g.name for g in GROUPS)}")
