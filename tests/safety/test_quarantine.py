@@ -156,6 +156,22 @@ def test_isolate_samples_by_replay_when_the_input_is_finite(tmp_path):
     assert row["culprits"] == [culprit]
 
 
+def test_a_sample_with_nan_in_two_fields_names_each_with_its_count(tmp_path):
+    """Its input and its target each hold a NaN: the evidence names both fields, not the first with
+    the sum."""
+    out = tmp_path / "run"
+    from nan_models import samples_of_step
+
+    culprit = samples_of_step(3, n=512, batch_size=16)[5]
+    data = PoisonData(n=512, input_poison={culprit: float("nan")})
+    data.y[culprit] = float("nan")
+    with pytest.raises(RecoveryLimitError):
+        _run(out, "skip_step", data=data, steps=10, on_instability={"max_recoveries": 0})
+    found = isolate_samples(Path(_events(out)[0]["capture"]).parent, model=PoisonNet())
+    assert [(e["index"], e["how"], e["field"], e["count"]) for e in found] == [(culprit, "input", "batch['x']", 2)]
+    assert found[0]["evidence"] == ("batch['x'] holds 1 non-finite value(s), batch['y'] holds 1 non-finite value(s)")
+
+
 def test_the_recovery_limit_stop_names_the_data_and_a_command_that_skips_it(tmp_path):
     out = tmp_path / "run"
     with pytest.raises(RecoveryLimitError) as info:

@@ -88,7 +88,8 @@ def isolate_samples(capture: str | Path, model: Optional[nn.Module] = None, max_
 
     Returns:
         ``[{"index", "how", "evidence", ...}]``: ``how`` is ``"input"`` (its input holds
-        non-finite values: ``field``, ``count``) or ``"replay"`` (replayed alone, its loss or
+        non-finite values: ``field``, the first of them, and ``count``, over all; ``evidence``
+        names each field with its count) or ``"replay"`` (replayed alone, its loss or
         gradient is non-finite while the rest of its microbatch is finite: ``loss_alone``);
         [] when no sample explains the failure.
     """
@@ -103,9 +104,11 @@ def isolate_samples(capture: str | Path, model: Optional[nn.Module] = None, max_
         if hit.get("index") is None:
             continue
         i = int(hit["index"])
-        found.setdefault(i, {"index": i, "how": "input", "field": hit["field"], "count": 0, "evidence": ""})
-        found[i]["count"] += int(hit["count"])
-        found[i]["evidence"] = f"{found[i]['field']} holds {found[i]['count']} non-finite value(s)"
+        entry = found.setdefault(i, {"index": i, "how": "input", "field": hit["field"], "count": 0, "evidence": ""})
+        entry["count"] += int(hit["count"])
+        # Each field named with its own count: a sample with NaN in its input and its target says so.
+        said = f"{hit['field']} holds {int(hit['count'])} non-finite value(s)"
+        entry["evidence"] = f"{entry['evidence']}, {said}" if entry["evidence"] else said
     if found:
         return [found[i] for i in sorted(found)]
     precision, device = normalize_precision(cap.precision), cap.default_device()
