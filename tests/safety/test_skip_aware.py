@@ -4,6 +4,7 @@ added, and a configuration whose arithmetic does not match torch's falls back to
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -239,3 +240,278 @@ def test_float64_parameters_take_the_skip_aware_step_bitwise_torch_s(cls, kwargs
         ref.step()
     assert all(torch.equal(a.view(torch.int64), b.view(torch.int64))
                for a, b in zip(model.parameters(), ref_model.parameters()))
+
+
+# ------------------------------------------------------------------------------------------------
+# The check against torch finds a disagreement wherever it is (planted on purpose), and the step
+# then falls back to the copy, which gives torch's own result.
+
+
+def _plant(monkeypatch, call: int, what: str) -> None:
+    """Make the skip-aware Adam step go wrong at its ``call``-th run (1-3: the check's kept steps,
+    4: its skipped one), in ``what``: the first parameter, its ``exp_avg``, or an error."""
+    calls = [0]
+    real = skip_aware._adam_group
+
+    def planted(opt, group, f, foreach):
+        real(opt, group, f, foreach)
+        calls[0] += 1
+        if calls[0] != call:
+            return
+        p = group["params"][0]
+        if what == "raise":
+            raise RuntimeError("an operation this device lacks")
+        t = p if what == "param" else opt.state[p]["exp_avg"]
+        t.copy_(torch.nextafter(t, torch.full_like(t, float("inf"))))  # one ulp up
+
+    monkeypatch.setattr(skip_aware, "_adam_group", planted)
+
+
+@pytest.mark.parametrize("call,what", [(1, "param"), (3, "state"), (4, "param"), (4, "state"), (1, "raise")],
+                         ids=["kept-param", "last-kept-state-of-the-first-param", "skipped-param", "skipped-state",
+                              "an-error"])
+def test_a_planted_disagreement_is_found_and_the_copy_gives_torch_s_step(monkeypatch, call, what):
+    monkeypatch.setattr(skip_aware, "_AGREES", {})
+    _plant(monkeypatch, call, what)
+    model, ref_model = _model(), _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
+    assert not skip_aware.supported(opt), (call, what)
+    skipper = SkipStep(opt)
+    for step in (1, 2):
+        for p, r, g in zip(model.parameters(), ref_model.parameters(), _grads(step, model)):
+            p.grad, r.grad = g.clone(), g.clone()
+        flag = torch.tensor(False)
+        skipper.save(flag)
+        assert skipper.mode == "copy"
+        opt.step()
+        ref.step()
+        skipper.apply(flag)
+    assert _same(list(model.parameters()), list(ref_model.parameters()))
+    assert _same(_state(opt), _state(ref))
+
+
+def test_a_skipped_step_that_lets_a_nan_gradient_through_is_found(monkeypatch):
+    """The check's skipped step has NaN and Inf gradients: without the mask they reach the moments."""
+    monkeypatch.setattr(skip_aware, "_AGREES", {})
+    monkeypatch.setattr(skip_aware, "_mask", lambda t, bits: t)  # kept steps stay exact
+    opt = torch.optim.AdamW(_model().parameters(), lr=1e-2)
+    assert not skip_aware.supported(opt)
+
+
+@pytest.mark.parametrize("key,change", [("step", lambda t: t.view(torch.int32)), ("exp_avg", lambda t: t.reshape(-1))],
+                         ids=["a-step-count-as-int32", "a-flat-moment"])
+def test_a_state_of_another_dtype_or_shape_than_torch_s_is_a_disagreement(monkeypatch, key, change):
+    """Same bits are not enough: a step count kept as int32 (the float's bits), or a moment kept
+    flat, differs from torch's state."""
+    monkeypatch.setattr(skip_aware, "_AGREES", {})
+    calls = [0]
+    real = skip_aware._adam_group
+
+    def planted(opt, group, f, foreach):
+        real(opt, group, f, foreach)
+        calls[0] += 1
+        if calls[0] == 3:
+            st = opt.state[group["params"][0]]
+            st[key] = change(st[key])
+
+    monkeypatch.setattr(skip_aware, "_adam_group", planted)
+    assert not skip_aware.supported(torch.optim.AdamW(_model().parameters(), lr=1e-2))
+
+
+def test_same_bits_compares_bits_dtype_and_shape():
+    same = skip_aware._same_bits
+    assert not same(torch.tensor([0.0]), torch.tensor([-0.0])), "equal as numbers, not as bits"
+    nan = torch.tensor([float("nan"), 1.0])
+    assert same(nan, nan.clone()), "the same NaN, bit for bit"
+    assert same(nan.double(), nan.double().clone())
+    assert not same(torch.tensor([1.0]), torch.tensor([1.0]).view(torch.int32)), "another dtype"
+    assert not same(torch.zeros(2, 3), torch.zeros(6))
+    ints = torch.tensor([3, -1], dtype=torch.int16)  # other dtypes: by value
+    assert same(ints, ints.clone()) and not same(ints, ints + 1)
+
+
+def test_the_check_runs_once_per_configuration(monkeypatch):
+    """Checked once: a second optimizer of the same configuration takes no step of the check, and
+    neither does one whose check failed with an error."""
+    monkeypatch.setattr(skip_aware, "_AGREES", {})
+    steps = []
+    real = skip_aware.skip_aware_step
+    monkeypatch.setattr(skip_aware, "skip_aware_step", lambda opt, keep: (steps.append(1), real(opt, keep)))
+    assert skip_aware.supported(torch.optim.AdamW(_model().parameters(), lr=1e-2))
+    assert len(steps) == 4, "three kept steps and a skipped one"
+    assert skip_aware.supported(torch.optim.AdamW(_model().parameters(), lr=1e-3, weight_decay=0.5))
+    assert len(steps) == 4
+    _plant(monkeypatch, 1, "raise")
+    steps.clear()
+    opt = torch.optim.Adam(_model().parameters(), lr=1e-2)
+    assert not skip_aware.supported(opt) and len(steps) == 1, "the first step raised"
+    assert not skip_aware.supported(opt) and not skip_aware.supported(torch.optim.Adam(_model().parameters()))
+    assert len(steps) == 1, "a failed check is remembered too"
+
+
+def test_the_check_leaves_the_global_random_stream_alone(monkeypatch):
+    """Setting up the guard does not change the random numbers training draws next."""
+    monkeypatch.setattr(skip_aware, "_AGREES", {})
+    opt = torch.optim.AdamW(_model().parameters())
+    torch.manual_seed(1)
+    expected = torch.randn(4)
+    torch.manual_seed(1)
+    assert SkipStep(opt).can_skip_aware()
+    assert skip_aware._AGREES, "the check ran"
+    assert torch.equal(torch.randn(4), expected)
+
+
+def test_the_check_runs_the_foreach_implementation_when_the_group_uses_it(monkeypatch):
+    """A wrong foreach step is found by the check of a foreach group (not the tensor-by-tensor step's)."""
+    monkeypatch.setattr(skip_aware, "_AGREES", {})
+    real = skip_aware._multi_adam
+
+    def planted(params, *args):
+        real(params, *args)
+        params[0].view(-1)[0] += 1e-3
+
+    monkeypatch.setattr(skip_aware, "_multi_adam", planted)
+    assert skip_aware.supported(torch.optim.AdamW(_model().parameters(), lr=1e-2, foreach=False))
+    assert not skip_aware.supported(torch.optim.AdamW(_model().parameters(), lr=1e-2, foreach=True))
+
+
+def test_each_dtype_is_checked_on_its_own(monkeypatch):
+    """A step wrong only for float32 parameters: float64 ones still take it, float32 ones the copy."""
+    monkeypatch.setattr(skip_aware, "_AGREES", {})
+    real = skip_aware._adam_group
+
+    def planted(opt, group, f, foreach):
+        real(opt, group, f, foreach)
+        p = group["params"][0]
+        if p.dtype == torch.float32:
+            p.view(-1)[0] += 1e-3
+
+    monkeypatch.setattr(skip_aware, "_adam_group", planted)
+    assert SkipStep(torch.optim.AdamW(_model().double().parameters())).can_skip_aware()
+    assert not SkipStep(torch.optim.AdamW(_model().parameters())).can_skip_aware()
+
+
+class _OwnParameter(torch.nn.Parameter):
+    """A Parameter subclass (as some libraries wrap weights): its operations may be its own."""
+
+
+def test_which_parameters_the_skip_aware_step_takes(monkeypatch):
+    """Plain float32/float64 tensors and Parameters: the skip-aware step, bitwise torch's; a Parameter
+    subclass, a sparse parameter, float16 weights or a tensor lr: the copy, refused before any check."""
+    leaf = torch.randn(5, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    ref_leaf = leaf.detach().clone().requires_grad_()
+    opt, ref = torch.optim.AdamW([leaf], lr=0.1), torch.optim.AdamW([ref_leaf], lr=0.1)
+    skipper = SkipStep(opt)
+    for step in range(3):
+        leaf.grad, ref_leaf.grad = torch.full((5,), step - 1.5), torch.full((5,), step - 1.5)
+        skipper.save(torch.tensor(False))
+        assert skipper.mode == "skip_aware", "a plain leaf tensor"
+        opt.step()
+        ref.step()
+    assert _same([leaf], [ref_leaf])
+
+    checked = []
+    monkeypatch.setattr(skip_aware, "agrees_with_torch", lambda *a: checked.append(a) or True)
+    refused = [
+        torch.optim.AdamW([_OwnParameter(torch.zeros(3))]),
+        torch.optim.SGD([torch.nn.Parameter(torch.zeros(3).to_sparse())], lr=0.1),
+        torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))]),
+        torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))]),
+        torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=torch.tensor(0.1)),
+    ]
+    for opt in refused:
+        skipper = SkipStep(opt)
+        skipper.save(torch.tensor(False))
+        assert skipper.mode == "copy", opt
+    assert checked == [], "refused without a check against torch"
+
+
+def test_weight_decay_or_momentum_of_exactly_one_is_torch_s_step():
+    """1.0 is a value like any other: the decay and the momentum are applied, bitwise as torch does."""
+    for cls, kwargs in [(torch.optim.Adam, {"lr": 1e-2, "weight_decay": 1.0}),
+                        (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 1.0}),
+                        (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 1.0, "foreach": True}),
+                        (torch.optim.SGD, {"lr": 1e-2, "weight_decay": 1.0, "momentum": 1.0}),
+                        (torch.optim.SGD, {"lr": 1e-2, "weight_decay": 1.0, "momentum": 1.0, "foreach": True})]:
+        model, ref_model = _model(), _model()
+        opt, ref = cls(model.parameters(), **kwargs), cls(ref_model.parameters(), **kwargs)
+        skipper = SkipStep(opt)
+        for step in (1, 2, 4):
+            for p, r, g in zip(model.parameters(), ref_model.parameters(), _grads(step, model)):
+                p.grad, r.grad = g.clone(), g.clone()
+            skipper.save(torch.tensor(False))
+            assert skipper.mode == "skip_aware", (cls, kwargs)
+            opt.step()
+            ref.step()
+        assert _same(list(model.parameters()), list(ref_model.parameters())), (cls, kwargs)
+        assert _same(_state(opt), _state(ref)), (cls, kwargs)
+
+
+def _run_against_torch(params, ref_params, opt, ref, grads_of_step, skips=()):
+    skipper = SkipStep(opt)
+    for step, grads in enumerate(grads_of_step):
+        for p, r, g in zip(params, ref_params, grads):
+            p.grad, r.grad = (None, None) if g is None else (g.clone(), g.clone())
+        flag = torch.tensor(step in skips)
+        skipper.save(flag)
+        assert skipper.mode == "skip_aware"
+        opt.step()
+        skipper.apply(flag)
+        if step not in skips:
+            ref.step()
+        else:  # the reference skips too; Adam's step count advances on a skipped step (documented)
+            for s_ref, s in zip(ref.state.values(), opt.state.values()):
+                if "step" in s:
+                    s_ref["step"] = s["step"].clone()
+    assert _same(params, ref_params)
+    assert _same(_state(opt), _state(ref))
+
+
+@pytest.mark.parametrize("cls,kwargs", [(torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1, "foreach": True}),
+                                        (torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9, "foreach": True})],
+                         ids=["AdamW", "SGD"])
+def test_a_group_of_one_parameter_takes_the_foreach_step(cls, kwargs):
+    gen = torch.Generator().manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(4, 3, generator=gen))
+    r = torch.nn.Parameter(w.detach().clone())
+    grads = [[torch.randn(4, 3, generator=gen)] for _ in range(3)]
+    _run_against_torch([w], [r], cls([w], **kwargs), cls([r], **kwargs), grads)
+
+
+def test_a_parameter_whose_first_gradient_comes_later_gets_torch_s_momentum_buffer():
+    """Foreach SGD with some momentum buffers made and some not yet: each as torch does it."""
+    gen = torch.Generator().manual_seed(0)
+    ws = [torch.nn.Parameter(torch.randn(3, generator=gen)) for _ in range(2)]
+    rs = [torch.nn.Parameter(w.detach().clone()) for w in ws]
+    grads = [[torch.randn(3, generator=gen), None]] + [[torch.randn(3, generator=gen) for _ in ws] for _ in range(3)]
+    kwargs = {"lr": 1e-2, "momentum": 0.9, "dampening": 0.1, "foreach": True}
+    _run_against_torch(ws, rs, torch.optim.SGD(ws, **kwargs), torch.optim.SGD(rs, **kwargs), grads)
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_float32_and_float64_parameters_in_one_optimizer(foreach):
+    gen = torch.Generator().manual_seed(0)
+    ws = [torch.nn.Parameter(torch.randn(3, generator=gen, dtype=dtype)) for dtype in (torch.float32, torch.float64)]
+    rs = [torch.nn.Parameter(w.detach().clone()) for w in ws]
+    grads = [[torch.randn(3, generator=gen, dtype=w.dtype) for w in ws] for _ in range(4)]
+    grads[2][0][0] = float("nan")
+    kwargs = {"lr": 1e-2, "weight_decay": 0.1, "foreach": foreach}
+    _run_against_torch(ws, rs, torch.optim.AdamW(ws, **kwargs), torch.optim.AdamW(rs, **kwargs), grads, skips={2})
+
+
+def test_a_default_device_for_new_tensors_does_not_move_adam_s_step_counts():
+    """Torch's foreach Adam adds to its CPU step counts with a CPU tensor whatever the default device is."""
+    model, ref_model = _model(), _model()
+    kwargs = {"lr": 1e-2, "foreach": True}
+    opt, ref = torch.optim.AdamW(model.parameters(), **kwargs), torch.optim.AdamW(ref_model.parameters(), **kwargs)
+    skipper = SkipStep(opt)
+    for step in range(3):
+        for p, r, g in zip(model.parameters(), ref_model.parameters(), _grads(step, model)):
+            p.grad, r.grad = g.clone(), g.clone()
+        skipper.save(torch.tensor(False))
+        with torch.device("meta") if step else contextlib.nullcontext():
+            opt.step()
+            ref.step()
+    assert _same(list(model.parameters()), list(ref_model.parameters()))
+    assert all(s["step"].device.type == "cpu" for s in opt.state.values())

@@ -42,34 +42,27 @@ def _plain_tensor(p: Tensor) -> bool:
     return type(p) is torch.nn.Parameter or type(p) is Tensor
 
 
-def _foreach(optimizer: Any, group: dict[str, Any]) -> Optional[bool]:
-    """Whether torch runs this group with its foreach implementation (None: a path we do not follow)."""
+def _foreach(group: dict[str, Any]) -> bool:
+    """Whether torch runs this group (not a fused one: :func:`_follows`) with its foreach implementation."""
     from torch.optim.optimizer import _default_to_fused_or_foreach
 
-    if group.get("fused"):
-        return None
     if group.get("foreach") is not None:
         return bool(group["foreach"])
     params = [p for p in group["params"] if p.grad is not None] or list(group["params"])
     return bool(_default_to_fused_or_foreach(params, differentiable=False, use_fused=False)[1])
 
 
-def _config(optimizer: Any, group: dict[str, Any]) -> Optional[tuple]:
-    """What decides which of torch's operations a group's step runs, or None when we do not
-    follow that path (amsgrad, maximize, capturable, fused, tensor hyperparameters, ...)."""
+def _follows(optimizer: Any, group: dict[str, Any]) -> bool:
+    """Whether :func:`skip_aware_step` follows the path torch's step takes for this group: not with
+    amsgrad, maximize, capturable, fused or tensor hyperparameters. Which of torch's operations the
+    path runs (decoupled decay, momentum, ...) is :func:`_structure`'s, checked by :func:`agrees_with_torch`."""
     if any(group.get(k) for k in ("maximize", "capturable", "differentiable", "fused")):
-        return None
-    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        tensors = isinstance(group["lr"], Tensor) or any(isinstance(b, Tensor) for b in group["betas"])
-        if group.get("amsgrad") or tensors:
-            return None
-        decoupled = bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
-        return ("adam", decoupled, group["weight_decay"] != 0)
+        return False
     if isinstance(optimizer, torch.optim.SGD):
-        if isinstance(group["lr"], Tensor) or isinstance(group["weight_decay"], Tensor):
-            return None
-        return ("sgd", group["weight_decay"] != 0, group["momentum"] != 0, bool(group["nesterov"]))
-    return None
+        return not (isinstance(group["lr"], Tensor) or isinstance(group["weight_decay"], Tensor))
+    # Adam or AdamW: supported() takes no other type
+    tensors = isinstance(group["lr"], Tensor) or any(isinstance(b, Tensor) for b in group["betas"])
+    return not (group.get("amsgrad") or tensors)
 
 
 def supported(optimizer: Any) -> bool:
@@ -78,10 +71,9 @@ def supported(optimizer: Any) -> bool:
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD):
         return False  # a subclass may change the step
     for group in optimizer.param_groups:
-        config = _config(optimizer, group)
-        foreach = _foreach(optimizer, group)
-        if config is None or foreach is None:
+        if not _follows(optimizer, group):
             return False
+        foreach = _foreach(group)
         for p in group["params"]:
             if not _plain_tensor(p) or p.dtype not in _INT or p.is_sparse or p.is_complex():
                 return False
@@ -289,7 +281,7 @@ def skip_aware_step(optimizer: Any, keep: Tensor) -> None:
     f = _Factors(keep.reshape(()))
     is_adam = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
     for group in optimizer.param_groups:
-        foreach = bool(_foreach(optimizer, group))
+        foreach = _foreach(group)
         (_adam_group if is_adam else _sgd_group)(optimizer, group, f, foreach)
 
 

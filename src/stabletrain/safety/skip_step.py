@@ -107,15 +107,19 @@ class SkipStep:
     # ------------------------------------------------------------------ choosing
 
     def _signature(self) -> tuple:
-        """What :func:`supported` depends on, cheap to compute every step."""
+        """What :func:`supported` and the check's configuration (``_structure``) depend on, cheap to
+        compute every step: a change re-runs :func:`supported`."""
         opt = self.optimizer
 
         def of(g: dict[str, Any]) -> tuple:
             first = g["params"][0] if g["params"] else None
             where = None if first is None else (first.device, first.dtype, type(first))
+            decay = g.get("weight_decay")
             return (id(g), len(g["params"]), g.get("foreach"), g.get("fused"), g.get("amsgrad"), g.get("maximize"),
-                    g.get("capturable"), g.get("differentiable"), g.get("weight_decay") != 0,
-                    g.get("momentum", 0) != 0, g.get("nesterov"), type(g.get("lr")), where)
+                    g.get("capturable"), g.get("differentiable"), type(decay), bool(decay != 0),
+                    g.get("momentum", 0) != 0, g.get("nesterov"), g.get("dampening", 0) != 0,
+                    g.get("decoupled_weight_decay"), type(g.get("lr")), tuple(type(b) for b in g.get("betas", ())),
+                    where)
 
         return (type(opt), tuple(of(g) for g in opt.param_groups))
 
