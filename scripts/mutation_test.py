@@ -17,7 +17,7 @@ timeout; a mutant no test reaches counts as a survivor.
     python scripts/mutation_test.py               # every group (see --list)
     python scripts/mutation_test.py guard skip    # some groups
     python scripts/mutation_test.py --report      # the score of the last runs, without running
-    python scripts/mutation_test.py --try healing _ordinal -- tests/safety/test_healing_text.py
+    python scripts/mutation_test.py --try healing _ordinal -- tests/safety/test_healing_messages.py
                           # this checkout's tests against the last run's unexplained survivors whose
                           # name holds "_ordinal", one pytest per mutant: killed or not, in seconds
 
@@ -104,7 +104,9 @@ GROUPS = [
           ("tests/safety/test_safety_net.py", "tests/safety/test_optimizer_state_overflow.py",
            "tests/safety/test_guard.py", "tests/safety/test_checkpoint_health.py", "tests/safety/test_interrupts.py",
            "tests/safety/test_write_failures.py", *_SLOW_GUARD, *_SLOW_HEALTH)),
-    Group("healing", ("stabletrain/safety/healing.py",), ("tests/safety/test_self_healing.py",)),
+    Group("healing", ("stabletrain/safety/healing.py",),
+          ("tests/safety/test_healing_messages.py", "tests/safety/test_healing_recovery.py",
+           "tests/safety/test_healing_lifecycle.py", "tests/safety/test_self_healing.py")),
 ]
 
 #: mutmut's exit codes (mutmut.stats): what each means here.
@@ -162,6 +164,11 @@ def prepare(group: Group, fresh: bool) -> Path:
             data["exit_code_by_key"] = {k: (v if v in CAUGHT or _listed(k, v, mutated, equivalents) else None)
                                         for k, v in codes.items()}
             meta.write_text(json.dumps(data, indent=4))
+    # mutmut keeps its map of which test reaches which function from run to run and adds only new
+    # tests to it: a test whose calls changed, or a function renamed, would keep a stale map (its
+    # mutants judged "survived" or "no tests" without the tests that reach them). Map afresh each
+    # run: the group's tests once, a minute or two.
+    (work / "mutants" / "mutmut-stats.json").unlink(missing_ok=True)
     text = (ROOT / "pyproject.toml").read_text(encoding="utf-8") + config
     target = work / "pyproject.toml"
     if not target.exists() or target.read_text(encoding="utf-8") != text:
