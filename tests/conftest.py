@@ -116,3 +116,18 @@ def fsdp_in_process():
         dist.destroy_process_group()
     os.environ.clear()
     os.environ.update(saved)
+
+
+def plant_exp_avg_sq_overflow(optimizer, at_step: int = 2):
+    """After optimizer step ``at_step`` (from 0), Adam's ``exp_avg_sq`` of the first parameter holds an
+    Inf, as a float16 ``g**2`` overflow leaves it, while every weight stays finite (the update of that
+    entry is then 0: the weight is frozen silently). Returns the hook's handle."""
+    steps = [0]
+
+    def hook(opt, args, kwargs):
+        if steps[0] == at_step:
+            p = opt.param_groups[0]["params"][0]
+            opt.state[p]["exp_avg_sq"].view(-1)[0] = float("inf")
+        steps[0] += 1
+
+    return optimizer.register_step_post_hook(hook)

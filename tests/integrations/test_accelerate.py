@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from stabletrain import NaNDetectedError, UnderflowOverflowError, diagnose, load_nan_capture
+from stabletrain import NaNDetectedError, NonFiniteStepError, UnderflowOverflowError, diagnose, load_nan_capture
 
 accelerate = pytest.importorskip("accelerate")
 from accelerate import Accelerator  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
-from conftest import cli_env  # noqa: E402
+from conftest import cli_env, plant_exp_avg_sq_overflow  # noqa: E402
 from stabletrain.integrations.accelerate import StepMonitor  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "integrations" / "accelerate_example.py"
@@ -66,6 +66,43 @@ def run_loop(accelerator, out, *, steps=12, debug_args=None, bad=29):
                     optimizer.zero_grad()
             monitor.end_step()
     return norms
+
+
+def test_an_optimizer_state_gone_inf_with_finite_weights_stops_at_its_step(tmp_path):
+    """end_step checks the update: Adam's exp_avg_sq holds an Inf after step 2 while every weight is
+    finite; end_step raises there naming the entry (guard=False: the loop runs on)."""
+    for guard in (False, True):
+        torch.manual_seed(0)
+        accelerator = Accelerator(cpu=True)
+        model = Siamese()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        handle = plant_exp_avg_sq_overflow(optimizer, at_step=2)
+        loader = torch.utils.data.DataLoader(Pairs(), batch_size=2)  # its bad sample is step 14's
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        done = []
+        with StepMonitor(accelerator, model, out_dir=tmp_path / str(guard), step_fn=step_fn, guard=guard) as monitor:
+            batches = iter(loader)
+            try:
+                for step in range(5):
+                    monitor.begin_step(step)
+                    loss = step_fn(model, next(batches))
+                    monitor.collect_loss(loss)
+                    accelerator.backward(loss)
+                    monitor.check(optimizer)
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    monitor.end_step()
+                    done.append(step)
+            except NonFiniteStepError as e:
+                err = e
+        handle.remove()
+        if not guard:
+            assert done == [0, 1, 2, 3, 4]
+            continue
+        assert done == [0, 1]
+        assert (err.step, err.origin, err.nonfinite) == (2, "optimizer_step", ["optimizer_state"])
+        assert err.state_entries == ["embed.0.weight: exp_avg_sq"] and err.param_names == []
+        assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
 def test_norm_equals_accelerates_and_capture_replays(tmp_path):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import stabletrain
-from stabletrain import NaNDetectedError, UnderflowOverflowError, load_nan_capture
+from stabletrain import NaNDetectedError, NonFiniteStepError, UnderflowOverflowError, load_nan_capture
 from stabletrain.utils.sync import CountSyncs
 
 L = pytest.importorskip("lightning.pytorch")
@@ -22,7 +22,7 @@ from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from lightning.pytorch.utilities import grad_norm  # noqa: E402
 from lit_models import LinearLit, PairData, SiameseLit  # noqa: E402
 
-from conftest import cli_env  # noqa: E402
+from conftest import cli_env, plant_exp_avg_sq_overflow  # noqa: E402
 from stabletrain.integrations.lightning import StabletrainCallback  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -254,6 +254,38 @@ def test_trend_alert_in_lightnings_terms(tmp_path, caplog):
     assert "clip gradients: Trainer(gradient_clip_val=1.0)" in exploding["actions"]
     assert "lower the learning rate in configure_optimizers, e.g. by 10x (now 3)" in exploding["actions"]
     assert "is exploding" in caplog.text and "Trainer(gradient_clip_val=1.0)" in caplog.text
+
+
+class _AdamLinearLit(LinearLit):
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+class _PlantOverflow(L.Callback):
+    def on_train_start(self, trainer, pl_module):
+        plant_exp_avg_sq_overflow(trainer.optimizers[0], at_step=2)
+
+
+@pytest.mark.parametrize("guard", [True, False])
+def test_an_optimizer_state_gone_inf_with_finite_weights_stops_at_its_step(tmp_path, guard):
+    """The guard's check after the optimizer step: Adam's exp_avg_sq holds an Inf after step 2 while
+    every weight is finite; the callback stops there naming the entry. guard=False: nothing stops."""
+    torch.manual_seed(0)
+    model = _AdamLinearLit(lr=0.01)
+    callbacks = [_PlantOverflow(), StabletrainCallback(guard=guard)]
+    if not guard:
+        trainer = fit(model, PairData(n=512), tmp_path, callbacks, accumulate=1, max_steps=5)
+        assert trainer.global_step == 5
+        return
+    with pytest.raises(NonFiniteStepError) as info:
+        fit(model, PairData(n=512), tmp_path, callbacks, accumulate=1, max_steps=5)
+    err = info.value
+    assert (err.step, err.origin, err.nonfinite) == (2, "optimizer_step", ["optimizer_state"])
+    assert err.state_entries == ["fc.weight: exp_avg_sq"] and err.param_names == []
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    assert str(err).startswith("The optimizer step of step 2 (rank 0 of 1) wrote non-finite values (its loss and "
+                               "gradients were not checked). Optimizer: torch.optim.AdamW. Optimizer state with "
+                               "NaN/Inf: fc.weight: exp_avg_sq.")
 
 
 def test_settings_are_checked_when_the_callback_is_made():

@@ -269,6 +269,39 @@ def test_an_update_checked_without_its_gradients_says_so():
                                       "and gradients were not checked). Parameters with NaN/Inf: 1: weight (1).")
 
 
+def test_huge_weights_checked_without_gradients_say_so_and_a_state_only_check_skips_them():
+    """Finite weights of 1e30: the default check stops (their float32 L2 norm overflows) and says the
+    step's loss and gradients were not checked; ``check_parameters=False`` (the integrations') checks
+    the optimizer state only and stops on its Inf in Adam's exp_avg_sq, naming it."""
+    model = nn.Linear(3, 1)
+    with torch.no_grad():
+        model.weight[0, 1] = 1e30
+    guard = StepGuard(model)
+    guard.check_update(2)
+    with pytest.raises(NonFiniteStepError) as info:
+        guard.raise_if_failed()
+    assert str(info.value).startswith(
+        "The optimizer step of step 2 (rank 0 of 1) made the weights so large (its loss and gradients were not "
+        "checked) that their float32 norm overflows: every value is still finite, but |w| reaches 1e+30 in weight")
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 3)).sum().backward()
+    opt.step()
+    state_only = StepGuard(model, opt, check_parameters=False)
+    state_only.check_update(2)
+    state_only.raise_if_failed()  # the weights are not checked; the state is finite
+    assert math.isnan(float(state_only.weight_norm))
+    with torch.no_grad():
+        model.bias[0] = math.nan
+    state_only.check_update(3)
+    state_only.raise_if_failed()  # a NaN weight: the next forward pass shows it, not this check
+    opt.state[model.bias]["exp_avg_sq"][0] = math.inf
+    state_only.check_update(4)
+    with pytest.raises(NonFiniteStepError) as info:
+        state_only.raise_if_failed()
+    assert (info.value.step, info.value.state_entries, info.value.nonfinite) == (4, ["bias: exp_avg_sq"],
+                                                                                 ["optimizer_state"])
+
+
 def test_huge_but_finite_weights_and_state_are_told_apart_by_value():
     """Every value finite, but the float32 norm the guard checks overflowed: of the weights (SGD, lr
     1e24) or of AdamW's second moment (gradients of 1e19); the message names the tensor and its size."""

@@ -59,7 +59,10 @@ class StepMonitor:
         lr: The learning rate, for concrete next actions.
         clipping: Whether the loop clips gradients (advice).
         optimizer: The (prepared) optimizer, for the mechanism signals' weight, update and Adam
-            values; default: the one :meth:`check` is given first.
+            values and the guard; default: the one :meth:`check` is given first.
+        guard: :meth:`end_step` checks that the optimizer state is still finite after the
+            optimizer step, and raises ``NonFiniteStepError`` naming the
+            entries if not (one process; see :class:`~stabletrain.integrations.common.StepTools`).
 
     Example::
 
@@ -81,6 +84,7 @@ class StepMonitor:
         lr: Optional[float] = None,
         clipping: bool = False,
         optimizer: Any = None,
+        guard: bool = True,
     ):
         self.accelerator = accelerator
         self.model = accelerator.unwrap_model(model)
@@ -100,6 +104,7 @@ class StepMonitor:
             lr=lr,
             clipping=clipping,
             optimizer=inner_optimizer(optimizer) if optimizer is not None else None,
+            guard=guard,
         )
         #: Every trend alert of the run, as ``{"event": "trend_alert", ...}`` rows.
         self.alerts = self.tools.alerts
@@ -155,8 +160,9 @@ class StepMonitor:
         return self.tools.layer_norms(values)
 
     def end_step(self) -> bool:
-        """The step is over. True when underflow_overflow's ``abort_after_batch_num`` asks
-        to stop after it."""
+        """The step is over (after ``optimizer.step()``). True when underflow_overflow's
+        ``abort_after_batch_num`` asks to stop after it. Raises ``NonFiniteStepError`` when the
+        optimizer step left an optimizer state entry non-finite (``guard``)."""
         return self.tools.end_step()
 
     def close(self) -> None:

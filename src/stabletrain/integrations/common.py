@@ -25,6 +25,8 @@ from stabletrain import (
     MechanismMonitor,
     NaNCaptureMonitor,
     NaNDetectedError,
+    NonFiniteStepError,
+    StepGuard,
     TrendDetector,
     UnderflowOverflowError,
     UnderflowOverflowMonitor,
@@ -100,6 +102,12 @@ class StepTools:
         lr, clipping: For concrete next actions in alerts.
         optimizer: The torch optimizer, for the mechanism signals' weight, update and Adam values
             (``debug_args.mechanisms``, on by default); it can be given later (:meth:`set_optimizer`).
+        guard: After each optimizer step (:meth:`end_step`), check that the optimizer state is
+            still finite, as ``stabletrain train``'s guard does, and raise
+            :class:`~stabletrain.NonFiniteStepError` naming the entries if not (an Inf in Adam's
+            ``exp_avg_sq`` freezes a weight while every weight stays finite; a non-finite weight
+            shows in the next forward pass). On the device, no host sync; in one process (a rank
+            stopping alone would leave the others waiting).
     """
 
     def __init__(
@@ -122,6 +130,7 @@ class StepTools:
         lr: Optional[float] = None,
         clipping: bool = False,
         optimizer: Any = None,
+        guard: bool = True,
     ):
         d_rank, d_world = dist_rank_and_world()
         self.model = model
@@ -161,6 +170,9 @@ class StepTools:
         self.mechanisms: Optional[MechanismDetector] = None
         self._optimizer: Any = None
         self._last_loss: Optional[float] = None
+        #: The check after the optimizer step (``guard``), once the optimizer is known.
+        self.update_guard: Optional[StepGuard] = None
+        self._want_guard = guard and self.world_size == 1
         if mechanisms.enabled:
             self.signals = MechanismMonitor(model, updates=mechanisms.updates, report=self._signals_notice)
             if mechanisms.alerts:
@@ -169,6 +181,8 @@ class StepTools:
                     lr=lr))
             if optimizer is not None:
                 self.set_optimizer(optimizer)
+        if optimizer is not None:
+            self._arm_guard(optimizer)
         #: Every trend alert and mechanism so far, as the event rows ``stabletrain train`` writes to
         #: metrics.jsonl (``event``: ``trend_alert``, ``mechanism`` or ``mechanism_end``).
         self.alerts: list[dict[str, Any]] = []
@@ -242,6 +256,8 @@ class StepTools:
         """
         if self.step is None:
             raise RuntimeError("StepTools.grads_final: begin_step(step) was not called")
+        if optimizer is not None:
+            self._arm_guard(optimizer)
         gn = compute_grad_norm(self.model.named_parameters())
         scale = pending_scale(self.scaler, optimizer)
         if scale is not None and gn.per_param:
@@ -275,16 +291,35 @@ class StepTools:
 
     def end_step(self) -> bool:
         """The optimizer step is done. True when underflow_overflow's
-        ``abort_after_batch_num`` asks to stop training after this step."""
+        ``abort_after_batch_num`` asks to stop training after this step.
+
+        Raises:
+            NonFiniteStepError: The optimizer step left an optimizer state entry
+                non-finite (``guard``); on a GPU it may be raised a step or two later, when the
+                verdict's copy to the host has landed, still naming this step.
+        """
+        guard = self.update_guard
+        if guard is not None and self.step is not None:
+            guard.check_update(self.step)
+            self._guard(guard.raise_if_failed, False)
         self.in_step = False
         stop = self.debug_args.underflow_overflow.abort_after_batch_num
         return self.uo is not None and stop is not None and self.step is not None and self.step >= stop
 
     def set_optimizer(self, optimizer: Any) -> None:
-        """The step's optimizer (a framework's wrapper is unwrapped), for the mechanism signals."""
+        """The step's optimizer (a framework's wrapper is unwrapped), for the mechanism signals
+        and the check after its step."""
         if self.signals is not None:
             self._optimizer = inner_optimizer(optimizer)
             self.signals.set_optimizer(self._optimizer)
+        self._arm_guard(optimizer)
+
+    def _arm_guard(self, optimizer: Any) -> None:
+        if self._want_guard and self.update_guard is None:
+            # The optimizer state only: a parameter gone non-finite shows in the next forward pass
+            # (nancapture, the trend alerts), and a third of the cost; weights the callback first
+            # sees may also be finite but too large for a float32 norm already, which no step did.
+            self.update_guard = StepGuard(self.model, inner_optimizer(optimizer), check_parameters=False)
 
     def read_signals(self) -> dict[str, float]:
         """After the optimizer step of a step ``begin_step`` was told is logged: the
@@ -384,7 +419,7 @@ class StepTools:
         """Run a decision; on a stabletrain stop, remove the hooks before the error leaves."""
         try:
             return fn(*args)
-        except (NaNDetectedError, UnderflowOverflowError):
+        except (NaNDetectedError, UnderflowOverflowError, NonFiniteStepError):
             self.close()
             raise
 

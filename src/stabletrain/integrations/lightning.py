@@ -77,6 +77,8 @@ class StabletrainCallback(pl.Callback):
             ``gradient_norm/<module>`` on logging steps (one host read for all of them).
         out_dir: Where ``debug/`` goes (reports, captures); default ``Trainer(default_root_dir)``.
         warmup_steps: Loss and gradient-norm spikes before this step are tolerated.
+        guard: After each optimizer step, check that the optimizer state is still finite, and
+            raise ``NonFiniteStepError`` naming the entries if not (one process).
 
     Attributes:
         tools: The run's :class:`~stabletrain.integrations.common.StepTools` while training.
@@ -99,8 +101,10 @@ class StabletrainCallback(pl.Callback):
         gradient_norm_per_layer: bool = False,
         out_dir: Optional[Union[str, Path]] = None,
         warmup_steps: int = 0,
+        guard: bool = True,
     ):
         super().__init__()
+        self.guard = guard
         # Validated now: a typo fails when the callback is made, not when training starts.
         self.debug_args, self.trend_alerts = parse_tool_settings(debug_args, trend_alerts)
         self.gradient_norm_per_layer = gradient_norm_per_layer
@@ -142,6 +146,7 @@ class StabletrainCallback(pl.Callback):
             lr=float(lr) if isinstance(lr, (int, float)) else None,
             clipping=bool(trainer.gradient_clip_val),
             optimizer=inner_optimizer(optimizer) if optimizer is not None else None,
+            guard=self.guard,
         )
         self.alerts = self.tools.alerts
         self._wrap(trainer, pl_module)

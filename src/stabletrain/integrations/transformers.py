@@ -112,6 +112,8 @@ class StabletrainCallback(TrainerCallback):
             ``stabletrain.config.DebugArgs``).
         trend_alerts: The ``trend_alerts`` settings (a dict or ``TrendAlertArgs``); on by default.
         out_dir: Where ``debug/`` goes; default ``TrainingArguments(output_dir)``.
+        guard: After each optimizer step, check that the optimizer state is still finite, and
+            raise ``NonFiniteStepError`` naming the entries if not (one process).
 
     Attributes:
         tools: The run's :class:`~stabletrain.integrations.common.StepTools` while training.
@@ -121,8 +123,9 @@ class StabletrainCallback(TrainerCallback):
     """
 
     def __init__(self, *, debug_args: Settings = None, trend_alerts: Settings = None,
-                 out_dir: Optional[Union[str, Path]] = None):
+                 out_dir: Optional[Union[str, Path]] = None, guard: bool = True):
         self.debug_args, self.trend_alerts = parse_tool_settings(debug_args, trend_alerts)
+        self.guard = guard
         self.out_dir = out_dir
         self.tools: Optional[StepTools] = None
         self.alerts: list[dict[str, Any]] = []
@@ -166,7 +169,8 @@ class StabletrainCallback(TrainerCallback):
             warmup_steps=args.get_warmup_steps(state.max_steps) if state.max_steps > 0 else 0,
             lr=args.learning_rate,
             clipping=args.max_grad_norm > 0,
-            optimizer=optimizer,  # its torch optimizer, for the mechanism signals
+            optimizer=optimizer,  # its torch optimizer, for the mechanism signals and the guard
+            guard=self.guard,
         )
         self.alerts = self.tools.alerts
         self._optimizer = optimizer

