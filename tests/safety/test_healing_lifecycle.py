@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from healer_steps import train_step
 from torch import nn
 
 from stabletrain.config import load_settings
-from stabletrain.debug.grad_norm import compute_grad_norm
 from stabletrain.safety.healing import Healer, snapshot_bytes
 from stabletrain.safety.quarantine import Quarantine
 from stabletrain.training import state as trainer_state
@@ -121,20 +121,7 @@ def _batch(indices: list[int], nan: tuple[int, ...] = (), spike: tuple[int, ...]
 
 def _step(t: _Trainer, h: Healer, indices: list[int], nan: tuple[int, ...] = (), spike: tuple[int, ...] = ()) -> None:
     """Training step ``t.step`` through the healer's hooks, in the trainer's order (one microbatch)."""
-    step = t.step
-    batch, ix = _batch(indices, nan, spike), torch.tensor(indices)
-    h.on_step_start(t, step=step)
-    h.on_microbatch(t, step=step, micro_step=0, batch=batch, indices=ix)
-    t.microbatches_consumed += 1
-    loss = t.model.training_step(batch)
-    h.on_after_microbatch(t, step=step, micro_step=0, loss=loss)
-    loss.backward()
-    h.check(step, [loss.detach()], compute_grad_norm(t.model.named_parameters()).total)
-    t.optimizer.step()
-    h.after_step()
-    t.optimizer.zero_grad()
-    t.step = step + 1
-    h.end_of_step()
+    train_step(t, h, t.step, _batch(indices, nan, spike), indices, t.model.training_step)
 
 
 def _started(t: _Trainer) -> Healer:

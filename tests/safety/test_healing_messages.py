@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from healer_steps import train_step
 from torch import nn
 
 import stabletrain.debug.diagnose as diagnose_mod
 from stabletrain import RecoveryLimitError
 from stabletrain.config import load_settings
-from stabletrain.debug.grad_norm import compute_grad_norm
 from stabletrain.debug.nan_capture.commands import default_replay_command
 from stabletrain.safety.healing import Healer, _few, _flat, _ordinal, row_value
 from stabletrain.safety.instability_guard import Recovery
@@ -62,6 +62,7 @@ class _Trainer:
         # Under DDP the other rank's loss is taken to be this rank's: the mean is this rank's loss.
         self.fabric = types.SimpleNamespace(device=torch.device("cpu"), all_reduce=lambda t, reduce_op: t)
         self.step = 0
+        self.microbatches_consumed = 0
         self.lines: list[str] = []
         self.console = types.SimpleNamespace(info=self.lines.append)
         self.events: list[dict] = []
@@ -106,18 +107,7 @@ def _batch(indices: list[int], nan: tuple[int, ...] = ()) -> dict[str, torch.Ten
 
 def _step(t: _Trainer, h: Healer, step: int, indices: list[int], nan: tuple[int, ...] = ()) -> None:
     """One training step through the healer's hooks, as the trainer calls them (one microbatch)."""
-    batch, ix = _batch(indices, nan), torch.tensor(indices)
-    h.on_step_start(t, step=step)
-    h.on_microbatch(t, step=step, micro_step=0, batch=batch, indices=ix)
-    loss = t.model.training_step(batch)
-    h.on_after_microbatch(t, step=step, micro_step=0, loss=loss.detach())
-    loss.backward()
-    h.check(step, [loss.detach()], compute_grad_norm(t.model.named_parameters()).total)
-    t.optimizer.step()
-    h.after_step()
-    t.optimizer.zero_grad()
-    t.step = step + 1
-    h.end_of_step()
+    train_step(t, h, step, _batch(indices, nan), indices, t.model.training_step)
 
 
 def _spike(h: Healer, step: int, samples: list[int], trigger: str = "loss_spike") -> None:

@@ -20,12 +20,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from healer_steps import train_step
 from torch import nn
 
 import stabletrain.debug.diagnose as diagnose_mod
 import stabletrain.distributed.dcp as dcp
 from stabletrain.config import load_settings
-from stabletrain.debug.grad_norm import compute_grad_norm
 from stabletrain.safety import healing
 from stabletrain.safety.checkpoint_health import HealthTracker
 from stabletrain.safety.healing import Healer, RecoveryLimitError, _replay_model
@@ -158,17 +158,8 @@ def _rec(t: _Trainer, step: int, trigger: str = "nonfinite_loss", samples: tuple
 
 def _step(t: _Trainer, healer: Healer, step: int, indices: list[int], scale: float = 1.0) -> None:
     """One training step with the healer's calls; ``scale`` inf makes the loss non-finite."""
-    healer.on_step_start(t, step=step)
-    x = torch.randn(len(indices), 4)
-    healer.on_microbatch(t, step=step, micro_step=0, batch={"x": x}, indices=torch.tensor(indices))
-    loss = (t.model(x * scale) ** 2).mean()
-    loss.backward()
-    healer.check(step, [loss.detach()], compute_grad_norm(t.model.named_parameters()).total)
-    t.optimizer.step()
-    healer.after_step()
-    t.optimizer.zero_grad()
-    t.step = step + 1
-    healer.end_of_step()
+    train_step(t, healer, step, {"x": torch.randn(len(indices), 4)}, indices,
+               lambda batch: (t.model(batch["x"] * scale) ** 2).mean())
 
 
 def _recovered(t: _Trainer) -> list[dict[str, Any]]:

@@ -63,6 +63,28 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(_bits(a), _bits(b)))
 
 
+def _run_against_torch(params, ref_params, opt, ref, grads_of_step, skips=()):
+    """The skip-aware step of ``opt`` beside torch's own step of ``ref`` on the same gradients (None: no
+    gradient that step), ``skips`` skipped by both: the parameters and the state end bitwise equal."""
+    skipper = SkipStep(opt)
+    for step, grads in enumerate(grads_of_step):
+        for p, r, g in zip(params, ref_params, grads):
+            p.grad, r.grad = (None, None) if g is None else (g.clone(), g.clone())
+        flag = torch.tensor(step in skips)
+        skipper.save(flag)
+        assert skipper.mode == "skip_aware"
+        opt.step()
+        skipper.apply(flag)
+        if step not in skips:
+            ref.step()
+        else:  # the reference skips too; Adam's step count advances on a skipped step (documented)
+            for s_ref, s in zip(ref.state.values(), opt.state.values()):
+                if "step" in s:
+                    s_ref["step"] = s["step"].clone()
+    assert _same(params, ref_params)
+    assert _same(_state(opt), _state(ref))
+
+
 @pytest.mark.parametrize("cls,kwargs", CONFIGS, ids=lambda v: getattr(v, "__name__", str(v)))
 def test_kept_steps_are_torch_s_own_and_skipped_steps_change_nothing(cls, kwargs):
     model, ref_model = _model(), _model()
@@ -229,17 +251,9 @@ def test_float64_parameters_take_the_skip_aware_step_bitwise_torch_s(cls, kwargs
     """The factors are made in the parameters' dtype: float64 weights take the skip-aware step, and
     its kept steps are torch's to the bit."""
     model, ref_model = _model().double(), _model().double()
-    opt, ref = cls(model.parameters(), **kwargs), cls(ref_model.parameters(), **kwargs)
-    skipper = SkipStep(opt)
-    for step in (1, 2, 4):
-        for p, r, g in zip(model.parameters(), ref_model.parameters(), _grads(step, model)):
-            p.grad, r.grad = g.double(), g.double()
-        skipper.save(torch.tensor(False))
-        assert skipper.mode == "skip_aware"
-        opt.step()
-        ref.step()
-    assert all(torch.equal(a.view(torch.int64), b.view(torch.int64))
-               for a, b in zip(model.parameters(), ref_model.parameters()))
+    grads = [[g.double() for g in _grads(step, model)] for step in (1, 2, 4)]
+    _run_against_torch(list(model.parameters()), list(ref_model.parameters()), cls(model.parameters(), **kwargs),
+                       cls(ref_model.parameters(), **kwargs), grads)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -435,37 +449,8 @@ def test_weight_decay_or_momentum_of_exactly_one_is_torch_s_step():
                         (torch.optim.SGD, {"lr": 1e-2, "weight_decay": 1.0, "momentum": 1.0}),
                         (torch.optim.SGD, {"lr": 1e-2, "weight_decay": 1.0, "momentum": 1.0, "foreach": True})]:
         model, ref_model = _model(), _model()
-        opt, ref = cls(model.parameters(), **kwargs), cls(ref_model.parameters(), **kwargs)
-        skipper = SkipStep(opt)
-        for step in (1, 2, 4):
-            for p, r, g in zip(model.parameters(), ref_model.parameters(), _grads(step, model)):
-                p.grad, r.grad = g.clone(), g.clone()
-            skipper.save(torch.tensor(False))
-            assert skipper.mode == "skip_aware", (cls, kwargs)
-            opt.step()
-            ref.step()
-        assert _same(list(model.parameters()), list(ref_model.parameters())), (cls, kwargs)
-        assert _same(_state(opt), _state(ref)), (cls, kwargs)
-
-
-def _run_against_torch(params, ref_params, opt, ref, grads_of_step, skips=()):
-    skipper = SkipStep(opt)
-    for step, grads in enumerate(grads_of_step):
-        for p, r, g in zip(params, ref_params, grads):
-            p.grad, r.grad = (None, None) if g is None else (g.clone(), g.clone())
-        flag = torch.tensor(step in skips)
-        skipper.save(flag)
-        assert skipper.mode == "skip_aware"
-        opt.step()
-        skipper.apply(flag)
-        if step not in skips:
-            ref.step()
-        else:  # the reference skips too; Adam's step count advances on a skipped step (documented)
-            for s_ref, s in zip(ref.state.values(), opt.state.values()):
-                if "step" in s:
-                    s_ref["step"] = s["step"].clone()
-    assert _same(params, ref_params)
-    assert _same(_state(opt), _state(ref))
+        _run_against_torch(list(model.parameters()), list(ref_model.parameters()), cls(model.parameters(), **kwargs),
+                           cls(ref_model.parameters(), **kwargs), [_grads(step, model) for step in (1, 2, 4)])
 
 
 @pytest.mark.parametrize("cls,kwargs", [(torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1, "foreach": True}),
