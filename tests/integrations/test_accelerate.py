@@ -102,6 +102,10 @@ def test_an_optimizer_state_gone_inf_with_finite_weights_stops_at_its_step(tmp_p
         assert done == [0, 1]
         assert (err.step, err.origin, err.nonfinite) == (2, "optimizer_step", ["optimizer_state"])
         assert err.state_entries == ["embed.0.weight: exp_avg_sq"] and err.param_names == []
+        assert str(err).endswith("\nNext: fix the optimizer step (see above) and restart from weights saved before "
+                                 "this step. nancapture captures steps whose loss or gradients go non-finite, not this "
+                                 "one; `stabletrain train` with debug_args.nancapture.enabled=true captures an "
+                                 "optimizer step that fails and replays it (docs/blowups.md).")
         assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 

@@ -300,6 +300,13 @@ def test_huge_weights_checked_without_gradients_say_so_and_a_state_only_check_sk
         state_only.raise_if_failed()
     assert (info.value.step, info.value.state_entries, info.value.nonfinite) == (4, ["bias: exp_avg_sq"],
                                                                                  ["optimizer_state"])
+    assert str(info.value).endswith("\nNext: fix the optimizer step (see above); restart from weights saved before "
+                                    "this step. stabletrain diagnose replays the step offline from a capture "
+                                    "(debug_args.nancapture in the trainer).")
+    with pytest.raises(NonFiniteStepError) as info:
+        state_only.raise_if_failed(next_steps="Next: your own advice.")
+    assert str(info.value).endswith("\nNext: your own advice."), "the caller's last line instead of the plain loop's"
+    assert "debug_args.nancapture in the trainer" not in str(info.value)
 
 
 def test_huge_but_finite_weights_and_state_are_told_apart_by_value():

@@ -79,6 +79,15 @@ class StepValues:
     alerts: list[Any] = field(default_factory=list)
 
 
+#: The last line of the guard's message here: nancapture captures steps whose loss or gradients go
+#: non-finite (before the optimizer step), which this one's were not.
+_STATE_NEXT_STEPS = (
+    "Next: fix the optimizer step (see above) and restart from weights saved before this step. nancapture "
+    "captures steps whose loss or gradients go non-finite, not this one; `stabletrain train` with "
+    "debug_args.nancapture.enabled=true captures an optimizer step that fails and replays it (docs/blowups.md)."
+)
+
+
 class StepTools:
     """stabletrain's tools for one training run of a framework (see the module docstring).
 
@@ -301,7 +310,7 @@ class StepTools:
         guard = self.update_guard
         if guard is not None and self.step is not None:
             guard.check_update(self.step)
-            self._guard(guard.raise_if_failed, False)
+            self._guard(guard.raise_if_failed, False, None, _STATE_NEXT_STEPS)
         self.in_step = False
         stop = self.debug_args.underflow_overflow.abort_after_batch_num
         return self.uo is not None and stop is not None and self.step is not None and self.step >= stop

@@ -421,18 +421,21 @@ class StepGuard:
         host = self.read() if sync else self.visible()
         return host is not None and host[_STEP] >= 0
 
-    def raise_if_failed(self, sync: bool = True, stopped_at: Optional[int] = None) -> None:
+    def raise_if_failed(self, sync: bool = True, stopped_at: Optional[int] = None,
+                        next_steps: Optional[str] = None) -> None:
         """Raise :class:`NonFiniteStepError` if a step went bad.
 
         Args:
             sync: Read the verdict (one host sync); False only uses what is already known.
             stopped_at: The step at which the loop stops, for the message.
+            next_steps: The message's last line, instead of the plain loop's advice.
         """
         host = self.read() if sync else self.visible()
         if host is None or host[_STEP] < 0:
             return
         failure = self.failure(host, stopped_at=stopped_at)
-        raise NonFiniteStepError(failure.describe() + "\n" + next_steps_text(failure), failure)
+        advice = next_steps if next_steps is not None else next_steps_text(failure)
+        raise NonFiniteStepError(failure.describe() + "\n" + advice, failure)
 
     # ------------------------------------------------------------------ the failure path
 
