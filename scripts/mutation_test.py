@@ -355,14 +355,15 @@ def try_mutants(group: Group, patterns: list[str], pytest_args: list[str], timeo
     if not src.exists():
         raise SystemExit(f"{group.name} has not run yet: python scripts/mutation_test.py {group.name}")
     equivalents = load_equivalents()
-    names = [str(r["name"]) for r in group_results(group)
-             if r["status"] in SURVIVED.values()
-             and is_listed(str(r["function"]), str(r["old"]), str(r["new"]), equivalents) is None
-             and (not patterns or any(p in str(r["name"]) or p in str(r["function"]) for p in patterns))]
+    rows = [r for r in group_results(group)
+            if r["status"] in SURVIVED.values()
+            and is_listed(str(r["function"]), str(r["old"]), str(r["new"]), equivalents) is None
+            and (not patterns or any(p in str(r["name"]) or p in str(r["function"]) for p in patterns))]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     tests = pytest_args or list(group.tests)
     killed = 0
-    for name in names:
+    for r in rows:
+        name = str(r["name"])
         env["MUTANT_UNDER_TEST"] = name
         try:
             result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider",
@@ -372,16 +373,9 @@ def try_mutants(group: Group, patterns: list[str], pytest_args: list[str], timeo
         except subprocess.TimeoutExpired:  # mutmut counts a timeout as caught too
             caught = True
         killed += caught
-        old, new = _changes(name, (src / _module_file(name)).read_text(encoding="utf-8"))
-        print(f"{'killed  ' if caught else 'SURVIVED'} {name}: {_norm(new)[:150]!r}", flush=True)
-    print(f"{killed} of {len(names)} killed")
-    return 0 if killed == len(names) else 1
-
-
-def _module_file(mutant: str) -> str:
-    """``stabletrain/safety/healing.py`` from a mutant's mangled name."""
-    module = mutant.partition("__mutmut_")[0].rpartition(".")[0]
-    return module.replace(".", "/") + ".py"
+        print(f"{'killed  ' if caught else 'SURVIVED'} {name}: {_norm(str(r['new']))[:150]!r}", flush=True)
+    print(f"{killed} of {len(rows)} killed")
+    return 0 if killed == len(rows) else 1
 
 
 def main(argv: list[str] | None = None) -> int:
