@@ -255,3 +255,37 @@ def test_the_mechanism_rules_name_the_adam_eps_regime_in_a_loop(tmp_path, caplog
         assert "model_args" not in caplog.text  # not stabletrain's trainer: no settings of ours are named
     else:
         assert named == [] and "mechanism" not in caplog.text
+
+
+def test_optimizer_state_loaded_with_an_inf_is_not_blamed_on_the_first_step(tmp_path):
+    """An AdamW state that holds an Inf before step 0 (loaded so): end_step stops at step 0 and says the
+    state held it already, with advice about what the run started from, not about fixing the step. The
+    guard is armed in check(), within step 0, and checks the state there, before the optimizer step."""
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=True)
+    model = Siamese()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loader = torch.utils.data.DataLoader(Pairs(), batch_size=2)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    batches = iter(loader)
+    step_fn(model, next(batches)).backward()
+    optimizer.step()  # the state a checkpoint would hold; then an Inf in it
+    optimizer.zero_grad()
+    first = next(p for p in model.parameters() if p in optimizer.optimizer.state)
+    optimizer.optimizer.state[first]["exp_avg_sq"].view(-1)[0] = float("inf")
+    with StepMonitor(accelerator, model, out_dir=tmp_path, step_fn=step_fn) as monitor:
+        monitor.begin_step(0)
+        loss = step_fn(model, next(batches))
+        monitor.collect_loss(loss)
+        accelerator.backward(loss)
+        monitor.check(optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        with pytest.raises(NonFiniteStepError) as info:
+            monitor.end_step()
+    err = info.value
+    assert (err.step, err.origin, err.failure.before) == (0, "optimizer_step", "already")
+    assert str(err).startswith("Before the optimizer step of step 0 (rank 0 of 1), the first this guard checked, the "
+                               "weights or the optimizer state already held non-finite values.")
+    assert str(err).endswith("\nNext: check the weights and optimizer state the run started from (initialisation, "
+                             "or the checkpoint loaded): they were out of range before the first optimizer step.")

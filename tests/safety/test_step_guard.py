@@ -265,8 +265,12 @@ def test_an_update_checked_without_its_gradients_says_so():
     guard.check_update(2)  # a plain loop that checks updates only
     with pytest.raises(NonFiniteStepError) as info:
         guard.raise_if_failed()
-    assert str(info.value).startswith("The optimizer step of step 2 (rank 0 of 1) wrote non-finite values (its loss "
-                                      "and gradients were not checked). Parameters with NaN/Inf: 1: weight (1).")
+    # The first step the guard checked, and nothing before it: not said to have written them.
+    assert str(info.value).startswith(
+        "After the optimizer step of step 2 (rank 0 of 1), the first this guard checked, the weights or the optimizer "
+        "state hold non-finite values (its loss and gradients were not checked). Nothing checked them before that "
+        "step, so they may have come in so: the step is not known to have done it. Parameters with NaN/Inf: 1: "
+        "weight (1).")
 
 
 def test_huge_weights_checked_without_gradients_say_so_and_a_state_only_check_skips_them():
@@ -281,8 +285,9 @@ def test_huge_weights_checked_without_gradients_say_so_and_a_state_only_check_sk
     with pytest.raises(NonFiniteStepError) as info:
         guard.raise_if_failed()
     assert str(info.value).startswith(
-        "The optimizer step of step 2 (rank 0 of 1) made the weights so large (its loss and gradients were not "
-        "checked) that their float32 norm overflows: every value is still finite, but |w| reaches 1e+30 in weight")
+        "After the optimizer step of step 2 (rank 0 of 1), the first this guard checked, the weights are so large "
+        "(its loss and gradients were not checked) that their float32 norm overflows: every value is still finite, "
+        "but |w| reaches 1e+30 in weight")
     opt = torch.optim.AdamW(model.parameters())
     model(torch.ones(2, 3)).sum().backward()
     opt.step()
@@ -360,11 +365,11 @@ def _nan_state(n_params: int):
     for p in model.parameters():
         p.grad = torch.ones_like(p)
     opt.step()
-    for st in opt.state.values():
-        st["exp_avg"].fill_(math.nan)
-        st["exp_avg_sq"].fill_(math.nan)
     guard = StepGuard(model, opt)
     guard.check_gradients(0, torch.tensor(1.0), losses=[torch.tensor(1.0)])
+    for st in opt.state.values():  # as step 0's update would: after the check before it
+        st["exp_avg"].fill_(math.nan)
+        st["exp_avg_sq"].fill_(math.nan)
     guard.check_update(0)
     with pytest.raises(NonFiniteStepError) as info:
         guard.raise_if_failed()

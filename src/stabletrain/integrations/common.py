@@ -182,6 +182,8 @@ class StepTools:
         #: The check after the optimizer step (``guard``), once the optimizer is known.
         self.update_guard: Optional[StepGuard] = None
         self._want_guard = guard and self.world_size == 1
+        self.step: Optional[int] = None
+        self.in_step = False
         if mechanisms.enabled:
             self.signals = MechanismMonitor(model, updates=mechanisms.updates, report=self._signals_notice)
             if mechanisms.alerts:
@@ -195,9 +197,7 @@ class StepTools:
         #: Every trend alert and mechanism so far, as the event rows ``stabletrain train`` writes to
         #: metrics.jsonl (``event``: ``trend_alert``, ``mechanism`` or ``mechanism_end``).
         self.alerts: list[dict[str, Any]] = []
-        self.step: Optional[int] = None
         self.micro_step = -1
-        self.in_step = False
         self.decided = False
         self._losses: list[Tensor] = []
         self._total: Optional[Tensor] = None
@@ -213,6 +213,8 @@ class StepTools:
         ``log_signals``: the step will be logged, so measure the mechanism signals."""
         self.step, self.micro_step, self.in_step, self.decided = int(step), -1, True, False
         self._losses = []
+        if self.update_guard is not None:  # once: what the optimizer state was before the first step
+            self.update_guard.check_before(self.step)
         if self.signals is not None:
             self.signals.begin_step(log=log_signals, probe=False)
         if self.nan is not None:
@@ -329,6 +331,8 @@ class StepTools:
             # (nancapture, the trend alerts), and a third of the cost; weights the callback first
             # sees may also be finite but too large for a float32 norm already, which no step did.
             self.update_guard = StepGuard(self.model, inner_optimizer(optimizer), check_parameters=False)
+            if self.in_step and self.step is not None:  # armed within a step, before its optimizer step
+                self.update_guard.check_before(self.step)
 
     def read_signals(self) -> dict[str, float]:
         """After the optimizer step of a step ``begin_step`` was told is logged: the

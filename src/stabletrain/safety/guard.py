@@ -128,6 +128,11 @@ class GuardFailure:
     trips: list[Any] = field(default_factory=list)
     #: fp16 loss scaling: the GradScaler's scale when training stopped.
     loss_scale: Optional[float] = None
+    #: An optimizer-step failure at the first optimizer step the guard checked, what it knows of the
+    #: values before that step: ``"unchecked"`` (nothing checked them: the step may not be what
+    #: damaged them) or ``"already"`` (checked before the step, they were out of range already: no
+    #: step the guard watched did it). ``""`` otherwise: an earlier check passed.
+    before: str = ""
 
     def _describe_trips(self, where: str, given: str) -> str:
         """Every value finite, but a norm the guard checks overflowed: name the tensor and its value."""
@@ -141,14 +146,54 @@ class GuardFailure:
             why = (weights[0].overflow_text() if weights and weights[0].numel else
                    f"the guard's check takes the float32 L2 norm of the weights, which overflows once values pass "
                    f"about {limit}")
-            return (f"The optimizer step of {where} made the weights so large{given} "
-                    f"that their float32 norm overflows: every value is still finite, but |w| reaches "
+            head = self._whose(where, given, "made the weights so large", "the weights are so large",
+                               "the weights were already so large")
+            return (f"{head} that their float32 norm overflows: every value is still finite, but |w| reaches "
                     f"{_fmt(value)} in {name} ({why})")
         t = state[0]
-        return (f"The optimizer step of {where} left optimizer state so large{given} that "
-                f"its float32 norm overflows: every value is still finite, but {t.name} reaches {_fmt(t.abs_max)} "
-                f"({t.overflow_text()}); the weights stay smaller, |w| up to {_fmt(self.largest_abs)} in "
-                f"{self.largest_name}")
+        head = self._whose(where, given, "left optimizer state so large", "the optimizer state is so large",
+                           "the optimizer state was already so large")
+        return (f"{head} that its float32 norm overflows: every value is still finite, but {t.name} reaches "
+                f"{_fmt(t.abs_max)} ({t.overflow_text()}); the weights stay smaller, |w| up to "
+                f"{_fmt(self.largest_abs)} in {self.largest_name}")
+
+    def _whose(self, where: str, given: str, did: str, now: str, was: str) -> str:
+        """The head of an optimizer-step message. It says the step ``did`` it only when a check before
+        the step passed; at the first step the guard checked it says what it knows (:attr:`before`)."""
+        if self.before == "already":
+            return f"Before the optimizer step of {where}, the first this guard checked, {was}"
+        if self.before == "unchecked":
+            return f"After the optimizer step of {where}, the first this guard checked, {now}{given}"
+        return f"The optimizer step of {where} {did}{given}"
+
+    def _describe_optimizer(self, where: str) -> str:
+        """:meth:`describe` of a failure found after the optimizer step."""
+        if math.isnan(self.loss) and math.isnan(self.gradient_norm):  # check_gradients was not called for it
+            given = "(its loss and gradients were not checked)"
+        else:
+            given = f"from finite gradients (loss {_fmt(self.loss)}, gradient norm {_fmt(self.gradient_norm)})"
+        if not self.param_names and not self.state_entries and (self.trips or self.largest_name):
+            head = self._describe_trips(where, given)
+        else:
+            head = self._whose(where, f" {given}", "wrote non-finite values",
+                               "the weights or the optimizer state hold non-finite values",
+                               "the weights or the optimizer state already held non-finite values")
+        parts = [head + "."]
+        if self.before == "already":
+            parts.append("What was out of range before that step came in so (the initial or loaded weights or "
+                         "optimizer state), not from a step this guard watched.")
+        elif self.before == "unchecked":
+            parts.append("Nothing checked them before that step, so they may have come in so: the step is not "
+                         "known to have done it.")
+        if self.optimizer:
+            parts.append(f"Optimizer: {self.optimizer}.")
+        if self.param_names:
+            parts.append(f"Parameters with NaN/Inf: {_counted(self.param_names, self.param_counts)}.")
+        if self.state_entries:
+            parts.append(f"Optimizer state with NaN/Inf: {_short(self.state_entries)}.")
+        if self.explanation and self.before != "already":  # how a step did it: none did
+            parts.append(self.explanation)
+        return " ".join(parts)
 
     def describe(self) -> str:
         """One paragraph: what went non-finite, where, and what that means."""
@@ -157,24 +202,7 @@ class GuardFailure:
             return (f"Another rank found a non-finite value at step {self.other_rank_step}; rank {self.rank} "
                     "stopped with it.")
         if self.origin == ORIGIN_OPTIMIZER:
-            if math.isnan(self.loss) and math.isnan(self.gradient_norm):  # check_gradients was not called for it
-                given = "(its loss and gradients were not checked)"
-            else:
-                given = f"from finite gradients (loss {_fmt(self.loss)}, gradient norm {_fmt(self.gradient_norm)})"
-            if not self.param_names and not self.state_entries and (self.trips or self.largest_name):
-                head = self._describe_trips(where, given)
-            else:
-                head = f"The optimizer step of {where} wrote non-finite values {given}"
-            parts = [head + "."]
-            if self.optimizer:
-                parts.append(f"Optimizer: {self.optimizer}.")
-            if self.param_names:
-                parts.append(f"Parameters with NaN/Inf: {_counted(self.param_names, self.param_counts)}.")
-            if self.state_entries:
-                parts.append(f"Optimizer state with NaN/Inf: {_short(self.state_entries)}.")
-            if self.explanation:
-                parts.append(self.explanation)
-            return " ".join(parts)
+            return self._describe_optimizer(where)
         if self.origin == ORIGIN_SKIPPED:
             scale = f" (now {_fmt(self.loss_scale)})" if self.loss_scale is not None else ""
             return (f"fp16 loss scaling skipped {self.skipped_in_a_row} steps in a row up to {where} "
@@ -305,6 +333,12 @@ class StepGuard:
         # taken with Tensor.numpy as imported (CountSyncs counts .numpy() calls as host copies).
         self._host = _HOST_VIEW(self._mirror)
         self._mirror.copy_(self._state)
+        # The first optimizer step checked may find values out of range that were so before it (a
+        # model or optimizer state loaded so). The first check_gradients, which runs before that
+        # step, also checks what check_update will: (its step, [parameters, state] on the device),
+        # read only on a failure.
+        self._first_update: Optional[int] = None
+        self._before_first: Optional[tuple[int, Tensor]] = None
 
     def _fresh(self) -> Tensor:
         state = torch.zeros(_LEN, dtype=torch.float64, device=self.device)
@@ -345,20 +379,40 @@ class StepGuard:
             flags[0] = flags[0] & ~skip
             flags[1] = flags[1] & ~skip
         self._record(step, flags, loss, gn)
+        self.check_before(step)
+
+    def check_before(self, step: int) -> None:
+        """Before the optimizer step of ``step``: check the parameters and the optimizer state as
+        :meth:`check_update` will, once, before the first step checked (no host sync). Should
+        that step's check fail, its message then says whether they were out of range already
+        (no step did it) or went so in that step. :meth:`check_gradients` calls it."""
+        if self._before_first is None and self._first_update is None and self.do_check_update:
+            self._before_first = (step, self._update_flags()[0])
+
+    def _update_flags(self) -> tuple[Tensor, Tensor]:
+        """``([parameters bad, optimizer state bad], parameter norm)`` on the device: bad is a
+        NaN/Inf or a float32 norm that overflows; the norm is NaN when parameters are not checked."""
+        flags = torch.zeros(2, dtype=torch.bool, device=self.device)
+        params = torch.full((), math.nan, dtype=torch.float32, device=self.device)
+        if self.check_parameters:
+            params = finite_norms(self.model.parameters(), self.device)
+            flags[0] = ~torch.isfinite(params)
+        state = optimizer_state_tensors(self.optimizer)
+        if state:
+            flags[1] = ~torch.isfinite(finite_norms(state, self.device))
+        return flags, params
 
     def check_update(self, step: int) -> None:
         """Record whether the parameters and the optimizer state are finite after the
         optimizer step of ``step`` (no host sync)."""
         if not self.do_check_update:
             return
+        if self._first_update is None:
+            self._first_update = step
         flags = torch.zeros(5, dtype=torch.bool, device=self.device)
+        flags[3:], params = self._update_flags()
         if self.check_parameters:
-            params = finite_norms(self.model.parameters(), self.device)
             self.weight_norm = params
-            flags[3] = ~torch.isfinite(params)
-        state = optimizer_state_tensors(self.optimizer)
-        if state:
-            flags[4] = ~torch.isfinite(finite_norms(state, self.device))
         nan = torch.full((), math.nan, dtype=torch.float32, device=self.device)
         self._record(step, flags, nan, nan, keep_values=True)
 
@@ -428,16 +482,28 @@ class StepGuard:
         Args:
             sync: Read the verdict (one host sync); False only uses what is already known.
             stopped_at: The step at which the loop stops, for the message.
-            next_steps: The message's last line, instead of the plain loop's advice.
+            next_steps: The message's last line, instead of the plain loop's advice (except for
+                values out of range before the first step checked, which no step did).
         """
         host = self.read() if sync else self.visible()
         if host is None or host[_STEP] < 0:
             return
         failure = self.failure(host, stopped_at=stopped_at)
-        advice = next_steps if next_steps is not None else next_steps_text(failure)
+        # A caller's advice is about fixing the failing step: when no step did it, the plain advice says so.
+        advice = next_steps if next_steps is not None and failure.before != "already" else next_steps_text(failure)
         raise NonFiniteStepError(failure.describe() + "\n" + advice, failure)
 
     # ------------------------------------------------------------------ the failure path
+
+    def _before(self, step: int, after: Sequence[bool]) -> str:
+        """:attr:`GuardFailure.before` of an optimizer-step failure at ``step`` whose check found
+        ``after`` ([parameters, optimizer state] bad); a host read."""
+        if step != self._first_update:
+            return ""
+        if self._before_first is None or self._before_first[0] != step:
+            return "unchecked"
+        was = self._before_first[1].tolist()
+        return "already" if any(w and a for w, a in zip(was, after)) else ""
 
     def failure(self, host: Sequence[float], stopped_at: Optional[int] = None,
                 other_rank_step: Optional[int] = None) -> GuardFailure:
@@ -470,6 +536,7 @@ class StepGuard:
             from stabletrain.debug.optimizer_damage import describe_optimizer_damage
 
             describe_optimizer_damage(failure, self.model, self.optimizer)
+            failure.before = self._before(step, flags[3:])
         elif "gradient_norm" in nonfinite:
             # Under FSDP2: this rank's gradient shards only.
             bad = [n for n, p in self.model.named_parameters()
@@ -494,6 +561,13 @@ class StepGuard:
 
 def next_steps_text(failure: GuardFailure) -> str:
     """The plain-loop advice (the trainer adds checkpoints and pasteable commands)."""
+    if failure.origin == ORIGIN_OPTIMIZER and failure.before == "already":
+        return ("Next: check the weights and optimizer state the run started from (initialisation, or the "
+                "checkpoint loaded): they were out of range before the first optimizer step.")
+    if failure.origin == ORIGIN_OPTIMIZER and failure.before == "unchecked":
+        return ("Next: call guard.check_gradients (or guard.check_before) before the optimizer step too: it checks "
+                "the weights and optimizer state before the first step, so a failure there says whether that step "
+                "did it. If it did, fix the optimizer step and restart from weights saved before it.")
     if failure.origin == ORIGIN_OPTIMIZER:
         return ("Next: fix the optimizer step (see above); restart from weights saved before this step. "
                 "stabletrain diagnose replays the step offline from a capture (debug_args.nancapture in the trainer).")

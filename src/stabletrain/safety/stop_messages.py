@@ -41,7 +41,9 @@ class Remedy:
     Attributes:
         cause: ``"lr"`` (the update's size), ``"precision"`` (eps below the dtype's resolution),
             ``"data"`` (a sample: the loss went non-finite from a normal value with finite
-            weights) or ``""`` (nothing to change is known).
+            weights), ``"start"`` (the weights or optimizer state were out of range before the
+            first optimizer step checked: no setting of the steps is to blame) or ``""`` (nothing
+            to change is known).
         change: The settings the continue command carries (empty: none known).
         why: One sentence for the message: what changes, from what evidence, not verified.
         samples: With ``"data"``: the dataset indices of the microbatch whose loss went
@@ -106,6 +108,8 @@ def failure_remedy(trainer: Any, step: int, failure: Optional[GuardFailure] = No
     if loss_nonfinite is None:
         loss_nonfinite = failure is not None and "loss" in failure.nonfinite
     origin = failure.origin if failure is not None else (ORIGIN_SKIPPED if skipped_steps else ORIGIN_GRADIENTS)
+    if failure is not None and origin == ORIGIN_OPTIMIZER and failure.before == "already":
+        return Remedy("start")
     if origin == ORIGIN_GRADIENTS and loss_nonfinite and unstable == step:
         normal = _sudden(rows, step)
         samples, culprits, measured = _step_samples(trainer, failure, step) if normal is not None else ([], [], False)
@@ -286,6 +290,9 @@ def guard_message(
     text, best, command = resume_advice(trainer, step, extra=remedy.change or None, note=remedy.why)
     lines.append(text)
     nexts = []
+    if remedy.cause == "start":
+        nexts.append("check the weights and optimizer state the run started from (its initialisation, or the "
+                     "checkpoint it resumed from): they were out of range before its first optimizer step")
     if remedy.cause == "data":
         shown = ", ".join(map(str, remedy.samples[:8])) + (f" (+{len(remedy.samples) - 8} more)"
                                                              if len(remedy.samples) > 8 else "")
@@ -299,6 +306,8 @@ def guard_message(
     if capture is not None:
         nexts.append(f"the optimizer step was captured: {capture}; explain and replay it offline: "
                      f"stabletrain diagnose {shell_path(capture.parent)}")
+    elif remedy.cause == "start":
+        pass  # no step did it: nothing to capture
     elif failure.origin == ORIGIN_OPTIMIZER:
         cap = _capture_command(trainer, best, step)
         nexts.append(f"capture the optimizer step for stabletrain diagnose (debug_args.nancapture.enabled=true): {cap}")
