@@ -160,6 +160,7 @@ RUNS: dict[str, Run] = {
     "settings-small-data": Run(("stabletrain train out=o data=t.txt        # a 201-byte file",), code=2,
                                files={"t.txt": SMALL_TEXT}, cheap=True),
     "own-model": Run(("python own_model.py",), files={"own_model.py": Example("own-model")}),
+    "loaded-huge": Run(("python loaded.py",), files={"loaded.py": Example("loaded-huge")}, cheap=True, stderr=False),
     "layers": Run(("stabletrain train out=out/layers gradient_norm_per_layer=true steps=20",)),
     "logger-missing": Run(("stabletrain train out=out/x loggers.mlflow.enabled=true",), code=2,
                           hide=("mlflow",), cheap=True),
@@ -465,6 +466,8 @@ BLOCKS: dict[str, Block] = {
     "settings-small-data": console("settings-small-data", exact=True),
     "own-model": output_only("own-model", trim=pick(r"^stabletrain ", r"^task ", r"^Done", first=(r"^step ",),
                                                     last=(r".",))),
+    # docs/blowups.md
+    "loaded-huge": output_only("loaded-huge", trim=pick(r"^Before the optimizer", r"^Next:", r"^  - ")),
     # docs/gradient_norm.md
     "layers-row": metrics_row("layers", "out/layers/metrics.jsonl", lambda r: r.get("step") == 0 and "loss" in r,
                               keys=LAYER_KEYS, digits=4, command=True),
