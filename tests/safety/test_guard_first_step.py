@@ -189,3 +189,90 @@ def test_the_trainer_tells_weights_that_started_out_of_range_and_suggests_no_ste
     assert nexts == ["  - check the weights and optimizer state the run started from (its initialisation, or the "
                      "checkpoint it resumed from): they were out of range before its first optimizer step"]
     assert "learning rate" not in text and "model_args.lr" not in text
+
+
+def _huge_momentum(check_gradients: bool) -> NonFiniteStepError:
+    """SGD's momentum buffer holds 3e19 before step 0 (finite, past the norm's limit; loaded so)."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.tensor([[0.0, 1.0]])).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    optimizer.state[model.weight]["momentum_buffer"][0, 0] = 3e19
+    return _run(model, optimizer, check_gradients=check_gradients)
+
+
+TRIP = ("that its float32 norm overflows: every value is still finite, but weight: momentum_buffer reaches 2.7e+19 (the "
+        "squares of its 2 values sum to 7.29e+38, past float32's largest value 3.4e+38, so the float32 L2 norm the "
+        "guard checks overflows (one value alone does it from about 1.8e+19)); the weights stay smaller, |w| up to "
+        "2.7e+18 in weight.")
+
+
+def test_optimizer_state_already_past_the_limit_is_told_in_full():
+    err = _huge_momentum(check_gradients=True)
+    assert err.failure.describe() == (
+        "Before the optimizer step of step 0 (rank 0 of 1), the first this guard checked, the optimizer state was "
+        "already so large " + TRIP + " What was out of range before that step came in so (the initial or loaded "
+        "weights or optimizer state), not from a step this guard watched. Optimizer: torch.optim.SGD.")
+    assert next_steps_text(err.failure) == (
+        "Next: check the weights and optimizer state the run started from (initialisation, or the checkpoint loaded): "
+        "they were out of range before the first optimizer step.")
+
+
+def test_optimizer_state_past_the_limit_with_nothing_checked_before_is_told_in_full():
+    err = _huge_momentum(check_gradients=False)
+    assert err.failure.describe() == (
+        "After the optimizer step of step 0 (rank 0 of 1), the first this guard checked, the optimizer state is so "
+        "large (its loss and gradients were not checked) " + TRIP + " Nothing checked them before that step, so they "
+        "may have come in so: the step is not known to have done it. Optimizer: torch.optim.SGD. weight: "
+        "momentum_buffer is past what its float32 norm holds.")  # no "(gradient norm nan)": none was checked
+    assert next_steps_text(err.failure) == (
+        "Next: call guard.check_gradients (or guard.check_before) before the optimizer step too: it checks the "
+        "weights and optimizer state before the first step, so a failure there says whether that step did it. If "
+        "it did, fix the optimizer step and restart from weights saved before it.")
+
+
+def test_non_finite_state_already_there_is_told_in_full():
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.tensor([[0.0, 1.0]])).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    optimizer.state[model.weight]["momentum_buffer"][0, 0] = float("nan")
+    err = _run(model, optimizer)
+    assert err.failure.describe() == (
+        "Before the optimizer step of step 0 (rank 0 of 1), the first this guard checked, the weights or the optimizer "
+        "state already held non-finite values. What was out of range before that step came in so (the initial or "
+        "loaded weights or optimizer state), not from a step this guard watched. Optimizer: torch.optim.SGD. "
+        "Parameters with NaN/Inf: 1: weight (1). Optimizer state with NaN/Inf: weight: momentum_buffer.")
+
+
+def test_a_callers_advice_gives_way_only_when_no_step_did_it():
+    """The integrations pass their own last line (fix the step...): false when the values came in so."""
+    model = _model(HUGE)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = StepGuard(model, optimizer)
+    _step(model, optimizer, guard, 0)
+    with pytest.raises(NonFiniteStepError) as info:
+        guard.raise_if_failed(next_steps="Next: mine.")
+    assert str(info.value).endswith("\n" + next_steps_text(info.value.failure))
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e20)
+    guard = StepGuard(model, optimizer)
+    _step(model, optimizer, guard, 0)
+    with pytest.raises(NonFiniteStepError) as info:
+        guard.raise_if_failed(next_steps="Next: mine.")
+    assert info.value.failure.before == "" and str(info.value).endswith("\nNext: mine.")
+
+
+def test_a_guard_that_checks_no_updates_checks_nothing_before_them():
+    model = _model(HUGE)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = StepGuard(model, optimizer, check_update=False)
+    calls = []
+    original = guard._update_flags
+    guard._update_flags = lambda: calls.append(1) or original()  # type: ignore[method-assign]
+    for step in range(2):
+        _step(model, optimizer, guard, step)
+    guard.raise_if_failed()  # huge weights, but the updates are not checked
+    assert calls == []

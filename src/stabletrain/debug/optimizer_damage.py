@@ -182,13 +182,15 @@ def explain_trips(trips: list[RangeTrip], lr: Any, gradient_norm: float, optimiz
         parts.append(f"The learning rate is {lr:g}: {how}.")
     if state:
         t = state[0]
+        # The step's gradient norm when it was checked (NaN: check_gradients was not called for it).
+        norm = f" (gradient norm {gradient_norm:.4g})" if math.isfinite(gradient_norm) else ""
         if t.name.endswith("exp_avg_sq"):
             # exp_avg_sq is an average of squared gradients, so a value v needs a gradient of at least sqrt(v).
             parts.append(f"{t.name.split(': ')[-1]} holds an average of squared gradients: {t.abs_max:.3g} needs a "
-                         f"gradient of at least {math.sqrt(t.abs_max):.3g} (gradient norm {gradient_norm:.4g}): the "
-                         "gradients are exploding, not the weights.")
+                         f"gradient of at least {math.sqrt(t.abs_max):.3g}{norm}: the gradients are exploding, not "
+                         "the weights.")
         else:
-            parts.append(f"{t.name} grew beyond what its float32 norm holds (gradient norm {gradient_norm:.4g}).")
+            parts.append(f"{t.name} is past what its float32 norm holds{norm}.")
     return " ".join(parts)
 
 
