@@ -20,28 +20,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from healer_steps import train_step
-from torch import nn
+from healer_steps import Net, train_step
 
 from stabletrain.config import load_settings
 from stabletrain.safety.healing import Healer, snapshot_bytes
 from stabletrain.safety.quarantine import Quarantine
 from stabletrain.training import state as trainer_state
 from stabletrain.utils.sync import CountSyncs
-
-
-class Net(nn.Module):
-    """A regressor with ``training_step`` (a top-level class: replay and the sample search can copy it)."""
-
-    def __init__(self):
-        super().__init__()
-        self.body = nn.Linear(4, 1)
-
-    def forward(self, x):
-        return self.body(x)
-
-    def training_step(self, batch):
-        return nn.functional.mse_loss(self(batch["x"]), batch["y"])
 
 
 class _Fabric:

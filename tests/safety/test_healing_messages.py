@@ -17,8 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from healer_steps import train_step
-from torch import nn
+from healer_steps import Net, train_step
 
 import stabletrain.debug.diagnose as diagnose_mod
 from stabletrain import RecoveryLimitError
@@ -27,20 +26,6 @@ from stabletrain.debug.nan_capture.commands import default_replay_command
 from stabletrain.safety.healing import Healer, _few, _flat, _ordinal, row_value
 from stabletrain.safety.instability_guard import Recovery
 from stabletrain.utils.rng import get_rng_state
-
-
-class Net(nn.Module):
-    """A regressor whose class replay can import (top level, no constructor arguments)."""
-
-    def __init__(self):
-        super().__init__()
-        self.body = nn.Linear(4, 1)
-
-    def forward(self, x):
-        return self.body(x)
-
-    def training_step(self, batch):
-        return nn.functional.mse_loss(self(batch["x"]), batch["y"])
 
 
 class _Trainer:
@@ -150,7 +135,7 @@ def test_a_nan_step_names_its_culprit_marks_its_data_and_keeps_a_capture(tmp_pat
     assert cap["step"] == 3 and cap["reason"] == "nonfinite_loss"
     assert cap["replay_command"] == default_replay_command(folder / "rank0", model=t.model)
     assert cap["replay_command"].startswith(f"stabletrain replay {folder / 'rank0'} --model ")
-    assert cap["replay_command"].endswith("test_healing_messages.py:Net")
+    assert cap["replay_command"].endswith("healer_steps.py:Net")
     recovery = cap["recovery"]
     assert recovery["trigger"] == "nonfinite_loss" and recovery["action"] == "skip_step"
     assert [math.isnan(recovery[k]) for k in ("zscore", "ratio", "loss", "gradient_norm")] == [True] * 4
