@@ -68,6 +68,17 @@ def run_loop(accelerator, out, *, steps=12, debug_args=None, bad=29):
     return norms
 
 
+def _step_to_end(monitor, accelerator, model, optimizer, step, batch):
+    """One step of a one-microbatch loop, up to (not including) ``monitor.end_step()``."""
+    monitor.begin_step(step)
+    loss = step_fn(model, batch)
+    monitor.collect_loss(loss)
+    accelerator.backward(loss)
+    monitor.check(optimizer)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
 def test_an_optimizer_state_gone_inf_with_finite_weights_stops_at_its_step(tmp_path):
     """end_step checks the update: Adam's exp_avg_sq holds an Inf after step 2 while every weight is
     finite; end_step raises there naming the entry (guard=False: the loop runs on)."""
@@ -84,13 +95,7 @@ def test_an_optimizer_state_gone_inf_with_finite_weights_stops_at_its_step(tmp_p
             batches = iter(loader)
             try:
                 for step in range(5):
-                    monitor.begin_step(step)
-                    loss = step_fn(model, next(batches))
-                    monitor.collect_loss(loss)
-                    accelerator.backward(loss)
-                    monitor.check(optimizer)
-                    optimizer.step()
-                    optimizer.zero_grad()
+                    _step_to_end(monitor, accelerator, model, optimizer, step, next(batches))
                     monitor.end_step()
                     done.append(step)
             except NonFiniteStepError as e:
@@ -274,13 +279,7 @@ def test_optimizer_state_loaded_with_an_inf_is_not_blamed_on_the_first_step(tmp_
     first = next(p for p in model.parameters() if p in optimizer.optimizer.state)
     optimizer.optimizer.state[first]["exp_avg_sq"].view(-1)[0] = float("inf")
     with StepMonitor(accelerator, model, out_dir=tmp_path, step_fn=step_fn) as monitor:
-        monitor.begin_step(0)
-        loss = step_fn(model, next(batches))
-        monitor.collect_loss(loss)
-        accelerator.backward(loss)
-        monitor.check(optimizer)
-        optimizer.step()
-        optimizer.zero_grad()
+        _step_to_end(monitor, accelerator, model, optimizer, 0, next(batches))
         with pytest.raises(NonFiniteStepError) as info:
             monitor.end_step()
     err = info.value
