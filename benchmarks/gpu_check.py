@@ -410,6 +410,16 @@ def section_skip_step(ck: Checks, device: str, tmp: Path) -> None:
                      and guard_syncs == 0 and added == 0,
                      f"step taken: {mode}; kept steps bitwise torch's and skipped ones unchanged: {same}; host syncs "
                      f"in the guard's calls {guard_syncs}, added by the step over torch's own {added}")
+    # The integrations' guard verdict agreed over ranks a step later (one process here): read back from
+    # pinned host memory after its asynchronous copy, in order.
+    from stabletrain.integrations.device_reads import LaggedAgreement
+
+    agreement, got = LaggedAgreement(), []
+    for flag in (False, True, False):
+        agreement.start(torch.tensor(flag, device=device))
+        got.append(agreement.result())
+    ck.check("integrations' lagged guard agreement", got == [False, True, False], f"flags False, True, False read "
+             f"back as {got}")
 
 
 

@@ -192,6 +192,39 @@ def test_example_on_two_processes_stops_both_and_replays(tmp_path):
     assert 29 in cap.ranks[0].indices[1].tolist()
 
 
+@pytest.mark.slow
+def test_two_processes_stop_together_when_one_ranks_optimizer_state_goes_inf(tmp_path):
+    """torchrun, 2 CPU processes: AdamW's exp_avg_sq gets an Inf after an optimizer step, on one rank (as
+    one FSDP2 shard would) or both (DDP's replicated state). Every rank stops at the same point with the
+    message of the lowest rank that found it, naming the failing step: a step later, on nancapture's
+    read (check) or the lagged agreement (end_step); the last step's at close()."""
+    import json
+
+    worker = Path(__file__).with_name("accelerate_guard_worker.py")
+    env = cli_env()
+    env["PYTHONPATH"] = str(EXAMPLE.parent) + ":" + env["PYTHONPATH"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           str(worker), str(tmp_path)]
+    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    expected = {  # scenario: (raised in, failing step, stopped at, the rank the message names)
+        "one_rank": ("step 3 check", 2, 3, 1),
+        "both_nancapture_off": ("step 3 end_step", 2, 3, 0),
+        "last_step_off": ("close", 4, 4, 0),
+        "last_step_on": ("close", 4, 4, 1),
+    }
+    for name, (raised_in, step, stopped_at, leader) in expected.items():
+        got = [r[name] for r in ranks]
+        for rank, outcome in enumerate(got):
+            assert (outcome["raised_in"], outcome["step"], outcome["stopped_at"]) == (raised_in, step, stopped_at), name
+            assert outcome["entries"] == ["embed.0.weight: exp_avg_sq"], name
+            assert outcome["other_rank"] == (rank != leader), name
+        assert got[0]["message"] == got[1]["message"], name
+        assert got[0]["message"].startswith(f"The optimizer step of step {step} (rank {leader} of 2) wrote non-finite "
+                                            "values"), name
+
+
 def test_mechanism_signals_on_the_steps_the_loop_logs(tmp_path):
     """begin_step(log=True) on steps 0 and 2: signals() gives the signals after the optimizer
     step there (one host read each), {} on the others; what accelerator.log receives."""

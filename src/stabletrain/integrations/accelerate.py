@@ -9,6 +9,7 @@ mechanism signals. See docs/integrations/accelerate.md.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
@@ -62,7 +63,8 @@ class StepMonitor:
             values and the guard; default: the one :meth:`check` is given first.
         guard: :meth:`end_step` checks that the optimizer state is still finite after the
             optimizer step, and raises ``NonFiniteStepError`` naming the
-            entries if not (one process; see :class:`~stabletrain.integrations.common.StepTools`).
+            entries if not; with several processes every rank raises, a step later, naming the step
+            (see :meth:`end_step`).
 
     Example::
 
@@ -142,6 +144,9 @@ class StepMonitor:
 
         Raises:
             NaNDetectedError, UnderflowOverflowError: On every rank, when any rank failed.
+            NonFiniteStepError: With several processes and nancapture on, on every rank, when the
+                last step's optimizer step left a rank's optimizer state non-finite (the verdict
+                rides on this step's read; the error names that step).
         """
         signals = self.tools.signals
         if optimizer is not None and signals is not None and signals.updates is None:
@@ -162,12 +167,26 @@ class StepMonitor:
     def end_step(self) -> bool:
         """The step is over (after ``optimizer.step()``). True when underflow_overflow's
         ``abort_after_batch_num`` asks to stop after it. Raises ``NonFiniteStepError`` when the
-        optimizer step left an optimizer state entry non-finite (``guard``)."""
+        optimizer step left an optimizer state entry non-finite (``guard``): in one process here;
+        with several, on every rank a step later (here with nancapture off, in ``check()`` with
+        it on), naming this step."""
         return self.tools.end_step()
 
     def close(self) -> None:
-        """Remove every hook (idempotent)."""
-        self.tools.close()
+        """The loop is over: check the last optimizer step, which no later step's check carries
+        (the guard: one host read; with several processes a collective, so every rank calls it),
+        then remove every hook (idempotent). Leaving the ``with`` block calls it. While an
+        exception is on its way out (a ``finally`` block, an ``except`` clause) only the hooks go:
+        the other ranks may never get there.
+
+        Raises:
+            NonFiniteStepError: The last optimizer step left an optimizer state entry non-finite.
+        """
+        try:
+            if sys.exc_info()[1] is None:
+                self.tools.finish()
+        finally:
+            self.tools.close()
 
     def __enter__(self) -> "StepMonitor":
         return self

@@ -5,7 +5,10 @@ Each integration maps its framework's hooks onto one :class:`StepTools` (``begin
 ``end_step``), which drives the plain-loop tools as ``stabletrain.train`` does, with one host read
 per step at most (with nancapture on; see ``device_reads``), one more on logged steps for the
 mechanism signals (read after the optimizer step, which the framework's own reads precede), and
-every decision a collective all ranks reach.
+every decision a collective all ranks reach. With several processes the guard's check after the
+optimizer step is agreed over ranks too, a step later (the error names the step that failed): on the
+next step's nancapture read, or, with nancapture off, by an asynchronous all-reduce read at the next
+step's end, by then landed.
 See docs/integrations/.
 """
 
@@ -36,6 +39,8 @@ from stabletrain import (
 from stabletrain.debug.mechanisms.alerts import alert_text as mechanism_alert_text
 from stabletrain.debug.mechanisms.rules import MechanismDetector, RuleContext
 from stabletrain.integrations.device_reads import (
+    GUARD_FAILED,
+    LaggedAgreement,
     all_reduce,
     decode_status,
     dist_rank_and_world,
@@ -46,6 +51,8 @@ from stabletrain.integrations.device_reads import (
 )
 from stabletrain.integrations.framework_advice import next_actions
 from stabletrain.integrations.tool_settings import Settings, parse_settings, parse_tool_settings
+from stabletrain.safety.guard import join_rank_failures, next_steps_text
+from stabletrain.utils.dist import leading_message
 
 _log = logging.getLogger("stabletrain")
 
@@ -115,8 +122,13 @@ class StepTools:
             still finite, as ``stabletrain train``'s guard does, and raise
             :class:`~stabletrain.NonFiniteStepError` naming the entries if not (an Inf in Adam's
             ``exp_avg_sq`` freezes a weight while every weight stays finite; a non-finite weight
-            shows in the next forward pass). On the device, no host sync; in one process (a rank
-            stopping alone would leave the others waiting).
+            shows in the next forward pass). On the device, no host sync in one process. With
+            several processes (DDP, FSDP2: each rank checks its own state or shards) the verdict is
+            agreed over ranks and every rank raises at the same point, a step later (the error names
+            the step that failed): on the next step's nancapture read (no added read), or with
+            nancapture off by an asynchronous all-reduce read at the next :meth:`end_step`, by
+            then landed (on a GPU a wait for a copy a step back, not for the running step).
+            :meth:`finish` reads the last step's.
     """
 
     def __init__(
@@ -181,7 +193,9 @@ class StepTools:
         self._last_loss: Optional[float] = None
         #: The check after the optimizer step (``guard``), once the optimizer is known.
         self.update_guard: Optional[StepGuard] = None
-        self._want_guard = guard and self.world_size == 1
+        self._want_guard = guard
+        #: With several processes and nancapture off: the guard's verdict, agreed a step later.
+        self._agreement = LaggedAgreement()
         self.step: Optional[int] = None
         self.in_step = False
         if mechanisms.enabled:
@@ -312,10 +326,55 @@ class StepTools:
         guard = self.update_guard
         if guard is not None and self.step is not None:
             guard.check_update(self.step)
-            self._guard(guard.raise_if_failed, False, None, _STATE_NEXT_STEPS)
+            if self.world_size == 1:
+                self._guard(guard.raise_if_failed, False, None, _STATE_NEXT_STEPS)
+            elif self.nan is None:
+                # No read per step to ride on: the last step's verdict, agreed asynchronously, is
+                # read now, and this step's agreement starts.
+                self._guard(self._read_agreement, self.step)
+                self._agreement.start(guard.pending()[0] >= 0)
         self.in_step = False
         stop = self.debug_args.underflow_overflow.abort_after_batch_num
         return self.uo is not None and stop is not None and self.step is not None and self.step >= stop
+
+    def finish(self) -> None:
+        """Training ended normally, after the last :meth:`end_step`: read the guard's verdict of
+        the last optimizer step, which no later step's read carries (one host read; with several
+        processes a collective every rank must call). Nothing after :meth:`close`.
+
+        Raises:
+            NonFiniteStepError: That step (or one whose verdict had not landed yet, on a GPU)
+                left an optimizer state entry non-finite.
+        """
+        guard = self.update_guard
+        if self._closed or guard is None or self.step is None:
+            return
+        if self.world_size == 1:
+            self._guard(guard.raise_if_failed, True, self.step, _STATE_NEXT_STEPS)
+        elif self._agreement.pending:  # nancapture off: the last step's agreement, started in its end_step
+            self._guard(self._read_agreement, self.step)
+        else:  # nancapture on: its read in the next step would have carried it; one read of its own
+            self._agreement.start(guard.pending()[0] >= 0)
+            self._guard(self._read_agreement, self.step)
+
+    def _read_agreement(self, stopped_at: int) -> None:
+        """The guard's verdict agreed over ranks by the last :class:`LaggedAgreement` started; if
+        any rank failed, raise on every rank."""
+        if self._agreement.result():
+            self._guard_stop(stopped_at)
+
+    def _guard_stop(self, stopped_at: int) -> None:
+        """Raise the guard's error on every rank, once the ranks agreed that one failed (collective).
+        The ranks' findings are joined (each rank checked its own state, or its shards under FSDP2),
+        and every rank reports the message of the lowest rank that found the failure itself."""
+        guard = self.update_guard
+        assert guard is not None
+        host = guard.read()  # the failure path may wait
+        own = guard.failure(host, stopped_at=stopped_at)
+        failure = join_rank_failures(own)
+        advice = _STATE_NEXT_STEPS if failure.before != "already" else next_steps_text(failure)
+        message, leader = leading_message(1 if own.step >= 0 else 0, failure.describe() + "\n" + advice)
+        raise NonFiniteStepError(message, failure, other_rank=leader != self.rank)
 
     def set_optimizer(self, optimizer: Any) -> None:
         """The step's optimizer (a framework's wrapper is unwrapped), for the mechanism signals
@@ -330,7 +389,8 @@ class StepTools:
             # The optimizer state only: a parameter gone non-finite shows in the next forward pass
             # (nancapture, the trend alerts), and a third of the cost; weights the callback first
             # sees may also be finite but too large for a float32 norm already, which no step did.
-            self.update_guard = StepGuard(self.model, inner_optimizer(optimizer), check_parameters=False)
+            self.update_guard = StepGuard(self.model, inner_optimizer(optimizer), check_parameters=False,
+                                          rank=self.rank, world_size=self.world_size)
             if self.in_step and self.step is not None:  # armed within a step, before its optimizer step
                 self.update_guard.check_before(self.step)
 
@@ -449,8 +509,14 @@ class StepTools:
     def _nan_any_rank(self, flag: Tensor) -> bool:
         """The monitor's decision over ranks, read with the norm and the loss in one go."""
         assert self._total is not None
-        status = all_reduce(encode_status(flag, self._total), "min")
+        status = encode_status(flag, self._total)
+        guard = self.update_guard
+        if guard is not None and self.world_size > 1:  # the last optimizer step's check rides on this read
+            status = torch.where((guard.pending()[0] >= 0).to(status.device), GUARD_FAILED, status)
+        status = all_reduce(status, "min")
         value, loss = read_pair(status, self._loss_mean())
+        if value == GUARD_FAILED:
+            self._guard_stop(stopped_at=self.step if self.step is not None else -1)
         failed, norm = decode_status(value)
         self._read = (norm, loss)
         return failed

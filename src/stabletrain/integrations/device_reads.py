@@ -14,15 +14,18 @@ from torch import Tensor
 
 from stabletrain.utils.amp import already_unscaled, live_scale
 
-#: Status codes (see :func:`encode_status`); a gradient norm is never negative.
-FAILED, NAN, INF = -3.0, -2.0, -1.0
+#: Status codes (see :func:`encode_status`); a gradient norm is never negative. GUARD_FAILED:
+#: the guard's check after an earlier optimizer step failed (below FAILED: the earlier cause wins
+#: the minimum over ranks).
+GUARD_FAILED, FAILED, NAN, INF = -4.0, -3.0, -2.0, -1.0
 
 
 
 def encode_status(failed: Tensor, total: Tensor) -> Tensor:
     """One float32 device scalar that carries a step's failure flag and its gradient norm.
 
-    ``>= 0``: the norm; ``-1``: the norm is +inf; ``-2``: it is NaN; ``-3``: the step failed.
+    ``>= 0``: the norm; ``-1``: the norm is +inf; ``-2``: it is NaN; ``-3``: the step failed
+    (``-4``, :data:`GUARD_FAILED`, is set by the caller over it).
     NaN never enters a collective (a min over NaN depends on the order of the ranks), and
     the minimum over ranks is ``-3`` when any rank failed, else the norm, which is the same
     on every rank once DDP has averaged the gradients.
@@ -70,6 +73,64 @@ def all_reduce(t: Tensor, op: str) -> Tensor:
     ops = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX, "sum": dist.ReduceOp.SUM}
     dist.all_reduce(out, op=ops[op])
     return out
+
+
+#: ``Tensor.numpy`` as torch defines it: a view of host memory, neither a copy nor a wait on a device
+#: (taken at import: ``stabletrain.utils.sync.CountSyncs`` counts ``.numpy()`` calls as host copies).
+_HOST_VIEW = torch.Tensor.numpy
+
+
+class LaggedAgreement:
+    """A device flag agreed over ranks (any rank true) without a host sync in the step that sets it:
+    :meth:`start` launches an asynchronous all-reduce, :meth:`result` (a step later, at the same
+    point on every rank) reads it. On a GPU the result lands in pinned host memory by an
+    asynchronous copy; reading it waits only for that copy, a step back, not for the step running
+    now. With one process the flag is read as it is."""
+
+    def __init__(self) -> None:
+        self._pending: Optional[tuple[Any, Tensor, Any]] = None
+
+    @property
+    def pending(self) -> bool:
+        """Whether a flag was started and not read yet."""
+        return self._pending is not None
+
+    def start(self, flag: Tensor) -> None:
+        """Launch the agreement on ``flag`` (a device bool scalar); the previous one must have been read."""
+        import torch.distributed as dist
+
+        if self._pending is not None:
+            raise RuntimeError("LaggedAgreement.start: the previous flag was not read")
+        out = flag.detach().reshape(1).float()
+        work = None
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            if dist.get_backend() == "nccl" and out.device.type != "cuda":
+                out = out.cuda()
+            work = dist.all_reduce(out, op=dist.ReduceOp.MAX, async_op=True)
+        event = None
+        if out.device.type == "cuda":
+            if work is not None:
+                work.wait()  # NCCL: the current stream waits for the collective; the host does not
+                work = None
+            host = torch.empty(1, dtype=torch.float32, pin_memory=True)
+            host.copy_(out, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            out = host
+        self._pending = (work, out, event)
+
+    def result(self) -> bool:
+        """Whether the flag last started was true on any rank (False when none was started). Every
+        rank must call it at the same point; it waits for the collective (and, on a GPU, the copy)."""
+        if self._pending is None:
+            return False
+        work, out, event = self._pending
+        self._pending = None
+        if work is not None:
+            work.wait()
+        if event is not None:
+            event.synchronize()
+        return bool(_HOST_VIEW(out)[0] > 0)  # host memory by now: no device to wait for
 
 
 def dist_rank_and_world() -> tuple[int, int]:

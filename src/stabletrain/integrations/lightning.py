@@ -152,6 +152,8 @@ class StabletrainCallback(pl.Callback):
         self._wrap(trainer, pl_module)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.tools is not None:
+            self.tools.finish()  # the last optimizer step's check, which no later step's read carries
         self._close()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:

@@ -177,6 +177,8 @@ class StabletrainCallback(TrainerCallback):
         self._wrap(model)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.tools is not None:
+            self.tools.finish()  # the last optimizer step's check, which no later step's read carries
         self._close()
 
     def _wrap(self, model: nn.Module) -> None:

@@ -1,0 +1,128 @@
+"""The integrations' check after the optimizer step with several processes: the verdict is agreed over
+ranks a step later (on nancapture's read, or by an asynchronous all-reduce read at the next step's end),
+and the last step's by ``finish``. Here one process plays rank 0 of 2 (the collectives of an
+uninitialised process group are the identity); tests/integrations/test_accelerate.py runs two."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import plant_exp_avg_sq_overflow
+from stabletrain import NonFiniteStepError
+from stabletrain.integrations.common import StepTools
+from stabletrain.integrations.device_reads import LaggedAgreement
+from stabletrain.utils.sync import CountSyncs
+
+
+def make(tmp_path, *, world_size=2, nancapture=True, plant_at=2):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    plant_exp_avg_sq_overflow(optimizer, at_step=plant_at)
+    tools = StepTools(model, framework="accelerate", out_dir=tmp_path, rank=0, world_size=world_size,
+                      optimizer=optimizer, debug_args={"nancapture": {"enabled": nancapture}},
+                      trend_alerts={"enabled": False})
+    return model, optimizer, tools
+
+
+def step(tools, model, optimizer, n):
+    """One optimizer step through the tools, as an integration drives them."""
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(n))
+    tools.begin_step(n)
+    tools.before_forward(x)
+    loss = model(x).pow(2).mean()
+    tools.after_forward(loss)
+    tools.before_last_backward()
+    loss.backward()
+    tools.grads_final(optimizer)
+    optimizer.step()
+    optimizer.zero_grad()
+    tools.end_step()
+
+
+def run(tools, model, optimizer, steps):
+    done = []
+    try:
+        for n in range(steps):
+            step(tools, model, optimizer, n)
+            done.append(n)
+    except NonFiniteStepError as e:
+        return done, e
+    return done, None
+
+
+@pytest.mark.parametrize("nancapture", [True, False])
+def test_several_processes_stop_a_step_later_naming_the_step(tmp_path, nancapture):
+    """Adam's exp_avg_sq gets an Inf in step 2's optimizer step. One process stops in step 2's end_step;
+    with several the verdict is agreed a step later: nancapture's read in step 3's grads_final, or
+    the asynchronous agreement read in step 3's end_step. The error names step 2 either way."""
+    model, optimizer, tools = make(tmp_path, nancapture=nancapture)
+    done, err = run(tools, model, optimizer, 6)
+    assert err is not None and tools.closed
+    assert done == [0, 1, 2]  # step 2 ends; step 3 stops
+    assert (err.step, err.stopped_at, err.origin) == (2, 3, "optimizer_step")
+    assert err.state_entries == ["0.weight: exp_avg_sq"] and not err.other_rank
+    assert str(err).startswith("The optimizer step of step 2 (rank 0 of 2) wrote non-finite values")
+    assert "\nNext: fix the optimizer step" in str(err)
+
+
+def test_one_process_stops_in_the_failing_steps_end_step(tmp_path):
+    model, optimizer, tools = make(tmp_path, world_size=1)
+    done, err = run(tools, model, optimizer, 6)
+    assert done == [0, 1] and (err.step, err.stopped_at) == (2, 2)
+
+
+@pytest.mark.parametrize("world_size, nancapture", [(2, True), (2, False), (1, True)])
+def test_finish_reads_the_last_steps_verdict(tmp_path, world_size, nancapture):
+    """The last step's check has no later step to ride on: finish() reads it (one process: with a
+    wait, for a GPU whose copy of the verdict had not landed at end_step; simulated here)."""
+    model, optimizer, tools = make(tmp_path, world_size=world_size, nancapture=nancapture, plant_at=3)
+    looked = []
+    for n in range(4):
+        if world_size == 1 and n == 3:
+            tools.update_guard.visible = lambda: looked.append(3)  # the copy has not landed: None
+        step(tools, model, optimizer, n)
+    assert looked == ([3] if world_size == 1 else []), "end_step looked without waiting"
+    assert not tools.closed
+    with pytest.raises(NonFiniteStepError) as info:
+        tools.finish()
+    assert (info.value.step, info.value.stopped_at) == (3, 3) and tools.closed
+    tools.finish()  # after the stop: nothing
+
+
+def test_finish_after_a_clean_run_says_nothing(tmp_path):
+    model, optimizer, tools = make(tmp_path, nancapture=False, plant_at=99)
+    for n in range(3):
+        step(tools, model, optimizer, n)
+    tools.finish()
+    assert not tools.closed
+
+
+@pytest.mark.parametrize("nancapture", [True, False])
+def test_the_agreement_adds_no_host_read_per_step(tmp_path, nancapture):
+    """Each clean step reads the host as often with the guard agreed over 2 ranks as in one process
+    (CPU AdamW's own reads included): nancapture's read carries the verdict, and with it off the
+    agreement's read is of host memory a step later."""
+    counts = {}
+    for world_size in (1, 2):
+        model, optimizer, tools = make(tmp_path / str(world_size), world_size=world_size, nancapture=nancapture,
+                                       plant_at=99)
+        step(tools, model, optimizer, 0)  # arms the guard and checks what it started from
+        with CountSyncs() as syncs:
+            for n in range(1, 4):
+                step(tools, model, optimizer, n)
+        counts[world_size] = syncs.count
+    assert counts[2] == counts[1] > 0
+
+
+def test_a_lagged_agreement_is_read_once_and_in_order():
+    agreement = LaggedAgreement()
+    assert not agreement.pending and agreement.result() is False
+    agreement.start(torch.tensor(True))
+    with pytest.raises(RuntimeError, match="previous flag was not read"):
+        agreement.start(torch.tensor(False))
+    assert agreement.pending and agreement.result() is True and not agreement.pending
+    agreement.start(torch.tensor(False))
+    assert agreement.result() is False
