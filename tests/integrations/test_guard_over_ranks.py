@@ -27,12 +27,15 @@ def make(tmp_path, *, world_size=2, nancapture=True, plant_at=2):
     return model, optimizer, tools
 
 
-def step(tools, model, optimizer, n):
-    """One optimizer step through the tools, as an integration drives them."""
+def step(tools, model, optimizer, n, losses=None):
+    """One optimizer step through the tools, as an integration drives them; its loss is appended to
+    ``losses`` when given."""
     x = torch.randn(8, 4, generator=torch.Generator().manual_seed(n))
     tools.begin_step(n)
     tools.before_forward(x)
     loss = model(x).pow(2).mean()
+    if losses is not None:
+        losses.append(float(loss))
     tools.after_forward(loss)
     tools.before_last_backward()
     loss.backward()
@@ -42,11 +45,11 @@ def step(tools, model, optimizer, n):
     tools.end_step()
 
 
-def run(tools, model, optimizer, steps):
+def run(tools, model, optimizer, steps, losses=None):
     done = []
     try:
         for n in range(steps):
-            step(tools, model, optimizer, n)
+            step(tools, model, optimizer, n, losses)
             done.append(n)
     except NonFiniteStepError as e:
         return done, e
@@ -59,12 +62,18 @@ def test_several_processes_stop_a_step_later_naming_the_step(tmp_path, nancaptur
     with several the verdict is agreed a step later: nancapture's read in step 3's grads_final, or
     the asynchronous agreement read in step 3's end_step. The error names step 2 either way."""
     model, optimizer, tools = make(tmp_path, nancapture=nancapture)
-    done, err = run(tools, model, optimizer, 6)
+    losses = []
+    done, err = run(tools, model, optimizer, 6, losses)
     assert err is not None and tools.closed
     assert done == [0, 1, 2]  # step 2 ends; step 3 stops
     assert (err.step, err.stopped_at, err.origin) == (2, 3, "optimizer_step")
     assert err.state_entries == ["0.weight: exp_avg_sq"] and not err.other_rank
-    assert str(err).startswith("The optimizer step of step 2 (rank 0 of 2) wrote non-finite values")
+    head = "The optimizer step of step 2 (rank 0 of 2) wrote non-finite values "
+    if nancapture:  # nancapture checked the step's loss and gradients: the guard says what they were
+        assert str(err).startswith(head + f"from finite gradients (loss {losses[2]:.4g}, gradient norm ")
+        assert err.failure.loss == pytest.approx(losses[2], rel=1e-6) and 0 < err.failure.gradient_norm < 10
+    else:
+        assert str(err).startswith(head + "(its loss and gradients were not checked).")
     assert "\nNext: fix the optimizer step" in str(err)
 
 

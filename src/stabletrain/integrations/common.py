@@ -86,6 +86,9 @@ class StepValues:
     alerts: list[Any] = field(default_factory=list)
 
 
+#: ``StepGuard.check_gradients(skip=...)``: record the values, flag nothing (nancapture decided on them).
+_SKIP = torch.ones((), dtype=torch.bool)
+
 #: The last line of the guard's message here: nancapture captures steps whose loss or gradients go
 #: non-finite (before the optimizer step), which this one's were not.
 _STATE_NEXT_STEPS = (
@@ -302,6 +305,12 @@ class StepTools:
         if self.nan is not None:
             self._total = gn.total
             self._guard(self.nan.check_and_capture, gn)  # one read, in _nan_any_rank
+            if self.update_guard is not None and self.scaler is None:
+                # nancapture found this step's losses and gradient norm finite on every rank (else it
+                # raised): the guard keeps them for its message should the optimizer step fail ("from
+                # finite gradients (loss, gradient norm)"). Not under fp16, where a skipped step passes
+                # with a non-finite norm. Nothing is flagged (skip) and nothing read.
+                self.update_guard.check_gradients(self.step, gn.total, self._losses, skip=_SKIP)
         elif read:
             self._read = read_pair(gn.total, self._loss_mean())
         values = StepValues(self.step, gn)
