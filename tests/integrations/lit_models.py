@@ -118,7 +118,47 @@ def ddp_main(out: str, bad: int = 29) -> None:
     trainer.fit(SiameseLit(), torch.utils.data.DataLoader(data, batch_size=2, sampler=RankSlices(len(data))))
 
 
+class AdamSiameseLit(SiameseLit):
+    """SiameseLit under AdamW; on rank ``inf_rank``, after optimizer step ``inf_at``, an Inf in the first
+    weight's ``exp_avg_sq`` (what a float16 ``g**2`` overflow leaves; every weight stays finite)."""
+
+    def __init__(self, inf_rank: int, inf_at: int):
+        super().__init__(dropout=0.0)
+        self.inf_rank, self.inf_at = inf_rank, inf_at
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        steps = [0]
+
+        def plant(opt, args, kwargs):
+            if steps[0] == self.inf_at and self.global_rank == self.inf_rank:
+                opt.state[self.embed[0].weight]["exp_avg_sq"].view(-1)[0] = float("inf")
+            steps[0] += 1
+
+        optimizer.register_step_post_hook(plant)
+        return optimizer
+
+
+def ddp_guard_main(out: str) -> None:
+    """AdamSiameseLit on 2 CPU processes (DDP, gloo), nancapture off, 8 steps: rank 1's optimizer state
+    gets an Inf in the last step; the callback's check when training ends stops both ranks."""
+    torch.manual_seed(0)
+    from stabletrain.integrations.lightning import StabletrainCallback
+
+    trainer = L.Trainer(
+        max_steps=8, log_every_n_steps=1, accelerator="cpu", devices=2, strategy="ddp",
+        callbacks=[StabletrainCallback()], default_root_dir=out, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, logger=False, use_distributed_sampler=False,
+    )
+    data = PairData()
+    trainer.fit(AdamSiameseLit(inf_rank=1, inf_at=7),
+                torch.utils.data.DataLoader(data, batch_size=2, sampler=RankSlices(len(data))))
+
+
 if __name__ == "__main__":
     import sys
 
-    ddp_main(sys.argv[1])
+    if sys.argv[1] == "guard":
+        ddp_guard_main(sys.argv[2])
+    else:
+        ddp_main(sys.argv[1])

@@ -298,6 +298,21 @@ def test_settings_are_checked_when_the_callback_is_made():
 
 
 @pytest.mark.slow
+def test_ddp_optimizer_state_gone_inf_on_one_rank_in_the_last_step_stops_both(tmp_path):
+    """Lightning's DDP (2 CPU processes), nancapture off: rank 1's AdamW state gets an Inf in the last
+    step (step 7), which no later step's check carries; on_train_end reads the agreed verdict and both
+    ranks raise, with rank 1's message."""
+    result = subprocess.run([sys.executable, str(HERE / "lit_models.py"), "guard", str(tmp_path)], cwd=tmp_path,
+                            env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    head = ("NonFiniteStepError: The optimizer step of step 7 (rank 1 of 2) wrote non-finite values (its loss and "
+            "gradients were not checked). Optimizer: torch.optim.AdamW. Optimizer state with NaN/Inf: "
+            "embed.0.weight: exp_avg_sq.")
+    assert result.stderr.count(head) == 2, result.stderr[-3000:]
+    assert "on_train_end" in result.stderr
+
+
+@pytest.mark.slow
 def test_ddp_two_processes_nan_on_one_rank_stops_both(tmp_path):
     # Lightning's DDP launcher runs this file again for rank 1 (strategy="ddp", 2 CPU processes).
     result = subprocess.run([sys.executable, str(HERE / "lit_models.py"), str(tmp_path)], cwd=tmp_path,
