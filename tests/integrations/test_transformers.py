@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -118,6 +120,64 @@ def test_an_optimizer_state_gone_inf_with_finite_weights_stops_at_its_step(tmp_p
     assert len(err.state_entries) == 1 and err.state_entries[0].endswith(".weight: exp_avg_sq")
     assert err.param_names == [] and all(bool(torch.isfinite(p).all()) for p in model.parameters())
     assert trainer.state.global_step == 3, "stopped after the step whose update left the Inf"
+
+
+class _StepLosses(Trainer):
+    """The Trainer, keeping what each microbatch's training_step returns: their sum over a step is the
+    step's loss as the Trainer logs it."""
+
+    def training_step(self, *args, **kwargs):
+        loss = super().training_step(*args, **kwargs)
+        self.microbatch_losses.append(float(loss))
+        return loss
+
+
+def test_the_guards_message_gives_the_steps_loss_as_the_trainer_logs_it(tmp_path):
+    """nancapture on, 2 accumulation steps: GPT-2 takes num_items_in_batch, so each microbatch's loss is
+    its share of the step's (about half). The guard's message after step 2's optimizer step gives the
+    step's loss, the sum of the two, as the Trainer would log it; not their mean."""
+    model = causal_lm(planted=False)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                             max_steps=5, report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0)
+    trainer = _StepLosses(model=model, args=args, train_dataset=TokenData(),
+                          callbacks=[_PlantOverflow(), StabletrainCallback(debug_args={"nancapture": {"enabled": True}})])
+    trainer.microbatch_losses = []
+    with pytest.raises(NonFiniteStepError) as info:
+        trainer.train()
+    err = info.value
+    step_loss = sum(trainer.microbatch_losses[4:6])  # step 2's two microbatches
+    assert err.step == 2 and err.failure.loss == pytest.approx(step_loss, rel=1e-6)
+    assert 3.5 < step_loss < 4.5, "about ln(64): the untrained model's loss"
+    assert f"from finite gradients (loss {step_loss:.4g}, gradient norm " in str(err)
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_stop_together_when_one_ranks_optimizer_state_goes_inf(tmp_path):
+    """torchrun, 2 CPU processes (DDP, gloo), nancapture on: rank 1's AdamW state gets an Inf in step 2.
+    The verdict rides on step 3's nancapture read: both ranks stop there with rank 1's message, whose
+    loss is rank 1's step loss as the Trainer counts it (the model's share of all ranks' tokens, times 2)."""
+    import json
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = cli_env()
+    env["PYTHONPATH"] = str(Path(__file__).parent) + os.pathsep + env["PYTHONPATH"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+           str(Path(__file__).with_name("hf_guard_worker.py")), str(tmp_path)]
+    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for rank, outcome in enumerate(ranks):
+        assert outcome["raised"] and (outcome["step"], outcome["stopped_at"]) == (2, 3)
+        assert outcome["entries"] == ["transformer.wte.weight: exp_avg_sq"]
+        assert outcome["other_rank"] == (rank == 0)
+    assert ranks[0]["message"] == ranks[1]["message"]
+    leader_loss = ranks[1]["step_losses"][2]
+    assert ranks[1]["loss"] == pytest.approx(leader_loss, rel=1e-6) and 3.5 < leader_loss < 4.5
+    assert ranks[0]["message"].startswith("The optimizer step of step 2 (rank 1 of 2) wrote non-finite values from "
+                                          f"finite gradients (loss {leader_loss:.4g}, gradient norm ")
 
 
 def test_sequence_classifier_underflow_overflow_and_replay(tmp_path):

@@ -217,6 +217,11 @@ class StepTools:
         self.micro_step = -1
         self.decided = False
         self._losses: list[Tensor] = []
+        #: How the step's loss follows from its microbatch losses: None, their mean; a number, their sum
+        #: times it (the Hugging Face Trainer when the model takes ``num_items_in_batch``: each
+        #: microbatch's loss is its share of the step's, and with ``average_tokens_across_devices``
+        #: of all ranks' tokens, which the Trainer multiplies back by the number of processes).
+        self.loss_sum_scale: Optional[float] = None
         self._total: Optional[Tensor] = None
         self._read: Optional[tuple[float, float]] = None
         self._uo_skipped = 0
@@ -305,14 +310,14 @@ class StepTools:
         if self.nan is not None:
             self._total = gn.total
             self._guard(self.nan.check_and_capture, gn)  # one read, in _nan_any_rank
-            if self.update_guard is not None and self.scaler is None:
+            if self.update_guard is not None and self.scaler is None and self._losses:
                 # nancapture found this step's losses and gradient norm finite on every rank (else it
                 # raised): the guard keeps them for its message should the optimizer step fail ("from
                 # finite gradients (loss, gradient norm)"). Not under fp16, where a skipped step passes
                 # with a non-finite norm. Nothing is flagged (skip) and nothing read.
-                self.update_guard.check_gradients(self.step, gn.total, self._losses, skip=_SKIP)
+                self.update_guard.check_gradients(self.step, gn.total, [self._step_loss()], skip=_SKIP)
         elif read:
-            self._read = read_pair(gn.total, self._loss_mean())
+            self._read = read_pair(gn.total, self._step_loss())
         values = StepValues(self.step, gn)
         if self._read is not None:
             norm, loss = self._read
@@ -505,11 +510,13 @@ class StepTools:
             self.close()
             raise
 
-    def _loss_mean(self) -> Tensor:
+    def _step_loss(self) -> Tensor:
+        """The step's loss as the framework reports it (see :attr:`loss_sum_scale`), on the device."""
         if not self._losses:
             return torch.zeros((), dtype=torch.float32, device=self._device())
         device = self._losses[0].device
-        return torch.stack([loss.float().to(device) for loss in self._losses]).mean()
+        stacked = torch.stack([loss.float().to(device) for loss in self._losses])
+        return stacked.mean() if self.loss_sum_scale is None else stacked.sum() * self.loss_sum_scale
 
     def _device(self) -> torch.device:
         p = next(self.model.parameters(), None)
@@ -523,7 +530,7 @@ class StepTools:
         if guard is not None and self.world_size > 1:  # the last optimizer step's check rides on this read
             status = torch.where((guard.pending()[0] >= 0).to(status.device), GUARD_FAILED, status)
         status = all_reduce(status, "min")
-        value, loss = read_pair(status, self._loss_mean())
+        value, loss = read_pair(status, self._step_loss())
         if value == GUARD_FAILED:
             self._guard_stop(stopped_at=self.step if self.step is not None else -1)
         failed, norm = decode_status(value)

@@ -135,6 +135,7 @@ class StabletrainCallback(TrainerCallback):
         self._optimizer: Any = None
         self._bad_loss: Optional[Tensor] = None
         self._signals: dict[str, float] = {}
+        self._loss_scale = 1.0
 
     # ------------------------------------------------------------------ setup and teardown
 
@@ -174,6 +175,9 @@ class StabletrainCallback(TrainerCallback):
         )
         self.alerts = self.tools.alerts
         self._optimizer = optimizer
+        # What the Trainer's compute_loss multiplies a loss normalised over all ranks' tokens by.
+        shared = bool(getattr(args, "average_tokens_across_devices", False)) and world > 1
+        self._loss_scale = float(world if shared else 1)
         self._wrap(model)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -198,10 +202,14 @@ class StabletrainCallback(TrainerCallback):
             if args:  # the Trainer passes keywords; a positional call is stored by parameter name
                 bound = signature.bind_partial(*args, **kwargs)
                 args, kwargs = (), dict(bound.arguments)
-            if "num_items_in_batch" in kwargs and tools.nan is not None:
+            if "num_items_in_batch" in kwargs:
                 # The model normalises the loss over the whole accumulated batch: the Trainer
-                # does not divide it by the accumulation steps, and so neither does replay.
-                tools.nan.gradient_accumulation_steps = 1
+                # does not divide it by the accumulation steps, and so neither does replay. The
+                # step's loss is the sum of the microbatches' (times the processes, when they
+                # share the token count), as the Trainer logs it.
+                tools.loss_sum_scale = self._loss_scale
+                if tools.nan is not None:
+                    tools.nan.gradient_accumulation_steps = 1
             tools.before_forward(dict(kwargs))
             output = original(**kwargs)
             loss = _loss_of(output)

@@ -1,0 +1,69 @@
+"""The Hugging Face Trainer on two processes (torchrun, DDP, gloo, CPU): a tiny GPT-2 whose AdamW state
+gets an Inf on rank 1 after optimizer step 2 (every weight stays finite), nancapture on. Both ranks must
+stop at step 3's check with rank 1's message. Run by tests/integrations/test_transformers.py; writes each
+rank's outcome to ``<out>/rank<r>.json``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import transformers
+from hf_models import TokenData, causal_lm
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from stabletrain import NonFiniteStepError
+from stabletrain.integrations.transformers import StabletrainCallback
+
+
+class PlantInf(TrainerCallback):
+    """On rank 1, after optimizer step 2: an Inf in the first weight's ``exp_avg_sq``."""
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        inner = getattr(optimizer, "optimizer", optimizer)
+        steps = [0]
+
+        def plant(opt, a, k):
+            if steps[0] == 2 and torch.distributed.get_rank() == 1:
+                p = opt.param_groups[0]["params"][0]
+                opt.state[p]["exp_avg_sq"].view(-1)[0] = float("inf")
+            steps[0] += 1
+
+        inner.register_step_post_hook(plant)
+
+
+class StepLosses(Trainer):
+    """What each step's training_step returns on this rank (one microbatch per step here): the step's
+    loss as the Trainer counts it, its model's share times the processes."""
+
+    def training_step(self, *args, **kwargs):
+        loss = super().training_step(*args, **kwargs)
+        self.step_losses.append(float(loss))
+        return loss
+
+
+def main(out: str) -> None:
+    transformers.utils.logging.set_verbosity_error()
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=4, max_steps=6, logging_steps=1,
+                             report_to=[], use_cpu=True, save_strategy="no", learning_rate=1e-3, disable_tqdm=True,
+                             ddp_backend="gloo", seed=0)
+    callback = StabletrainCallback(debug_args={"nancapture": {"enabled": True}})
+    trainer = StepLosses(model=causal_lm(planted=False), args=args, train_dataset=TokenData(),
+                         callbacks=[PlantInf(), callback])
+    trainer.step_losses = []
+    outcome: dict = {"raised": False}
+    try:
+        trainer.train()
+    except NonFiniteStepError as err:
+        outcome = {"raised": True, "step": err.step, "stopped_at": err.stopped_at, "other_rank": err.other_rank,
+                   "entries": err.state_entries, "message": str(err), "loss": err.failure.loss}
+    outcome["step_losses"] = trainer.step_losses
+    rank = torch.distributed.get_rank()
+    Path(out).mkdir(parents=True, exist_ok=True)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(outcome, indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
