@@ -16,40 +16,46 @@ from stabletrain.integrations.device_reads import LaggedAgreement
 from stabletrain.utils.sync import CountSyncs
 
 
-def make(tmp_path, *, world_size=2, nancapture=True, plant_at=2):
+def make(tmp_path, *, world_size=2, nancapture=True, plant_at=2, underflow_overflow=False):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     plant_exp_avg_sq_overflow(optimizer, at_step=plant_at)
     tools = StepTools(model, framework="accelerate", out_dir=tmp_path, rank=0, world_size=world_size,
-                      optimizer=optimizer, debug_args={"nancapture": {"enabled": nancapture}},
+                      optimizer=optimizer, debug_args={"nancapture": {"enabled": nancapture},
+                                                       "underflow_overflow": {"enabled": underflow_overflow}},
                       trend_alerts={"enabled": False})
     return model, optimizer, tools
 
 
-def step(tools, model, optimizer, n, losses=None):
+def step(tools, model, optimizer, n, losses=None, calls=None):
     """One optimizer step through the tools, as an integration drives them; its loss is appended to
-    ``losses`` when given."""
+    ``losses`` and the name of each call to the tools, before it runs, to ``calls`` when given."""
+    calls = [] if calls is None else calls
     x = torch.randn(8, 4, generator=torch.Generator().manual_seed(n))
+    calls.append("begin_step")
     tools.begin_step(n)
     tools.before_forward(x)
     loss = model(x).pow(2).mean()
     if losses is not None:
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     tools.after_forward(loss)
+    calls.append("before_last_backward")
     tools.before_last_backward()
     loss.backward()
+    calls.append("grads_final")
     tools.grads_final(optimizer)
     optimizer.step()
     optimizer.zero_grad()
+    calls.append("end_step")
     tools.end_step()
 
 
-def run(tools, model, optimizer, steps, losses=None):
+def run(tools, model, optimizer, steps, losses=None, calls=None):
     done = []
     try:
         for n in range(steps):
-            step(tools, model, optimizer, n, losses)
+            step(tools, model, optimizer, n, losses, calls)
             done.append(n)
     except NonFiniteStepError as e:
         return done, e
@@ -62,10 +68,11 @@ def test_several_processes_stop_a_step_later_naming_the_step(tmp_path, nancaptur
     with several the verdict is agreed a step later: nancapture's read in step 3's grads_final, or
     the asynchronous agreement read in step 3's end_step. The error names step 2 either way."""
     model, optimizer, tools = make(tmp_path, nancapture=nancapture)
-    losses = []
-    done, err = run(tools, model, optimizer, 6, losses)
+    losses, calls = [], []
+    done, err = run(tools, model, optimizer, 6, losses, calls)
     assert err is not None and tools.closed
     assert done == [0, 1, 2]  # step 2 ends; step 3 stops
+    assert calls[-1] == ("grads_final" if nancapture else "end_step")
     assert (err.step, err.stopped_at, err.origin) == (2, 3, "optimizer_step")
     assert err.state_entries == ["0.weight: exp_avg_sq"] and not err.other_rank
     head = "The optimizer step of step 2 (rank 0 of 2) wrote non-finite values "
@@ -75,6 +82,18 @@ def test_several_processes_stop_a_step_later_naming_the_step(tmp_path, nancaptur
     else:
         assert str(err).startswith(head + "(its loss and gradients were not checked).")
     assert "\nNext: fix the optimizer step" in str(err)
+
+
+@pytest.mark.parametrize("nancapture", [True, False])
+def test_underflow_overflows_decision_carries_the_verdict_first(tmp_path, nancapture):
+    """With underflow_overflow on, its forward decision (before the last backward) is the next step's
+    first collective read: the guard's verdict rides on it, so no tool reports a consequence of the
+    failed optimizer step before the guard names it."""
+    model, optimizer, tools = make(tmp_path, nancapture=nancapture, underflow_overflow=True)
+    calls = []
+    done, err = run(tools, model, optimizer, 6, calls=calls)
+    assert done == [0, 1, 2] and calls[-1] == "before_last_backward"
+    assert (err.step, err.stopped_at, err.state_entries) == (2, 3, ["0.weight: exp_avg_sq"])
 
 
 def test_one_process_stops_in_the_failing_steps_end_step(tmp_path):

@@ -123,7 +123,13 @@ class StepMonitor:
 
     def collect_loss(self, loss: Tensor) -> None:
         """The loss of the last microbatch, before ``accelerator.backward``. On the step's
-        last microbatch, underflow_overflow decides on the step's forward values here."""
+        last microbatch, underflow_overflow decides on the step's forward values here.
+
+        Raises:
+            UnderflowOverflowError: On every rank, when a forward value went non-finite on any rank.
+            NonFiniteStepError: With several processes, on every rank, when the last optimizer
+                step left a rank's optimizer state non-finite (underflow_overflow's read carries it).
+        """
         self.tools.after_forward(loss)
         if self.accelerator.sync_gradients:
             self.tools.before_last_backward()
@@ -146,7 +152,8 @@ class StepMonitor:
             NaNDetectedError, UnderflowOverflowError: On every rank, when any rank failed.
             NonFiniteStepError: With several processes and nancapture on, on every rank, when the
                 last step's optimizer step left a rank's optimizer state non-finite (the verdict
-                rides on this step's read; the error names that step).
+                rides on this step's read; the error names that step). ``collect_loss()`` raises it
+                too, with underflow_overflow on.
         """
         signals = self.tools.signals
         if optimizer is not None and signals is not None and signals.updates is None:
@@ -168,8 +175,9 @@ class StepMonitor:
         """The step is over (after ``optimizer.step()``). True when underflow_overflow's
         ``abort_after_batch_num`` asks to stop after it. Raises ``NonFiniteStepError`` when the
         optimizer step left an optimizer state entry non-finite (``guard``): in one process here;
-        with several, on every rank a step later (here with nancapture off, in ``check()`` with
-        it on), naming this step."""
+        with several, on every rank a step later, naming this step: at the next step's first
+        collective read (underflow_overflow's in ``collect_loss()``, nancapture's in ``check()``),
+        else here."""
         return self.tools.end_step()
 
     def close(self) -> None:

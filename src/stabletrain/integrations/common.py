@@ -7,8 +7,8 @@ per step at most (with nancapture on; see ``device_reads``), one more on logged 
 mechanism signals (read after the optimizer step, which the framework's own reads precede), and
 every decision a collective all ranks reach. With several processes the guard's check after the
 optimizer step is agreed over ranks too, a step later (the error names the step that failed): on the
-next step's nancapture read, or, with nancapture off, by an asynchronous all-reduce read at the next
-step's end, by then landed.
+next step's first collective read (underflow_overflow's decision, nancapture's), or by an
+asynchronous all-reduce read at the next step's end, by then landed.
 See docs/integrations/.
 """
 
@@ -86,6 +86,10 @@ class StepValues:
     alerts: list[Any] = field(default_factory=list)
 
 
+#: In underflow_overflow's decision over ranks (codes 0-2): the guard's check after the last optimizer
+#: step failed on a rank.
+_GUARD_CODE = 4.0
+
 #: ``StepGuard.check_gradients(skip=...)``: record the values, flag nothing (nancapture decided on them).
 _SKIP = torch.ones((), dtype=torch.bool)
 
@@ -128,9 +132,10 @@ class StepTools:
             shows in the next forward pass). On the device, no host sync in one process. With
             several processes (DDP, FSDP2: each rank checks its own state or shards) the verdict is
             agreed over ranks and every rank raises at the same point, a step later (the error names
-            the step that failed): on the next step's nancapture read (no added read), or with
-            nancapture off by an asynchronous all-reduce read at the next :meth:`end_step`, by
-            then landed (on a GPU a wait for a copy a step back, not for the running step).
+            the step that failed): on the next step's first collective read (underflow_overflow's
+            decision or nancapture's; no added read), else by an asynchronous all-reduce read at the
+            next :meth:`end_step`, by then landed (on a GPU a wait for a copy a step back, not for
+            the running step).
             :meth:`finish` reads the last step's.
     """
 
@@ -541,7 +546,13 @@ class StepTools:
         uo = self.uo
         assert uo is not None
         code = uo.nonfinite_code()
+        guard = self.update_guard
+        if guard is not None and self.world_size > 1:
+            # The last optimizer step's check rides on this read too: its failure came first.
+            code = torch.maximum(code, _GUARD_CODE * (guard.pending()[0] >= 0).float().to(code.device))
         worst = float(all_reduce(code, "max"))  # the one host read of this decision
+        if worst >= _GUARD_CODE:
+            self._guard_stop(self.step if self.step is not None else -1)
         if worst == 0:
             uo.accept()
             if phase == "backward":
