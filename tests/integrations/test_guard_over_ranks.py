@@ -96,6 +96,20 @@ def test_underflow_overflows_decision_carries_the_verdict_first(tmp_path, nancap
     assert (err.step, err.stopped_at, err.state_entries) == (2, 3, ["0.weight: exp_avg_sq"])
 
 
+@pytest.mark.parametrize("underflow_overflow", [False, True])
+def test_one_process_whose_verdict_had_not_landed_stops_at_the_next_read(tmp_path, underflow_overflow):
+    """One process on a GPU: end_step looks without waiting and may find no verdict yet (simulated).
+    The next step's read (nancapture's, or underflow_overflow's first) carries it, so the guard names
+    step 2 before a tool reports what followed from it."""
+    model, optimizer, tools = make(tmp_path, world_size=1, underflow_overflow=underflow_overflow)
+    tools.update_guard.visible = lambda: None  # the copy to the host never lands in time
+    calls = []
+    done, err = run(tools, model, optimizer, 6, calls=calls)
+    assert done == [0, 1, 2] and calls[-1] == ("before_last_backward" if underflow_overflow else "grads_final")
+    assert (err.step, err.stopped_at, err.state_entries) == (2, 3, ["0.weight: exp_avg_sq"])
+    assert str(err).startswith("The optimizer step of step 2 (rank 0 of 1) wrote non-finite values")
+
+
 def test_one_process_stops_in_the_failing_steps_end_step(tmp_path):
     model, optimizer, tools = make(tmp_path, world_size=1)
     done, err = run(tools, model, optimizer, 6)

@@ -532,7 +532,9 @@ class StepTools:
         assert self._total is not None
         status = encode_status(flag, self._total)
         guard = self.update_guard
-        if guard is not None and self.world_size > 1:  # the last optimizer step's check rides on this read
+        if guard is not None:
+            # The last optimizer step's check rides on this read: with several processes it is where
+            # the ranks agree; in one process on a GPU, where end_step's look found no verdict landed yet.
             status = torch.where((guard.pending()[0] >= 0).to(status.device), GUARD_FAILED, status)
         status = all_reduce(status, "min")
         value, loss = read_pair(status, self._step_loss())
@@ -547,7 +549,7 @@ class StepTools:
         assert uo is not None
         code = uo.nonfinite_code()
         guard = self.update_guard
-        if guard is not None and self.world_size > 1:
+        if guard is not None:
             # The last optimizer step's check rides on this read too: its failure came first.
             code = torch.maximum(code, _GUARD_CODE * (guard.pending()[0] >= 0).float().to(code.device))
         worst = float(all_reduce(code, "max"))  # the one host read of this decision
