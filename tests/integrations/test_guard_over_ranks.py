@@ -110,6 +110,34 @@ def test_one_process_whose_verdict_had_not_landed_stops_at_the_next_read(tmp_pat
     assert str(err).startswith("The optimizer step of step 2 (rank 0 of 1) wrote non-finite values")
 
 
+@pytest.mark.parametrize("nancapture, underflow_overflow", [(True, False), (False, False), (False, True)])
+def test_a_failure_in_step_0_is_agreed_at_step_1(tmp_path, nancapture, underflow_overflow):
+    """The verdict's step 0 is a failure too (a failed step is recorded as its number, >= 0), on every
+    path the agreement takes."""
+    model, optimizer, tools = make(tmp_path, nancapture=nancapture, plant_at=0, underflow_overflow=underflow_overflow)
+    done, err = run(tools, model, optimizer, 4)
+    assert done == [0] and (err.step, err.stopped_at, err.state_entries) == (0, 1, ["0.weight: exp_avg_sq"])
+
+
+@pytest.mark.parametrize("nancapture", [True, False])
+def test_a_state_loaded_with_an_inf_is_told_as_such_when_the_ranks_agree(tmp_path, nancapture):
+    """An AdamW state that holds an Inf before step 0 (loaded so): agreed a step later, the message still
+    says it was out of range before the first step checked, with the advice about what the run started
+    from, not "fix the optimizer step"."""
+    model, optimizer, tools = make(tmp_path, nancapture=nancapture, plant_at=99)
+    x = torch.randn(8, 4)
+    model(x).pow(2).mean().backward()
+    optimizer.step()  # the state a checkpoint would hold; then an Inf in it
+    optimizer.zero_grad()
+    optimizer.state[model[0].weight]["exp_avg_sq"].view(-1)[0] = float("inf")
+    done, err = run(tools, model, optimizer, 4)
+    assert done == [0] and (err.step, err.stopped_at, err.failure.before) == (0, 1, "already")
+    assert str(err).startswith("Before the optimizer step of step 0 (rank 0 of 2), the first this guard checked, the "
+                               "weights or the optimizer state already held non-finite values.")
+    assert str(err).endswith("\nNext: check the weights and optimizer state the run started from (initialisation, "
+                             "or the checkpoint loaded): they were out of range before the first optimizer step.")
+
+
 def test_one_process_stops_in_the_failing_steps_end_step(tmp_path):
     model, optimizer, tools = make(tmp_path, world_size=1)
     done, err = run(tools, model, optimizer, 6)
@@ -163,7 +191,7 @@ def test_a_lagged_agreement_is_read_once_and_in_order():
     agreement = LaggedAgreement()
     assert not agreement.pending and agreement.result() is False
     agreement.start(torch.tensor(True))
-    with pytest.raises(RuntimeError, match="previous flag was not read"):
+    with pytest.raises(RuntimeError, match=r"^LaggedAgreement\.start: the previous flag was not read$"):
         agreement.start(torch.tensor(False))
     assert agreement.pending and agreement.result() is True and not agreement.pending
     agreement.start(torch.tensor(False))

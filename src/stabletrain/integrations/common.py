@@ -539,7 +539,8 @@ class StepTools:
         status = all_reduce(status, "min")
         value, loss = read_pair(status, self._step_loss())
         if value == GUARD_FAILED:
-            self._guard_stop(stopped_at=self.step if self.step is not None else -1)
+            assert self.step is not None, "decided within a step"
+            self._guard_stop(self.step)
         failed, norm = decode_status(value)
         self._read = (norm, loss)
         return failed
@@ -554,7 +555,8 @@ class StepTools:
             code = torch.maximum(code, _GUARD_CODE * (guard.pending()[0] >= 0).float().to(code.device))
         worst = float(all_reduce(code, "max"))  # the one host read of this decision
         if worst >= _GUARD_CODE:
-            self._guard_stop(self.step if self.step is not None else -1)
+            assert self.step is not None, "decided within a step"
+            self._guard_stop(self.step)
         if worst == 0:
             uo.accept()
             if phase == "backward":

@@ -101,7 +101,7 @@ class LaggedAgreement:
 
         if self._pending is not None:
             raise RuntimeError("LaggedAgreement.start: the previous flag was not read")
-        out = flag.detach().reshape(1).float()
+        out = flag.detach().reshape(1).to(torch.float32, copy=True)  # the collective writes into it
         work = None
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             if dist.get_backend() == "nccl" and out.device.type != "cuda":
