@@ -1,7 +1,12 @@
-"""The Hugging Face Trainer on two processes (torchrun, DDP, gloo, CPU): a tiny GPT-2 whose AdamW state
-gets an Inf on rank 1 after optimizer step 2 (every weight stays finite), nancapture on. Both ranks must
-stop at step 3's check with rank 1's message. Run by tests/integrations/test_transformers.py; writes each
-rank's outcome to ``<out>/rank<r>.json``."""
+"""The Hugging Face Trainer on two processes (torchrun, DDP, gloo, CPU), nancapture on, a tiny GPT-2:
+
+* ``guard``: AdamW's state gets an Inf on rank 1 after optimizer step 2 (every weight stays finite).
+  Both ranks must stop at step 3's check with rank 1's message.
+* ``nan``: sample 29 holds the planted token whose 1e30 embedding row makes a LayerNorm NaN (8 steps: an
+  epoch, every sample once). Both
+  ranks must stop at the step whose batch holds it, each writing its capture.
+
+Run by tests/integrations/test_transformers.py; writes each rank's outcomes to ``<out>/rank<r>.json``."""
 
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ import transformers
 from hf_models import TokenData, causal_lm
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from stabletrain import NonFiniteStepError
+from stabletrain import NaNDetectedError, NonFiniteStepError
 from stabletrain.integrations.transformers import StabletrainCallback
 
 
@@ -44,25 +49,36 @@ class StepLosses(Trainer):
         return loss
 
 
-def main(out: str) -> None:
-    transformers.utils.logging.set_verbosity_error()
-    args = TrainingArguments(output_dir=out, per_device_train_batch_size=4, max_steps=6, logging_steps=1,
+def run(out: Path, scenario: str) -> dict:
+    args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=4, max_steps=8, logging_steps=1,
                              report_to=[], use_cpu=True, save_strategy="no", learning_rate=1e-3, disable_tqdm=True,
                              ddp_backend="gloo", seed=0)
     callback = StabletrainCallback(debug_args={"nancapture": {"enabled": True}})
-    trainer = StepLosses(model=causal_lm(planted=False), args=args, train_dataset=TokenData(),
-                         callbacks=[PlantInf(), callback])
+    guard = scenario == "guard"
+    trainer = StepLosses(model=causal_lm(planted=not guard), args=args, train_dataset=TokenData(bad=None if guard else 29),
+                         callbacks=[PlantInf()] * guard + [callback])
     trainer.step_losses = []
-    outcome: dict = {"raised": False}
+    outcome: dict = {"raised": None}
     try:
         trainer.train()
     except NonFiniteStepError as err:
-        outcome = {"raised": True, "step": err.step, "stopped_at": err.stopped_at, "other_rank": err.other_rank,
-                   "entries": err.state_entries, "message": str(err), "loss": err.failure.loss}
+        outcome = {"raised": "NonFiniteStepError", "step": err.step, "stopped_at": err.stopped_at,
+                   "other_rank": err.other_rank, "entries": err.state_entries, "message": str(err),
+                   "loss": err.failure.loss}
+    except NaNDetectedError as err:
+        outcome = {"raised": "NaNDetectedError", "step": err.step, "reason": err.reason, "message": str(err),
+                   "capture": str(err.capture_path)}
     outcome["step_losses"] = trainer.step_losses
+    torch.distributed.barrier()  # both ranks' captures are written before either goes on
+    return outcome
+
+
+def main(out: str) -> None:
+    transformers.utils.logging.set_verbosity_error()
+    results = {name: run(Path(out) / name, name) for name in ("guard", "nan")}
     rank = torch.distributed.get_rank()
     Path(out).mkdir(parents=True, exist_ok=True)
-    Path(out, f"rank{rank}.json").write_text(json.dumps(outcome, indent=1))
+    Path(out, f"rank{rank}.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -152,10 +152,14 @@ def test_the_guards_message_gives_the_steps_loss_as_the_trainer_logs_it(tmp_path
 
 
 @pytest.mark.slow
-def test_ddp_two_processes_stop_together_when_one_ranks_optimizer_state_goes_inf(tmp_path):
-    """torchrun, 2 CPU processes (DDP, gloo), nancapture on: rank 1's AdamW state gets an Inf in step 2.
-    The verdict rides on step 3's nancapture read: both ranks stop there with rank 1's message, whose
-    loss is rank 1's step loss as the Trainer counts it (the model's share of all ranks' tokens, times 2)."""
+def test_ddp_two_processes_stop_together_and_a_capture_of_both_replays(tmp_path):
+    """torchrun, 2 CPU processes (DDP, gloo), nancapture on (hf_guard_worker.py).
+
+    guard: rank 1's AdamW state gets an Inf in step 2. The verdict rides on step 3's nancapture read:
+    both ranks stop there with rank 1's message, whose loss is rank 1's step loss as the Trainer counts
+    it (the model's share of all ranks' tokens, times 2).
+    nan: the planted token's sample reaches one rank; both stop at that step, each writes its capture,
+    and the capture of both replays bitwise and names the rank whose data alone reproduces it."""
     import json
     import socket
 
@@ -169,15 +173,28 @@ def test_ddp_two_processes_stop_together_when_one_ranks_optimizer_state_goes_inf
     result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    for rank, outcome in enumerate(ranks):
-        assert outcome["raised"] and (outcome["step"], outcome["stopped_at"]) == (2, 3)
+
+    guard = [r["guard"] for r in ranks]
+    for rank, outcome in enumerate(guard):
+        assert outcome["raised"] == "NonFiniteStepError" and (outcome["step"], outcome["stopped_at"]) == (2, 3)
         assert outcome["entries"] == ["transformer.wte.weight: exp_avg_sq"]
         assert outcome["other_rank"] == (rank == 0)
-    assert ranks[0]["message"] == ranks[1]["message"]
-    leader_loss = ranks[1]["step_losses"][2]
-    assert ranks[1]["loss"] == pytest.approx(leader_loss, rel=1e-6) and 3.5 < leader_loss < 4.5
-    assert ranks[0]["message"].startswith("The optimizer step of step 2 (rank 1 of 2) wrote non-finite values from "
+    assert guard[0]["message"] == guard[1]["message"]
+    leader_loss = guard[1]["step_losses"][2]
+    assert guard[1]["loss"] == pytest.approx(leader_loss, rel=1e-6) and 3.5 < leader_loss < 4.5
+    assert guard[0]["message"].startswith("The optimizer step of step 2 (rank 1 of 2) wrote non-finite values from "
                                           f"finite gradients (loss {leader_loss:.4g}, gradient norm ")
+
+    nan = [r["nan"] for r in ranks]
+    assert [o["raised"] for o in nan] == ["NaNDetectedError"] * 2 and nan[0]["step"] == nan[1]["step"]
+    assert nan[0]["message"] == nan[1]["message"], "every rank reports the message of the rank that saw the loss"
+    cap = load_nan_capture(tmp_path / "nan" / "debug" / "nan_capture")
+    assert [r.rank for r in cap.ranks] == [0, 1] and cap.step == nan[0]["step"] and cap.world_size == 2
+    bad = [r.rank for r in cap.ranks if any((mb["input_ids"] == BAD_TOKEN).any() for mb in r.microbatches)]
+    assert len(bad) == 1
+    replayed = cap.replay()
+    assert replayed.reproduced and replayed.losses_bitwise_equal
+    assert replayed.ranks_reproducing_alone == bad
 
 
 def test_sequence_classifier_underflow_overflow_and_replay(tmp_path):
