@@ -1,7 +1,12 @@
-"""The integrations' check after the optimizer step with several processes: the verdict is agreed over
-ranks a step later (on nancapture's read, or by an asynchronous all-reduce read at the next step's end),
-and the last step's by ``finish``. Here one process plays rank 0 of 2 (the collectives of an
-uninitialised process group are the identity); tests/integrations/test_accelerate.py runs two."""
+"""What the integrations' StepTools do with several processes, one process playing rank r of 2 (the
+collectives of an uninitialised process group are the identity; tests/integrations/test_accelerate.py,
+test_lightning.py and test_transformers.py run two):
+
+* the guard's check after the optimizer step, agreed over ranks a step later (on the next step's first
+  collective read, or by an asynchronous all-reduce read at the next step's end), and the last step's
+  by ``finish``;
+* what the mechanism signals cannot measure, said once by rank 0.
+"""
 
 from __future__ import annotations
 
@@ -196,3 +201,38 @@ def test_a_lagged_agreement_is_read_once_and_in_order():
     assert agreement.pending and agreement.result() is True and not agreement.pending
     agreement.start(torch.tensor(False))
     assert agreement.result() is False
+
+
+def test_what_the_signals_cannot_measure_is_said_once_by_rank_0(tmp_path, caplog):
+    """A model without attention or output logits: the mechanism signals say so, once, from rank 0 only
+    (every rank finds the same; rank 1 of 2 is silent)."""
+    logged = {}
+    for rank in (0, 1):
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        optimizer = torch.optim.AdamW(model.parameters())
+        tools = StepTools(model, framework="accelerate", out_dir=tmp_path / str(rank), rank=rank, world_size=2,
+                          optimizer=optimizer, trend_alerts={"enabled": False})
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="stabletrain"):
+            for n in range(3):
+                tools.begin_step(n, log_signals=True)
+                x = torch.randn(8, 4)
+                tools.before_forward(x)
+                loss = model(x).pow(2).mean()
+                tools.after_forward(loss)
+                tools.before_last_backward()
+                loss.backward()
+                tools.grads_final(optimizer)
+                optimizer.step()
+                optimizer.zero_grad()
+                assert "signals/update_rms_max" in tools.read_signals()
+                tools.end_step()
+        logged[rank] = [r.getMessage() for r in caplog.records]
+        tools.close()
+    assert logged[1] == []
+    assert logged[0] == [
+        "stabletrain signals: no attention found in Sequential (no scaled_dot_product_attention call, and no softmax "
+        "over the last dimension inside an attention module, in the forward pass): signals/attn_* not measured.",
+        "stabletrain signals: no output logits found in Sequential (no cross_entropy or log_softmax call outside "
+        "attention in the forward pass): signals/output_* not measured.",
+    ]
