@@ -101,3 +101,44 @@ def test_next_actions_speak_each_frameworks_settings():
         "lower the learning rate in configure_optimizers, e.g. by 10x (now 0.1)"]
     nonfinite = next_actions("nonfinite", "accelerate", precision="bf16-mixed")
     assert "isolate reduced precision: Accelerator(mixed_precision='no')" in nonfinite
+
+
+@pytest.mark.parametrize("finite_at", [None, 5])
+def test_underflow_overflow_tolerates_fp16_skipped_steps_until_ten_in_a_row(tmp_path, finite_at):
+    """Under fp16 loss scaling the GradScaler skips a step whose scaled gradients overflow: for
+    underflow_overflow only gradients are non-finite then, which it tolerates for 9 steps in a row and
+    stops at the 10th (SCALER_PATIENCE), in the backward phase. A step with finite gradients starts the
+    count again."""
+    from torch import nn
+
+    from stabletrain import UnderflowOverflowError
+    from stabletrain.integrations.common import SCALER_PATIENCE
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    # A loss of about 1e9 at a scale so large that every scaled loss and gradient overflows, for more steps
+    # than the test runs (each skip halves the scale): the forward values stay finite.
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**126, growth_interval=10_000)
+    tools = StepTools(model, framework="accelerate", out_dir=tmp_path, scaler=scaler, optimizer=optimizer,
+                      debug_args={"underflow_overflow": {"enabled": True}, "mechanisms": {"enabled": False}},
+                      trend_alerts={"enabled": False})
+    done = []
+    with pytest.raises(UnderflowOverflowError) as info:
+        for n in range(30):
+            tools.begin_step(n)
+            x = torch.randn(8, 4)
+            tools.before_forward(x)
+            loss = model(x).pow(2).mean() * (0.0 if n == finite_at else 1e10)
+            tools.after_forward(loss)
+            tools.before_last_backward()
+            scaler.scale(loss).backward()
+            tools.grads_final(optimizer)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            tools.end_step()
+            done.append(n)
+    stop = SCALER_PATIENCE - 1 if finite_at is None else finite_at + SCALER_PATIENCE
+    assert SCALER_PATIENCE == 10 and done == list(range(stop))
+    assert (info.value.step, info.value.phase) == (stop, "backward")
