@@ -130,7 +130,7 @@ class StepTools:
             :class:`~stabletrain.NonFiniteStepError` naming the entries if not (an Inf in Adam's
             ``exp_avg_sq`` freezes a weight while every weight stays finite; a non-finite weight
             shows in the next forward pass). On the device, no host sync in one process. With
-            several processes (DDP, FSDP2: each rank checks its own state or shards) the verdict is
+            several processes (DDP; under FSDP2 each rank checks its own shards) the verdict is
             agreed over ranks and every rank raises at the same point, a step later (the error names
             the step that failed): on the next step's first collective read (underflow_overflow's
             decision or nancapture's; no added read), else by an asynchronous all-reduce read at the
