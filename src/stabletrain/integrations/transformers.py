@@ -202,7 +202,7 @@ class StabletrainCallback(TrainerCallback):
             if args:  # the Trainer passes keywords; a positional call is stored by parameter name
                 bound = signature.bind_partial(*args, **kwargs)
                 args, kwargs = (), dict(bound.arguments)
-            if "num_items_in_batch" in kwargs:
+            if kwargs.get("num_items_in_batch") is not None:  # None: the Trainer divides by the steps itself
                 # The model normalises the loss over the whole accumulated batch: the Trainer
                 # does not divide it by the accumulation steps, and so neither does replay. The
                 # step's loss is the sum of the microbatches' (times the processes, when they
