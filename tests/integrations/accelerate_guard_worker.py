@@ -15,6 +15,9 @@ from accelerate_example import Pairs, Siamese, step_fn
 from stabletrain import NonFiniteStepError
 from stabletrain.integrations.accelerate import StepMonitor
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for conftest's fault planters
+from conftest import plant_exp_avg_sq_overflow  # noqa: E402
+
 # name: (nancapture, ranks whose state gets the Inf, after which step, steps run)
 SCENARIOS = {
     "one_rank": (True, [1], 2, 6),
@@ -24,24 +27,12 @@ SCENARIOS = {
 }
 
 
-def plant(optimizer, at_step: int):
-    steps = [0]
-
-    def hook(opt, args, kwargs):
-        if steps[0] == at_step:
-            p = opt.param_groups[0]["params"][0]
-            opt.state[p]["exp_avg_sq"].view(-1)[0] = float("inf")
-        steps[0] += 1
-
-    return optimizer.register_step_post_hook(hook)
-
-
 def run(accelerator, out: Path, nancapture: bool, ranks: list[int], at: int, steps: int) -> dict:
     torch.manual_seed(0)
     model = Siamese()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if accelerator.process_index in ranks:
-        plant(optimizer, at)
+        plant_exp_avg_sq_overflow(optimizer, at_step=at)
     loader = torch.utils.data.DataLoader(Pairs(bad=255), batch_size=2)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     batches = iter(loader)

@@ -22,21 +22,16 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from stabletrain import NaNDetectedError, NonFiniteStepError
 from stabletrain.integrations.transformers import StabletrainCallback
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for conftest's fault planters
+from conftest import plant_exp_avg_sq_overflow  # noqa: E402
+
 
 class PlantInf(TrainerCallback):
     """On rank 1, after optimizer step 2: an Inf in the first weight's ``exp_avg_sq``."""
 
     def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
-        inner = getattr(optimizer, "optimizer", optimizer)
-        steps = [0]
-
-        def plant(opt, a, k):
-            if steps[0] == 2 and torch.distributed.get_rank() == 1:
-                p = opt.param_groups[0]["params"][0]
-                opt.state[p]["exp_avg_sq"].view(-1)[0] = float("inf")
-            steps[0] += 1
-
-        inner.register_step_post_hook(plant)
+        if torch.distributed.get_rank() == 1:
+            plant_exp_avg_sq_overflow(getattr(optimizer, "optimizer", optimizer), at_step=2)
 
 
 class StepLosses(Trainer):

@@ -127,15 +127,11 @@ class AdamSiameseLit(SiameseLit):
         self.inf_rank, self.inf_at = inf_rank, inf_at
 
     def configure_optimizers(self):
+        from conftest import plant_exp_avg_sq_overflow  # tests/ (on the path under pytest, and in __main__ below)
+
         optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
-        steps = [0]
-
-        def plant(opt, args, kwargs):
-            if steps[0] == self.inf_at and self.global_rank == self.inf_rank:
-                opt.state[self.embed[0].weight]["exp_avg_sq"].view(-1)[0] = float("inf")
-            steps[0] += 1
-
-        optimizer.register_step_post_hook(plant)
+        if self.global_rank == self.inf_rank:  # the first parameter: embed.0.weight
+            plant_exp_avg_sq_overflow(optimizer, at_step=self.inf_at)
         return optimizer
 
 
@@ -157,7 +153,9 @@ def ddp_guard_main(out: str) -> None:
 
 if __name__ == "__main__":
     import sys
+    from pathlib import Path
 
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for conftest's fault planters
     if sys.argv[1] == "guard":
         ddp_guard_main(sys.argv[2])
     else:
