@@ -351,7 +351,7 @@ class StepTools:
                 # No read per step to ride on: the last step's verdict, agreed asynchronously, is
                 # read now, and this step's agreement starts.
                 self._guard(self._read_agreement, self.step)
-                self._agreement.start(guard.pending()[0] >= 0)
+                self._agreement.start(self._guard_failed())
         self.in_step = False
         stop = self.debug_args.underflow_overflow.abort_after_batch_num
         return self.uo is not None and stop is not None and self.step is not None and self.step >= stop
@@ -373,8 +373,13 @@ class StepTools:
         elif self._agreement.pending:  # nancapture off: the last step's agreement, started in its end_step
             self._guard(self._read_agreement, self.step)
         else:  # nancapture on: its read in the next step would have carried it; one read of its own
-            self._agreement.start(guard.pending()[0] >= 0)
+            self._agreement.start(self._guard_failed())
             self._guard(self._read_agreement, self.step)
+
+    def _guard_failed(self) -> Tensor:
+        """A device bool: this rank's guard recorded a failed step (no host sync)."""
+        assert self.update_guard is not None
+        return self.update_guard.pending()[0] >= 0
 
     def _read_agreement(self, stopped_at: int) -> None:
         """The guard's verdict agreed over ranks by the last :class:`LaggedAgreement` started; if
@@ -531,11 +536,10 @@ class StepTools:
         """The monitor's decision over ranks, read with the norm and the loss in one go."""
         assert self._total is not None
         status = encode_status(flag, self._total)
-        guard = self.update_guard
-        if guard is not None:
+        if self.update_guard is not None:
             # The last optimizer step's check rides on this read: with several processes it is where
             # the ranks agree; in one process on a GPU, where end_step's look found no verdict landed yet.
-            status = torch.where((guard.pending()[0] >= 0).to(status.device), GUARD_FAILED, status)
+            status = torch.where(self._guard_failed().to(status.device), GUARD_FAILED, status)
         status = all_reduce(status, "min")
         value, loss = read_pair(status, self._step_loss())
         if value == GUARD_FAILED:
@@ -549,10 +553,9 @@ class StepTools:
         uo = self.uo
         assert uo is not None
         code = uo.nonfinite_code()
-        guard = self.update_guard
-        if guard is not None:
+        if self.update_guard is not None:
             # The last optimizer step's check rides on this read too: its failure came first.
-            code = torch.maximum(code, _GUARD_CODE * (guard.pending()[0] >= 0).float().to(code.device))
+            code = torch.maximum(code, _GUARD_CODE * self._guard_failed().float().to(code.device))
         worst = float(all_reduce(code, "max"))  # the one host read of this decision
         if worst >= _GUARD_CODE:
             assert self.step is not None, "decided within a step"
