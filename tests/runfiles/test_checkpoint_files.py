@@ -66,6 +66,19 @@ def test_rotation_keeps_the_newest_healthy_checkpoint_while_the_newest_is_not(tm
     assert _names(out / "checkpoints") == ["last.ckpt", "step_000005.ckpt"]
 
 
+def test_no_healthy_checkpoint_before_a_step_says_whether_any_was_written(tmp_path):
+    """"No checkpoint from before step 20 is healthy" claims there are some; with none written by
+    then the message says that instead (step_000020.ckpt holds steps 0-19: it is from before step 20)."""
+    out = tmp_path / "run"
+    folder = out / "checkpoints"
+    assert ck.none_healthy_before(folder, 20) == "no checkpoint was written before step 20"
+    ck.save_checkpoint(_state(30, False, "exploding"), out, periodic=True, keep=5)
+    assert ck.none_healthy_before(folder, 20) == "no checkpoint was written before step 20"
+    ck.save_checkpoint(_state(20, False, "exploding"), out, periodic=True, keep=5)
+    assert ck.none_healthy_before(folder, 20) == "no checkpoint from before step 20 is healthy"
+    assert ck.none_healthy_before(folder, 19) == "no checkpoint was written before step 19"
+
+
 def test_an_unhealthy_checkpoint_does_not_overwrite_the_only_copy_of_the_newest_healthy_one(tmp_path):
     out = tmp_path / "run"
     ck.save_checkpoint(_state(3, True), out, periodic=False, keep=1)

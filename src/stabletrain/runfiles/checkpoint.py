@@ -700,3 +700,12 @@ def newest_healthy(folder: str | Path, before_step: Optional[int] = None) -> Opt
     healthy = [c for c in list_checkpoints(folder)
                if c.healthy and (before_step is None or c.step <= before_step)]
     return healthy[-1] if healthy else None
+
+
+def none_healthy_before(folder: str | Path, step: int) -> str:
+    """Why no checkpoint of a run is a place to restart from before ``step``, as a phrase: none
+    was written by then (``step_000020.ckpt`` holds steps 0-19: it is from before step 20), or
+    those written are not healthy."""
+    if any(c.step <= step for c in list_checkpoints(folder)):
+        return f"no checkpoint from before step {step} is healthy"
+    return f"no checkpoint was written before step {step}"

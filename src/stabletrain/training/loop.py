@@ -33,6 +33,7 @@ from stabletrain.runfiles.checkpoint import (
     is_sharded_checkpoint,
     load_checkpoint,
     newest_healthy,
+    none_healthy_before,
     remove_temporaries,
     resolve_checkpoint,
     save_checkpoint,
@@ -153,7 +154,7 @@ def mechanisms_line(named: list[Any], best: Optional[CheckpointInfo], out: Path)
     first = named[0]
     which = "; ".join(f"{m.name}{' in ' + m.where if m.where else ''} from step {m.start_step}" for m in named)
     since = (f"the newest healthy checkpoint is {best.path} (step {best.step})" if best is not None
-             else f"no checkpoint from before step {first.start_step} is healthy")
+             else none_healthy_before(checkpoint_dir(out), first.start_step))
     return (f"The run finished, but not stable: {which} (named in its signals; docs/mechanisms.md). Checkpoints "
             f"written since step {first.start_step} are not healthy: {since}. Details: stabletrain report {out}")
 

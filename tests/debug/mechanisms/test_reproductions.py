@@ -48,6 +48,12 @@ def test_attention_logits_grow_by_orders_of_magnitude_at_a_high_lr(run_once):
     assert growth is not None and growth <= 20  # early: within the first 10% of the run
     assert all(math.isfinite(v) for v in values(rows, "loss"))  # silent: no NaN, no Inf
     assert rows.error is None and "Done: 200 steps" in rows.console
+    # No checkpoint was written before the growth began (every 100 steps): the messages say so,
+    # not that some were and are not healthy.
+    start = runs.mechanism_events(rows)[0]["start_step"]
+    assert start < 100 and f"no checkpoint was written before step {start}: a fix starts over" in rows.console
+    assert f"are not healthy: no checkpoint was written before step {start}. Details" in rows.console
+    assert "is healthy" not in rows.console
     assert [e["attention_modules"] for e in rows.events if e["event"] == "mechanism_signals"] == [["blocks.0.attn"]]
 
 

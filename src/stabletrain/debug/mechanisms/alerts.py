@@ -100,5 +100,10 @@ def _checkpoint_line(trainer: Any, m: Mechanism) -> str:
         return ""
     best = find()
     if best is None:
-        return f"no checkpoint written before step {m.start_step} is healthy: a fix starts over from step 0"
+        from stabletrain.runfiles.checkpoint import checkpoint_dir, none_healthy_before
+
+        out = getattr(trainer, "out", None)
+        why = (none_healthy_before(checkpoint_dir(out), m.start_step) if out is not None
+               else f"no checkpoint from before step {m.start_step} is healthy")
+        return f"{why}: a fix starts over from step 0"
     return f"the newest healthy checkpoint from before it: {best.path} (step {best.step})"
