@@ -72,6 +72,22 @@ def test_a_finished_run_covers_its_stretch_and_is_compared_at_its_last_logged_st
     assert not plan.baseline_covered and "resumed at step 50" in plan.notes[0]
 
 
+def test_a_fresh_start_says_whether_any_checkpoint_was_written_before_the_trouble(tmp_path):
+    import torch
+
+    from stabletrain.runfiles.checkpoint import save_checkpoint
+
+    run = write_run(tmp_path, [*rows(range(0, 50, 10)), {"event": "nan_detected", "step": 47}])
+    plan = make_plan(run)
+    assert plan.start_checkpoint is None and plan.start_why.startswith("no checkpoint was written before step 47")
+    # One written before it, not healthy: the other sentence.
+    state = {"step": 30, "model": {"w": torch.zeros(2)}, "health": {"healthy": False, "why": "exploding"}}
+    save_checkpoint(state, run, periodic=True, keep=5)
+    plan = make_plan(run)
+    assert plan.start_checkpoint is None
+    assert plan.start_why.startswith("no checkpoint recorded healthy holds fewer steps than 47")
+
+
 def test_what_cannot_be_verified_says_what_to_pass(tmp_path):
     with pytest.raises(RemedyError, match="no settings.json in"):
         make_plan(tmp_path)

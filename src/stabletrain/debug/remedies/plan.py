@@ -259,8 +259,10 @@ def _start(run: Path, start: Union[None, int, str, Path], since: Optional[int],
                          "stretch")
     best = newest_healthy(folder, before_step=since - 1) if since > 0 else None
     if best is None:
-        return 0, None, (f"no checkpoint recorded healthy holds fewer steps than {since}, where {since_why}: a fresh "
-                         "start from step 0")
+        written = any(c.step < since for c in list_checkpoints(folder))
+        none = (f"no checkpoint recorded healthy holds fewer steps than {since}" if written
+                else f"no checkpoint was written before step {since}")
+        return 0, None, f"{none}, where {since_why}: a fresh start from step 0"
     return best.step, best.path, f"the newest healthy checkpoint before step {since}, where {since_why}"
 
 
