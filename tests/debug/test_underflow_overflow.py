@@ -536,6 +536,11 @@ def test_trainer_names_the_module_in_the_users_names_and_stops_before_the_checkp
     }]
     # Step 2 never reached the optimizer: the last checkpoint is the one after step 1.
     assert torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)["step"] == 2
+    # The message says so, and names that checkpoint as the place to continue from.
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    assert "Training stopped at step 2 before its backward pass: this step did not update the weights" in str(exc)
+    assert exc.advice.count(f"{last} holds the healthy state from before step 2") == 1
+    assert exc.advice in str(exc) and str(exc).index(exc.advice) < str(exc).index("Next: read the report")
 
 
 def test_trainer_backward_fault(tmp_path):
@@ -545,6 +550,10 @@ def test_trainer_backward_fault(tmp_path):
         train_custom(tmp_path, task.model, task.dataset, debug_args=UO_ON)
     exc = info.value
     assert (exc.step, exc.phase, exc.module, exc.tensor) == (1, "backward", "blocks.0.mlp.act.fn.1", "grad of input[0]")
+    # Where to continue, as nancapture and the guard say it: no checkpoint before step 1.
+    assert "Training stopped at step 1 before its optimizer step: this step did not update the weights" in str(exc)
+    assert "No checkpoint was written before step 1 (checkpoint_every_num_steps=100)" in exc.advice
+    assert str(exc).endswith("continue as said above once fixed.") and "resume_from=) once fixed" not in str(exc)
 
 
 

@@ -86,3 +86,27 @@ def test_a_sudden_nan_that_every_sample_gives_alone_is_not_blamed_on_the_data(tm
     assert (err.step, err.origin) == (1, "forward_backward") and "loss" in err.nonfinite
     assert "check the data" not in text and "skip_step" not in err.command, text
     assert "model_args.lr=0.2" in err.command and "It carries model_args.lr=0.2 instead of 2" in text
+
+
+def test_with_the_guard_off_a_loss_that_was_normal_before_a_huge_update_is_not_blamed_on_the_data(tmp_path):
+    """lr 1e20 with the guard off: step 0 logs a normal loss, then its update makes the weights overflow
+    their RMS, and step 1's loss is NaN. Nothing measured each sample alone; the update logged at step 0
+    is the evidence, so the advice is the lr, not the data (it said "a sample is likelier to blame")."""
+    settings = tiny_lm(steps=5, log_every_num_steps=1, guard={"enabled": False},
+                       model_args={"lr": 1e20, "warmup_steps": 0}, debug_args={"nancapture": {"enabled": True}})
+    with pytest.raises(NaNDetectedError) as info:
+        train(out=tmp_path / "huge", **settings)
+    text = str(info.value)
+    assert info.value.step == 1
+    assert "skip_step" not in text and "likelier to blame" not in text, text
+    assert "It carries model_args.lr=" in text and "instead of 1e+20" in text, text
+
+
+def test_with_the_guard_off_a_nan_sample_after_normal_updates_is_still_the_datas(tmp_path):
+    """The counter-case: the same stop after small logged updates keeps the data advice."""
+    with pytest.raises(NaNDetectedError) as info:
+        train(out=tmp_path / "data", model=_Regression(), data=_Poisoned(), steps=20, batch_size=8,
+              log_every_num_steps=1, checkpoint_every_num_steps=2, guard={"enabled": False},
+              model_args={"lr": 0.01, "warmup_steps": 0}, debug_args={"nancapture": {"enabled": True}})
+    text = str(info.value)
+    assert "It carries on_instability.policy=skip_step" in text and "likelier to blame" in text, text

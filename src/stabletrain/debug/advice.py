@@ -35,6 +35,7 @@ __all__ = [
     "optimizer_label",
     "clipping_helps",
     "update_size",
+    "resume_after_stop",
 ]
 
 #: A diverging run: lower the learning rate this many times.
@@ -267,3 +268,25 @@ def anchored_lower_lr(lr: float, rows: Sequence[Mapping[str, Any]] = (), unstabl
     """``model_args.lr=0.001 (now 1000; AdamW's default: ...)``; ``model_args.lr=0.0003 (now 0.003)``."""
     value, why = anchored_lr(lr, rows, unstable_from, optimizer=optimizer)
     return f"model_args.lr={setting_value(value)} (now {setting_value(lr)}{'; ' + why if why else ''})"
+
+
+def resume_after_stop(trainer: Any, step: int, loss_nonfinite: Optional[bool] = None, reason: str = "") -> str:
+    """Where to continue after a debug tool stopped the trainer at ``step`` before its optimizer
+    step: the trainer's :meth:`resume_advice` (the newest checkpoint recorded healthy, why, and the
+    command to paste, with what to change), or a plain sentence when the trainer has none.
+
+    An asynchronous checkpoint still being written is committed first, as the guard's stop does:
+    advice written before the commit would name an older checkpoint and say last.ckpt holds it,
+    false once the commit lands. Every rank stops at the same point and writes the message (then
+    one is chosen), so every rank is here; each sees the commit once rank 0 has made it.
+    """
+    settle = getattr(trainer, "settle_checkpoints", None)
+    if callable(settle):
+        settle()
+        fabric = getattr(trainer, "fabric", None)
+        if getattr(trainer, "world_size", 1) > 1 and fabric is not None:
+            fabric.barrier()
+    advise = getattr(trainer, "resume_advice", None)
+    if not callable(advise):
+        return f"Continue from a checkpoint written before step {step}."
+    return str(advise(step, loss_nonfinite=loss_nonfinite, reason=reason))

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from stabletrain.debug import advice
+from stabletrain.debug.mechanisms import keys
 from stabletrain.runfiles.checkpoint import CheckpointInfo, checkpoint_dir, list_checkpoints, newest_healthy
 from stabletrain.runfiles.commands import train_command
 from stabletrain.safety.guard import ORIGIN_GRADIENTS, ORIGIN_OPTIMIZER, ORIGIN_SKIPPED, GuardFailure
@@ -69,9 +70,12 @@ def run_optimizer(trainer: Any) -> Optional[str]:
     return getattr(trainer.settings.model_args, "optimizer", None)
 
 
-def _sudden(rows: list[dict[str, Any]], step: int) -> Optional[tuple[int, float]]:
+def _sudden(rows: list[dict[str, Any]], step: int, update_limit: float = math.inf) -> Optional[tuple[int, float]]:
     """``(step, loss)`` of the last logged finite loss before ``step`` when it was normal: within
-    LOSS_RISE x the median of the logged losses before it (no growth to explain a blow-up)."""
+    LOSS_RISE x the median of the logged losses before it (no growth to explain a blow-up), with
+    no update of ``update_limit`` or more of the weights' size logged there (``signals/update_rms``;
+    ``runaway_update``), nor a weight RMS that overflowed: such a step moved the weights far while
+    the loss it logged was still normal."""
     before = [r for r in rows if isinstance(r.get("step"), int) and r["step"] < step
               and isinstance(r.get("loss"), (int, float)) and math.isfinite(r["loss"])]
     if not before:
@@ -83,6 +87,13 @@ def _sudden(rows: list[dict[str, Any]], step: int) -> Optional[tuple[int, float]
     grew = any(not math.isfinite(n) for n in norms) or (
         len(norms) > 1 and norms[-1] > advice.NORM_RISE * sorted(norms[:-1])[len(norms[:-1]) // 2])
     if grew or abs(float(last["loss"])) > advice.LOSS_RISE * abs(median):
+        return None
+
+    def logged(prefix: str) -> list[float]:
+        return [float(v) for k, v in last.items() if k.startswith(prefix) and isinstance(v, (int, float))]
+
+    if any(not u < update_limit for u in logged(keys.UPDATE_RMS + "/")) or any(
+            not math.isfinite(w) for w in logged(keys.WEIGHT_RMS + "/")):
         return None
     return int(last["step"]), float(last["loss"])
 
@@ -111,7 +122,7 @@ def failure_remedy(trainer: Any, step: int, failure: Optional[GuardFailure] = No
     if failure is not None and origin == ORIGIN_OPTIMIZER and failure.before == "already":
         return Remedy("start")
     if origin == ORIGIN_GRADIENTS and loss_nonfinite and unstable == step:
-        normal = _sudden(rows, step)
+        normal = _sudden(rows, step, update_limit=float(s.debug_args.mechanisms.runaway_update))
         samples, culprits, measured = _step_samples(trainer, failure, step) if normal is not None else ([], [], False)
         # Measured: some samples alone fail and the others do not. Not measurable: the sudden
         # jump from a normal loss is the evidence. Every sample failing alone is the weights'.

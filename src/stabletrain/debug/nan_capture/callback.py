@@ -7,6 +7,7 @@ from typing import Any, Optional
 
 from torch import Tensor
 
+from stabletrain.debug.advice import resume_after_stop
 from stabletrain.debug.grad_norm import GradNorm
 from stabletrain.events import TrainerLike
 
@@ -88,19 +89,7 @@ class NaNCaptureCallback:
     def _advice(self, trainer: TrainerLike, step: int) -> str:
         """Where to continue: the trainer names the newest checkpoint recorded healthy (measured
         when written, see stabletrain.safety.checkpoint_health), with a command to paste."""
-        settle = getattr(trainer, "settle_checkpoints", None)
-        if callable(settle):
-            # An asynchronous checkpoint still being written is committed first, as the guard's stop
-            # does: advice written before the commit would name an older checkpoint and say last.ckpt
-            # holds it, false once the commit lands. Every rank writes the message (then one is
-            # chosen), so every rank is here; each sees the commit once rank 0 has made it.
-            settle()
-            fabric = getattr(trainer, "fabric", None)
-            if trainer.world_size > 1 and fabric is not None:
-                fabric.barrier()
-        advise = getattr(trainer, "resume_advice", None)
         bad_loss = self.monitor.loss_nonfinite if self.monitor is not None else None
         reason = self.monitor.last_reason if self.monitor is not None else ""
-        text = (advise(step, loss_nonfinite=bad_loss, reason=reason) if callable(advise)
-                else f"Continue from a checkpoint written before step {step}.")
+        text = resume_after_stop(trainer, step, loss_nonfinite=bad_loss, reason=reason)
         return "No non-finite value reached the optimizer or a checkpoint. " + text

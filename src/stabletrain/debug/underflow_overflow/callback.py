@@ -8,9 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
 from torch import Tensor
 
 from stabletrain.config import TrainSettings, UnderflowOverflowArgs
+from stabletrain.debug.advice import resume_after_stop
 from stabletrain.events import TrainerLike
 from stabletrain.utils.dist import ranks_with
 
@@ -41,6 +43,7 @@ class UnderflowOverflowCallback:
         self.args = args
         self.monitor: Optional[UnderflowOverflowMonitor] = None
         self._skipped = 0  # steps in a row the GradScaler skipped
+        self._loss: Optional[Tensor] = None  # the last microbatch's loss, read only if the step fails
 
     def _watching(self) -> UnderflowOverflowMonitor:
         assert self.monitor is not None, "on_train_start attaches the monitor"
@@ -72,6 +75,7 @@ class UnderflowOverflowCallback:
     def on_before_backward(self, trainer: TrainerLike, *, step: int, micro_step: int, loss: Tensor) -> None:
         monitor = self._watching()
         monitor.record_loss(loss)
+        self._loss = loss.detach()
         if micro_step == trainer.settings.gradient_accumulation_steps - 1 and not monitor.tracing:
             self._decide(trainer, "forward")
 
@@ -109,7 +113,19 @@ class UnderflowOverflowCallback:
                 "event": "underflow_overflow", "step": exc.step, "phase": exc.phase or phase, "module": exc.module,
                 "tensor": exc.tensor, "value": exc.value, "detected_by": exc.detected_by, "report": str(exc.log_path),
             })
+            exc.add_advice(self._advice(trainer, exc.step, phase="forward" if worst == 2 else "backward"))
             raise
+
+    def _advice(self, trainer: TrainerLike, step: int, phase: str) -> str:
+        """What stopped where, and where to continue (the trainer's newest healthy checkpoint)."""
+        loss = self._loss
+        bad_loss = None if loss is None else not bool(torch.isfinite(loss).all())
+        when = "before its backward pass" if phase == "forward" else "before its optimizer step"
+        # Not "the weights are intact": earlier steps may have made them huge (finite); this step
+        # did not update them.
+        where = resume_after_stop(trainer, step, loss_nonfinite=bad_loss)
+        return (f"Training stopped at step {step} {when}: this step did not update the weights, and no non-finite "
+                f"value reached the optimizer or a checkpoint. {where}")
 
     def _scaler_skips(self, trainer: TrainerLike, phase: str) -> bool:
         """Only scaled gradients are non-finite: whether this is the GradScaler skipping the step

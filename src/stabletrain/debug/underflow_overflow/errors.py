@@ -22,6 +22,10 @@ NEXT_STEPS = (
     "capture; if the module runs in float16 or bfloat16, rule reduced precision in or out with precision=32-true; "
     "continue from the newest healthy checkpoint (resume_from=) once fixed."
 )
+#: The same when the trainer has said where to continue, just above it.
+NEXT_STEPS_ADVISED = NEXT_STEPS.replace(
+    "continue from the newest healthy checkpoint (resume_from=) once fixed.",
+    "continue as said above once fixed.")
 
 
 class UnderflowOverflowError(StabletrainError):
@@ -77,7 +81,16 @@ class UnderflowOverflowError(StabletrainError):
             msg = failure_message(step, rank, phase, where, tensor, value, explanation, rows, self.log_path)
         else:
             msg = bystander_message(step, rank, self.detected_by, phase, self.log_path)
+        self._finding = msg
+        #: Where to continue, when the trainer said (:meth:`add_advice`); "" otherwise.
+        self.advice = ""
         super().__init__(msg + "\n" + NEXT_STEPS)
+
+    def add_advice(self, advice: str) -> None:
+        """Put where to continue (the trainer's newest healthy checkpoint and command) between the
+        finding and the next steps, in the message."""
+        self.advice = advice
+        self.args = (f"{self._finding}\n{advice}\n{NEXT_STEPS_ADVISED}",)
 
     @property
     def report_path(self) -> Path:
