@@ -321,3 +321,54 @@ def test_optimizer_state_loaded_with_an_inf_is_not_blamed_on_the_first_step(tmp_
                                "weights or the optimizer state already held non-finite values.")
     assert str(err).endswith("\nNext: check the weights and optimizer state the run started from (initialisation, "
                              "or the checkpoint loaded): they were out of range before the first optimizer step.")
+
+
+def _healing_loop(tmp_path, unwrap: bool):
+    """The example's model and data (sample 29 gives a NaN gradient: step 14 with batches of 2), 16
+    steps, nancapture off, an InstabilityGuard on the step's pre-clip norm from check(). Returns the
+    recoveries, the guard's step mode, and the weights before and after each step."""
+    from stabletrain import InstabilityGuard
+
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=True)
+    model = Siamese()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    loader = torch.utils.data.DataLoader(Pairs(bad=29), batch_size=2)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    # The torch optimizer inside Accelerate's wrapper gets the skip-aware step; the wrapper, the copy.
+    heal = InstabilityGuard(optimizer.optimizer if unwrap else optimizer)
+    weights, recoveries, modes = [], [], set()
+    with StepMonitor(accelerator, model, out_dir=tmp_path, step_fn=step_fn) as monitor:
+        for step, batch in zip(range(16), loader):
+            weights.append([p.detach().clone() for p in model.parameters()])
+            monitor.begin_step(step)
+            monitor.collect_batch(batch, indices=batch["index"])
+            loss = step_fn(model, batch)
+            monitor.collect_loss(loss)
+            accelerator.backward(loss)
+            values = monitor.check(optimizer)
+            heal.check(step, loss, values.grad_norm.total, samples=batch["index"])
+            accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            heal.step(optimizer.step)
+            modes.add(heal.skipper.mode)
+            optimizer.zero_grad()
+            monitor.end_step()  # the guard checks the optimizer state: finite, the bad update was skipped
+            recoveries += heal.poll()
+    weights.append([p.detach().clone() for p in model.parameters()])
+    return recoveries + heal.poll(wait=True), modes, weights
+
+
+@pytest.mark.parametrize("unwrap", [True, False])
+def test_instability_guard_skips_the_nan_step_in_an_accelerate_loop(tmp_path, unwrap):
+    """Self-healing in an Accelerate loop (docs/integrations/accelerate.md): the NaN gradient of sample
+    29 at step 14 is not applied (weights and momentum unchanged, bitwise), every other step is, the
+    loop runs to its end, and the recovery names the step and its samples."""
+    recoveries, modes, weights = _healing_loop(tmp_path / str(unwrap), unwrap)
+    assert [(r.step, r.trigger, r.samples, r.action) for r in recoveries] == [(14, "nonfinite_grad", [28, 29], "skip_step")]
+    assert modes == ({"skip_aware"} if unwrap else {"copy"})
+    changed = [s for s in range(16) if any(not torch.equal(a, b) for a, b in zip(weights[s], weights[s + 1]))]
+    assert changed == [s for s in range(16) if s != 14]
+    assert all(bool(torch.isfinite(p).all()) for p in weights[-1])
+    if unwrap:  # the two ways give the same run, bitwise
+        _, _, copied = _healing_loop(tmp_path / "copy", unwrap=False)
+        assert all(torch.equal(a, b) for a, b in zip(weights[-1], copied[-1]))
