@@ -308,7 +308,7 @@ def test_plain_loop_with_an_fp16_grad_scaler_the_scaler_keeps_its_own_rules():
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
-    guard = InstabilityGuard(opt, warmup=5)
+    guard = InstabilityGuard(opt, warmup=5, scaler=scaler)  # its found-inf read, and a NaN loss is still bad
     x, y = torch.randn(20, 8, 4), torch.randn(20, 8, 1)
     x[10, 0, 0] = float("nan")
     y[15, 0] = 1e4
@@ -330,6 +330,27 @@ def test_plain_loop_with_an_fp16_grad_scaler_the_scaler_keeps_its_own_rules():
     assert [(r.step, r.trigger) for r in found] == [(10, "nonfinite_loss"), (15, "loss_spike")]
     assert scales[10] == scales[9] / 2, "the scaler backs off on its own found-inf"
     assert scales[15] == scales[14], "a finite spike does not concern the scaler"
+
+
+def test_fp16_steps_the_grad_scaler_skips_itself_are_not_recoveries(tmp_path):
+    """16-mixed with a scale too high for the first steps: the GradScaler skips them and backs off, as
+    it is built to. skip_step used to count each as a nonfinite_grad recovery and stopped this healthy
+    run at max_recoveries, blaming "the updates" (and so would every few thousand steps of growth)."""
+    from lightning_fabric import Fabric
+    from lightning_fabric.plugins import MixedPrecision
+
+    from conftest import tiny_lm
+    from stabletrain.training.loop import Trainer
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    settings = tiny_lm(steps=20, on_instability={"policy": "skip_step", "max_recoveries": 3})
+    result = Trainer(load_settings({"out": tmp_path / "run", **settings}), fabric=fabric).fit()
+    assert result.steps_done == 20
+    assert scaler.get_scale() <= 2.0**24 / 2**4, "the scaler backed off several times: its skips happened"
+    assert _events(tmp_path / "run", "recovery") == []
+    assert not (tmp_path / "run" / "debug" / "recoveries").exists() or not any(
+        (tmp_path / "run" / "debug" / "recoveries").iterdir())
 
 
 def test_plain_loop_rollback_restores_the_snapshot_bitwise_and_skips_the_data_since():

@@ -87,6 +87,7 @@ class Healer:
         self.guard = InstabilityGuard(
             trainer.optimizer, window=args.window, zscore=args.zscore, warmup=args.warmup,
             max_ratio=args.max_ratio, min_std=args.min_std, all_reduce=reduce, action=self.policy,
+            scaler=trainer.scaler,
         )
         #: Recoveries made so far (host rows, as logged); checkpointed.
         self.recoveries: list[dict[str, Any]] = []

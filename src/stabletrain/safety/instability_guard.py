@@ -18,6 +18,7 @@ from torch import Tensor
 
 from stabletrain.safety.skip_step import SkipStep
 from stabletrain.safety.spike_detector import VERDICT_FIELDS, SpikeDetector, describe_trigger, trigger_name
+from stabletrain.utils.amp import scaler_found_inf
 
 __all__ = ["InstabilityGuard", "Recovery"]
 
@@ -101,12 +102,19 @@ class InstabilityGuard:
         skip: Undo bad steps (False: only detect and record).
         all_reduce: ``fn(tensor) -> tensor``, the mean over ranks, under DDP.
         action: The action recorded in each :class:`Recovery` (the trainer's rollback says so).
+        scaler: The fp16 ``GradScaler``, if any: a step it skips on its own (its scaled gradients
+            overflowed while the loss is finite; it lowers its scale and goes on) is not a bad
+            step here. Without it every such step counts towards ``max_recoveries``: a healthy
+            fp16 run, whose scale backs off a few times at the start and after each growth, would
+            be stopped. Read from the flags of ``scaler.unscale_(optimizer)``, before :meth:`check`.
     """
 
     def __init__(self, optimizer: Any, *, window: int = 50, zscore: float = 6.0, warmup: int = 20,
                  max_ratio: float = 10.0, min_std: float = 0.05, skip: bool = True,
-                 all_reduce: Optional[Callable[[Tensor], Tensor]] = None, action: str = "skip_step"):
+                 all_reduce: Optional[Callable[[Tensor], Tensor]] = None, action: str = "skip_step",
+                 scaler: Any = None):
         self.optimizer = optimizer
+        self.scaler = scaler
         device = next((p.device for g in optimizer.param_groups for p in g["params"]), torch.device("cpu"))
         self.detector = SpikeDetector(window, zscore, warmup, max_ratio, min_std, device=device)
         self.skipper = SkipStep(optimizer) if skip else None
@@ -130,7 +138,14 @@ class InstabilityGuard:
         mean = torch.stack([x.detach().reshape(()).float() for x in losses]).mean()
         if self.all_reduce is not None:
             mean = self.all_reduce(mean)
-        self.verdict = self.detector.observe(mean, grad_norm)
+        verdict = self.detector.observe(mean, grad_norm)
+        found = scaler_found_inf(self.scaler, verdict.device) if self.scaler is not None else None
+        if found is not None:
+            # The GradScaler's own skip (no update, a lower scale): neither bad nor a trigger. The
+            # detector kept the step out of its window already (only good steps go in).
+            overflow = found & torch.isfinite(mean.to(verdict.device))
+            verdict = torch.cat([torch.where(overflow, 0.0, verdict[:2]), verdict[2:]])
+        self.verdict = verdict
         if len(self._pending) == len(self._slots.buffers):  # the device is 16 steps behind: wait for the oldest
             self._early.extend(self._resolve(self._pending.popleft()))
         self._pending.append(_Pending(int(step), self.verdict, samples, self._slots))  # indices read only if bad
