@@ -74,3 +74,29 @@ def test_a_rollback_is_drawn_apart_from_a_resume(tmp_path):
     r = report(out, quiet=True, plots=False)
     assert r.verdict == "spiking", r.verdict
     assert "recovered by rollback (loss_spike)" in (out / "report" / "summary.md").read_text()
+
+
+def test_a_healthy_fp16_run_whose_grad_scaler_backs_off_is_stable(tmp_path, capsys):
+    """16-mixed with a scale too high for the first steps: the GradScaler skips 8 steps in a row as it
+    backs off, as it is built to. No alert, a "stable" verdict, and the report says what the scaler
+    did (before: "gradient_norm is not finite", advice to lower the lr, verdict "non-finite")."""
+    import torch
+    from lightning_fabric import Fabric
+    from lightning_fabric.plugins import MixedPrecision
+
+    from stabletrain.config import load_settings
+    from stabletrain.training.loop import Trainer
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    out = tmp_path / "fp16"
+    Trainer(load_settings({"out": out, **tiny_lm(steps=30, log_every_num_steps=1)}), fabric=fabric).fit()
+    console = capsys.readouterr().out
+    data = RunData(out)
+    skips = [r["step"] for r in data.rows if not math.isfinite(r["gradient_norm"])]
+    assert len(skips) >= 4 and skips == list(range(len(skips))), skips  # step after step, from step 0
+    assert "WARNING" not in console and "not finite" not in console, console
+    r = report(out, quiet=True, plots=False)
+    assert (r.verdict, r.status["gradient_norm"]) == ("stable", "stable"), r.text
+    assert (f"gradient_norm: stable (the fp16 GradScaler skipped {len(skips)} steps, the first by step 0, while its "
+            "loss scale went from 8.389e+06 to") in r.text

@@ -15,7 +15,7 @@ from stabletrain.debug.mechanisms.rules import Mechanism, RuleContext, published
 from stabletrain.debug.trends import AlertContext, Episode, next_actions
 from stabletrain.reporting.data import RunData
 from stabletrain.reporting.quarantine import quarantine_line, quarantine_section
-from stabletrain.reporting.verdict import STATUS_OF_KIND, STATUS_ORDER, of_signal
+from stabletrain.reporting.verdict import STATUS_OF_KIND, STATUS_ORDER, of_signal, scaler_skip_note
 
 
 def _span_text(data: RunData) -> str:
@@ -118,8 +118,10 @@ def terminal_text(
     mechanisms: Sequence[Mechanism] = (),
 ) -> str:
     lines = [f"stabletrain report: {out} ({_span_text(data)})"]
+    skips = scaler_skip_note(data)
     for signal, st in status.items():
-        lines.append("  " + _signal_line(signal, st, episodes, mechanisms))
+        line = _signal_line(signal, st, episodes, mechanisms)
+        lines.append("  " + line + (f" ({skips})" if signal == "gradient_norm" and skips else ""))
     lines.append(f"verdict: {verdict}")
     lines.append(_checkpoint_line(out))
     if quarantine_line(out):
@@ -158,6 +160,8 @@ def markdown_text(
         cell = "; ".join(
             f"{e.kind} {e.steps_text()}" + (" (warmup, tolerated)" if e.tolerated else "") for e in mine
         )
+        if signal == "gradient_norm" and scaler_skip_note(data):
+            cell = "; ".join(filter(None, [cell, scaler_skip_note(data)]))
         md.append(f"| `{signal}` | {st} | {cell or '-'} |")
     if mechanisms:
         md += ["", "## Mechanisms named in the signals", "", "See docs/mechanisms.md for each rule.", ""]

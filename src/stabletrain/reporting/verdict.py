@@ -221,3 +221,19 @@ def of_signal(episodes: Sequence[Episode], signal: str) -> list[Episode]:
     """The episodes of one signal: each has its own step range (a non-finite gradient_norm
     and the loss that followed it are two episodes, each starting where its signal did)."""
     return [e for e in episodes if e.signal == signal]
+
+
+def scaler_skip_note(data: RunData) -> str:
+    """How many steps the fp16 GradScaler skipped (the guard's count, logged as ``skipped_steps``)
+    and how its loss scale went, as a clause for the gradient norm's line; "" without skips. Its
+    own skips are not an episode (:class:`~stabletrain.debug.trends.TrendDetector`)."""
+    skipped = [(int(r["step"]), float(r["skipped_steps"])) for r in data.rows
+               if isinstance(r.get("skipped_steps"), (int, float)) and math.isfinite(r["skipped_steps"])]
+    if not skipped or skipped[-1][1] <= 0:
+        return ""
+    total = int(skipped[-1][1])
+    first = next(step for step, n in skipped if n > 0)
+    scales = [float(r["loss_scale"]) for r in data.rows if isinstance(r.get("loss_scale"), (int, float))]
+    scale = f", while its loss scale went from {scales[0]:.4g} to {scales[-1]:.4g}" if scales else ""
+    return (f"the fp16 GradScaler skipped {total} step{'s' if total != 1 else ''}, the first by step {first}"
+            f"{scale}: its own overflow rule, not counted as non-finite")

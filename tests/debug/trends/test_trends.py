@@ -171,6 +171,45 @@ def test_under_fp16_loss_scaling_a_skipped_step_is_expected():
     assert kinds(alerts[22]) == [("nonfinite", "gradient_norm")] and alerts[22][0].start_step == 20
 
 
+def _fp16_rows(skips: set[int], scales=None, n: int = 30, count=True):
+    """Logged rows of an fp16 run: a NaN gradient norm with a finite loss where the GradScaler skipped
+    (the guard's cumulative ``skipped_steps`` grows there), the scale halving at each skip."""
+    rows, skipped, scale = [], 0, 2.0**24 if scales is None else scales
+    for i in range(n):
+        if i in skips:
+            skipped, scale = skipped + 1, scale / 2
+        row = {"loss": 5.0 * 0.95**i, "gradient_norm": math.nan if i in skips else 1.0, "loss_scale": scale}
+        if count:
+            row["skipped_steps"] = float(skipped)
+        rows.append(row)
+    return rows
+
+
+def test_under_fp16_the_scalers_own_skips_are_expected_however_many_in_a_row():
+    """A scale too high at the start: 8 skips in a row, each with the guard's count growing. They are
+    the scaler's rule, not a non-finite gradient norm (before: an alert after 3, and a report verdict
+    "non-finite" for a healthy run)."""
+    detector = TrendDetector()
+    alerts = [detector.update(i, row) for i, row in enumerate(_fp16_rows(set(range(8))))]
+    assert all(a == [] for a in alerts) and detector.finish() == []
+    assert detector.scaler_skips == list(range(8))
+    # Without the guard's count (the guard off) the old rule: expected only when not step after step.
+    detector = TrendDetector()
+    alerts = [detector.update(i, row) for i, row in enumerate(_fp16_rows(set(range(8)), count=False))]
+    assert [i for i, a in enumerate(alerts) if a] == [2] and detector.scaler_skips == []
+    # A NaN norm where the count did not grow is not the scaler's skip.
+    rows = _fp16_rows(set(range(8)))
+    for r in rows[10:14]:
+        r["gradient_norm"] = math.nan
+    detector = TrendDetector()
+    alerts = [detector.update(i, row) for i, row in enumerate(rows)]
+    assert [i for i, a in enumerate(alerts) if a] == [12] and alerts[12][0].start_step == 10
+    # Skips that drove the scale below 1 are the fault's: the alert comes back.
+    detector = TrendDetector()
+    alerts = [detector.update(i, row) for i, row in enumerate(_fp16_rows(set(range(8)), scales=8.0))]
+    assert [i for i, a in enumerate(alerts) if a] == [5] and alerts[5][0].kind == "nonfinite"
+
+
 def test_next_actions_are_concrete():
     ctx = AlertContext(lr=3e-3, precision="16-mixed", gradient_clip_val=0.0, warmup_steps=50, n_params=470_528, task="image_classification")
     boom = Episode("exploding", "gradient_norm", 10, 20, 20, 500.0, 2.0)

@@ -57,16 +57,32 @@ class TrendDetector:
         self._loss_positive = True
         self._loss_first: list[float] = []
         self._loss_recent: deque[float] = deque(maxlen=self.settings.persist)
+        self._skipped = 0.0  # the guard's count of steps the fp16 GradScaler skipped, at the last row
+        #: Logged steps whose non-finite gradient norm was the fp16 GradScaler's own skip (its scaled
+        #: gradients overflowed; it skips the step and lowers its scale): expected, not an episode.
+        self.scaler_skips: list[int] = []
 
     def update(self, step: int, metrics: Mapping[str, float]) -> list[Episode]:
         """Feed one logged step (``loss`` and/or ``gradient_norm`` keys); return new alerts.
 
         A ``loss_scale`` key (fp16 loss scaling) makes single non-finite gradient norms
-        expected: the scaler skips those steps.
+        expected: the scaler skips those steps. With a ``skipped_steps`` key too (the guard's
+        count of the steps the scaler skipped), a non-finite gradient norm with a finite loss at
+        a row where that count grew is the scaler's skip, however many come in a row (its scale
+        backs off from too high a start, one halving per skip; the guard stops a run whose skips
+        never end), while the scale is at least 1: recorded in :attr:`scaler_skips`, not an
+        episode.
         """
         self.last_step = step
         opened: list[Episode] = []
         fp16_skips = "loss_scale" in metrics
+        scaler_skip = False
+        skipped = metrics.get("skipped_steps")
+        if fp16_skips and skipped is not None and math.isfinite(float(skipped)):
+            # Below a scale of 1 the scaler is no longer backing off from too high a start: the
+            # gradients overflow float16 unscaled, and its skips are the fault's.
+            scaler_skip = float(skipped) > self._skipped and float(metrics["loss_scale"]) >= 1.0
+            self._skipped = float(skipped)
         loss = metrics.get("loss")
         if loss is not None:
             loss = float(loss)
@@ -76,7 +92,9 @@ class TrendDetector:
                     self._loss_first.append(loss)
                 self._loss_positive = self._loss_positive and loss > 0
         gn = metrics.get("gradient_norm")
-        if gn is not None:
+        if gn is not None and scaler_skip and not math.isfinite(float(gn)) and loss is not None and math.isfinite(loss):
+            self.scaler_skips.append(step)
+        elif gn is not None:
             gn = float(gn)
             if self._finite("gradient_norm", step, gn, self.settings.persist if fp16_skips else 1, opened):
                 opened += self.signals["gradient_norm"].update(step, gn, allow_vanishing=not self._converged())
