@@ -90,7 +90,8 @@ def test_a_healthy_fp16_run_whose_grad_scaler_backs_off_is_stable(tmp_path, caps
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
     fabric = Fabric(accelerator="cpu", devices=1, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
     out = tmp_path / "fp16"
-    Trainer(load_settings({"out": out, **tiny_lm(steps=30, log_every_num_steps=1)}), fabric=fabric).fit()
+    settings = tiny_lm(steps=30, log_every_num_steps=1, checkpoint_every_num_steps=2, max_checkpoints_to_keep=20)
+    Trainer(load_settings({"out": out, **settings}), fabric=fabric).fit()
     console = capsys.readouterr().out
     data = RunData(out)
     skips = [r["step"] for r in data.rows if not math.isfinite(r["gradient_norm"])]
@@ -100,3 +101,10 @@ def test_a_healthy_fp16_run_whose_grad_scaler_backs_off_is_stable(tmp_path, caps
     assert (r.verdict, r.status["gradient_norm"]) == ("stable", "stable"), r.text
     assert (f"gradient_norm: stable (the fp16 GradScaler skipped {len(skips)} steps, the first by step 0, while its "
             "loss scale went from 8.389e+06 to") in r.text
+    # The checkpoints written right after a skipped step are healthy: the skip made no update.
+    from stabletrain.runfiles.checkpoint import list_checkpoints
+
+    infos = list_checkpoints(out / "checkpoints")
+    after_skip = [c for c in infos if c.step - 1 in skips]
+    assert after_skip and all(c.healthy for c in infos), [c.reason() for c in infos]
+    assert all("the fp16 GradScaler skipped that step" in c.why for c in after_skip)

@@ -98,6 +98,23 @@ def test_a_non_finite_last_step_is_not_healthy_but_nan_means_not_measured(bad):
     assert tracker.assess(5, last_step=4, loss=math.nan, gradient_norm=1.0, weight_norm=1.0)["healthy"]
 
 
+def test_a_step_the_fp16_grad_scaler_skipped_does_not_make_the_checkpoint_unhealthy():
+    """Its gradient norm is inf by the scaler's rule (no update was made); before, such a checkpoint
+    was recorded "not healthy: gradient_norm at step 4 is inf"."""
+    tracker = _tracker()
+    h = tracker.assess(5, last_step=4, loss=2.0, gradient_norm=math.inf, weight_norm=1.0, scaler_skipped=True)
+    assert h["healthy"] and h["problems"] == []
+    assert h["why"] == ("every tensor finite; loss 2 at step 4 within 4x of the recent logged median; the fp16 "
+                        "GradScaler skipped that step (its scaled gradients overflowed: no update); no exploding or "
+                        "non-finite episode open")
+    # Not skipped by the scaler, or skipped with a non-finite loss: not healthy, as before.
+    assert tracker.assess(5, last_step=4, loss=2.0, gradient_norm=math.inf, weight_norm=1.0)["problems"] == [
+        "gradient_norm at step 4 is inf"]
+    bad_loss = tracker.assess(5, last_step=4, loss=math.inf, gradient_norm=math.inf, weight_norm=1.0,
+                              scaler_skipped=True)
+    assert bad_loss["problems"] == ["loss at step 4 is inf", "gradient_norm at step 4 is inf"]
+
+
 def test_weights_grown_past_the_limit_are_not_healthy():
     tracker = _tracker()
     assert tracker.assess(1, last_step=0, loss=2.0, gradient_norm=1.0, weight_norm=2.0)["healthy"]

@@ -174,7 +174,8 @@ class HealthTracker:
             self.spike = None
 
     def assess(
-        self, step: int, *, last_step: int, loss: float, gradient_norm: float, weight_norm: float
+        self, step: int, *, last_step: int, loss: float, gradient_norm: float, weight_norm: float,
+        scaler_skipped: bool = False,
     ) -> dict[str, Any]:
         """The ``health`` entry of the checkpoint holding ``step`` completed steps.
 
@@ -183,6 +184,9 @@ class HealthTracker:
             last_step: The step whose ``loss`` and ``gradient_norm`` are given (``step - 1``).
             loss, gradient_norm: That step's values, read at the checkpoint.
             weight_norm: L2 norm of the model's floating tensors in the checkpoint.
+            scaler_skipped: The fp16 GradScaler skipped that step on its own (its scaled gradients
+                overflowed; no update): its non-finite gradient norm is the scaler's rule, not a
+                sign of a sick state.
         """
         if self.initial_weight_norm is None and math.isfinite(weight_norm):
             self.initial_weight_norm = weight_norm
@@ -205,11 +209,12 @@ class HealthTracker:
                                 f"{m.evidence}")
         reference: dict[str, Optional[float]] = {}
         limits = {"loss": self.args.loss_explode_factor, "gradient_norm": self.args.explode_factor}
+        skip = scaler_skipped and math.isfinite(loss) and not math.isfinite(gradient_norm)
         for signal, value in (("loss", loss), ("gradient_norm", gradient_norm)):
             ref = median(self.recent[signal]) if self.recent[signal] else None
             reference[signal] = ref
-            if last_step < 0 or math.isnan(value):
-                continue  # no step ran in this process yet: nothing to hold against
+            if last_step < 0 or math.isnan(value) or (skip and signal == "gradient_norm"):
+                continue  # no step ran in this process yet, or no update: nothing to hold against
             if not math.isfinite(value):
                 problems.append(f"{signal} at step {last_step} is {value}")
             elif ref is not None and ref > 0 and value > limits[signal] * ref:
@@ -223,14 +228,10 @@ class HealthTracker:
         healthy = not problems
         pending = self.mechanisms.pending_since() if self.mechanisms is not None else None
         if healthy:
-            parts = ["every tensor finite"]
-            if any(reference.values()) and last_step >= 0:
-                parts.append(f"loss {_f(loss)} and gradient_norm {_f(gradient_norm)} at step {last_step} within "
-                             f"{limits['loss']:g}x / {limits['gradient_norm']:g}x of the recent logged medians")
-            parts.append("no exploding or non-finite episode open")
-            if self.mechanisms is not None:
-                parts.append("no mechanism named in the signals")
-            why = "; ".join(parts)
+            values = _values_text(last_step, loss, gradient_norm, skip, limits) if any(reference.values()) else ""
+            parts = ["every tensor finite", values, "no exploding or non-finite episode open",
+                     "no mechanism named in the signals" if self.mechanisms is not None else ""]
+            why = "; ".join(p for p in parts if p)
         else:
             why = "; ".join(problems)
         return {
@@ -250,6 +251,18 @@ class HealthTracker:
             "pending_since": pending if healthy else None,
             "open_spike": None if self.spike is None else dict(self.spike),  # a resume carries it on
         }
+
+
+def _values_text(last_step: int, loss: float, gradient_norm: float, scaler_skipped: bool,
+                 limits: dict[str, float]) -> str:
+    """The last step's values in a healthy checkpoint's ``why`` ("" before any step ran)."""
+    if last_step < 0:
+        return ""
+    if scaler_skipped:
+        return (f"loss {_f(loss)} at step {last_step} within {limits['loss']:g}x of the recent logged median; the "
+                "fp16 GradScaler skipped that step (its scaled gradients overflowed: no update)")
+    return (f"loss {_f(loss)} and gradient_norm {_f(gradient_norm)} at step {last_step} within "
+            f"{limits['loss']:g}x / {limits['gradient_norm']:g}x of the recent logged medians")
 
 
 def _f(x: float) -> str:

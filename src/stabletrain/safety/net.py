@@ -65,6 +65,7 @@ class SafetyNet:
         self.write_failed = False
         self._agree_t = torch.from_numpy(self._agree)
         self._last: Optional[tuple[list[Tensor], Tensor]] = None
+        self._skipped_before: Optional[Tensor] = None
         self.step_batches: Optional[tuple[int, list[Any], list[Tensor]]] = None
         self.replaying = False
         #: The self-healing of ``on_instability`` (a trainer callback too), None under ``stop``.
@@ -108,6 +109,9 @@ class SafetyNet:
     def check_gradients(self, step: int, losses: list[Tensor], grad_norm: Tensor,
                         batches: Optional[list[Any]] = None) -> None:
         self._last = (losses, grad_norm)
+        # The guard's count of fp16 skips before this step: a checkpoint after it tells whether the
+        # GradScaler skipped it (its non-finite norm is then the scaler's rule, not a sick state).
+        self._skipped_before = self.guard.skipped_total if self.guard is not None else None
         #: This step's microbatches as (dataset indices, batch) and their device losses: a stop's
         #: message names the samples of the microbatch whose loss went non-finite (read on failure only).
         self.step_batches = (step, batches or [], losses)
@@ -227,18 +231,21 @@ class SafetyNet:
             loss = t.fabric.all_reduce(loss.clone(), reduce_op="mean")
         if sharded:
             flags = torch.cat([flags[:3], flags[3:].sqrt()])
-        parts = [flags, loss.double().reshape(1), gn.double().reshape(1)]
+        skipped = torch.zeros(1, dtype=torch.float64, device=device)
+        if self.guard is not None and self.guard.scaler is not None and self._skipped_before is not None:
+            skipped = (self.guard.skipped_total > self._skipped_before).double().reshape(1).to(device)
+        parts = [flags, loss.double().reshape(1), gn.double().reshape(1), skipped]
         terms = self.verdict_terms()
         if terms is not None:
             parts.append(terms.to(device))
         host = torch.cat(parts).tolist()  # the checkpoint's one host read
-        self.absorb(host[6:], stopped_at=t.step - 1)
+        self.absorb(host[7:], stopped_at=t.step - 1)
         scaler_bad = any(isinstance(v, float) and not math.isfinite(v) for v in (state.get("scaler") or {}).values())
         if any(host[:3]) or scaler_bad:
             self._refuse(state)
         last_step = t.step - 1 if self._last is not None else -1
         return self.health.assess(int(state["step"]), last_step=last_step, loss=host[4], gradient_norm=host[5],
-                                  weight_norm=host[3])
+                                  weight_norm=host[3], scaler_skipped=host[6] > 0)
 
     def _refuse(self, state: dict[str, Any]) -> None:
         from stabletrain.safety.stop_messages import failure_remedy, resume_advice
