@@ -372,3 +372,82 @@ def test_instability_guard_skips_the_nan_step_in_an_accelerate_loop(tmp_path, un
     if unwrap:  # the two ways give the same run, bitwise
         _, _, copied = _healing_loop(tmp_path / "copy", unwrap=False)
         assert all(torch.equal(a, b) for a, b in zip(weights[-1], copied[-1]))
+
+
+def _monitor_healing_loop(tmp_path, steps=16, **on_instability):
+    """The example's model and data with StepMonitor(on_instability=skip_step): sample 29's NaN gradient is
+    step 14's (batches of 2). Returns the monitor's recoveries and the weights before and after each step."""
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=True)
+    model = Siamese()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    loader = torch.utils.data.DataLoader(Pairs(bad=29), batch_size=2)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    weights = []
+    with StepMonitor(accelerator, model, out_dir=tmp_path, step_fn=step_fn,
+                     on_instability={"policy": "skip_step", **on_instability}) as monitor:
+        for step, batch in zip(range(steps), loader):
+            weights.append([p.detach().clone() for p in model.parameters()])
+            monitor.begin_step(step)
+            monitor.collect_batch(batch, indices=batch["index"])
+            loss = step_fn(model, batch)
+            monitor.collect_loss(loss)
+            accelerator.backward(loss)
+            monitor.check(optimizer)
+            accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+            monitor.end_step()
+    weights.append([p.detach().clone() for p in model.parameters()])
+    return monitor, weights
+
+
+def test_step_monitor_skip_step_skips_the_nan_step_and_goes_on(tmp_path, caplog):
+    """on_instability skip_step in StepMonitor: the loop's own optimizer.step() changes nothing at step 14
+    (bitwise: weights and momentum), every other step is applied, the run ends, and the recovery is logged
+    with its step and samples, as the trainer's row."""
+    caplog.set_level("WARNING", logger="stabletrain")
+    monitor, weights = _monitor_healing_loop(tmp_path)
+    rows = monitor.recoveries
+    assert [(r["step"], r["trigger"], r["action"], r["samples"], r["recovery"]) for r in rows] == [
+        (14, "nonfinite_grad", "skip_step", [28, 29], 1)]
+    changed = [s for s in range(16) if any(not torch.equal(a, b) for a, b in zip(weights[s], weights[s + 1]))]
+    assert changed == [s for s in range(16) if s != 14]
+    assert monitor.tools.healing.guard.skipper.mode == "skip_aware"  # the torch SGD inside Accelerate's wrapper
+    assert ("Recovered step 14: nonfinite_grad; update skipped (on_instability.policy=skip_step, recovery 1 of at "
+            "most 10); samples [28, 29]") in caplog.text
+
+
+def test_step_monitor_skip_step_stops_past_max_recoveries_and_refuses_rollback(tmp_path):
+    from stabletrain import ConfigError, RecoveryLimitError
+
+    with pytest.raises(RecoveryLimitError) as info:
+        _monitor_healing_loop(tmp_path, max_recoveries=0)
+    err = info.value
+    assert (err.step, err.recoveries) == (14, 0)
+    assert str(err).startswith("Step 14: nonfinite_grad, after 0 recoveries (on_instability.max_recoveries=0): "
+                               "stopping. Its update was not applied; samples [28, 29].")
+    with pytest.raises(ConfigError, match="on_instability.policy: rollback is not available in the integrations"):
+        StepMonitor(Accelerator(cpu=True), Siamese(), out_dir=tmp_path, on_instability={"policy": "rollback"})
+
+
+@pytest.mark.slow
+def test_two_processes_skip_the_same_step_when_one_ranks_batch_is_bad(tmp_path):
+    """DDP (torchrun, gloo): sample 29's NaN gradient is rank 0's step 7; after DDP's reduction both ranks'
+    gradients hold it, the loss is averaged over ranks, and both skip step 7's update and go on with the
+    same weights, bitwise. Each records its own samples."""
+    import json
+
+    worker = Path(__file__).with_name("accelerate_heal_worker.py")
+    env = cli_env()
+    env["PYTHONPATH"] = str(EXAMPLE.parent) + ":" + env["PYTHONPATH"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           str(worker), str(tmp_path)]
+    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for got in ranks:
+        assert [(r["step"], r["trigger"], r["action"]) for r in got["recoveries"]] == [(7, "nonfinite_grad", "skip_step")]
+        assert got["changed"] == [s for s in range(10) if s != 7] and got["finite"]
+    assert ranks[0]["recoveries"][0]["samples"] == [28, 29]
+    assert ranks[0]["weights"] == ranks[1]["weights"]

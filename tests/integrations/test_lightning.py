@@ -328,3 +328,59 @@ def test_ddp_two_processes_nan_on_one_rank_stops_both(tmp_path):
     result = cap.replay()
     assert result.reproduced and result.losses_bitwise_equal
     assert result.ranks_reproducing_alone == [1], "only rank 1 saw sample 29"
+
+
+class _Snapshots(L.Callback):
+    """The weights at each step's start and after it (on_train_batch_end of its last microbatch)."""
+
+    def __init__(self):
+        self.start, self.end = {}, {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.start.setdefault(trainer.global_step, [p.detach().clone() for p in pl_module.parameters()])
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.end[trainer.global_step - 1] = [p.detach().clone() for p in pl_module.parameters()]
+
+
+class _MomentumSiameseLit(SiameseLit):
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+def test_skip_step_puts_back_the_nan_steps_update_and_lightning_goes_on(tmp_path, caplog):
+    """on_instability skip_step: sample 29's NaN gradient (step 3, micro step 1) is decided in
+    on_before_optimizer_step, inside optimizer.step(closure); the parameters and momentum copied there are put
+    back after it (bitwise), every other step is applied, and training reaches max_steps."""
+    callback = StabletrainCallback(on_instability={"policy": "skip_step"})
+    snaps = _Snapshots()  # after the callback: its on_train_batch_end sees the weights once they are put back
+    model = _MomentumSiameseLit()
+    with caplog.at_level(logging.WARNING, logger="stabletrain"):
+        trainer = fit(model, PairData(bad=29), tmp_path, [callback, snaps])
+    assert trainer.global_step == 8
+    assert [(r["step"], r["trigger"], r["action"]) for r in callback.recoveries] == [(3, "nonfinite_grad", "skip_step")]
+    unchanged = [s for s in range(8) if all(torch.equal(a, b) for a, b in zip(snaps.start[s], snaps.end[s]))]
+    assert unchanged == [3]
+    assert callback.tools.healing.guard.skipper.mode == "copy"
+    momentum = [model.trainer.optimizers[0].state[p]["momentum_buffer"] for p in model.parameters()]
+    assert all(bool(torch.isfinite(m).all()) for m in momentum)
+    assert "Recovered step 3: nonfinite_grad; update skipped" in caplog.text
+
+
+def test_skip_step_refuses_manual_optimization(tmp_path):
+    from stabletrain import ConfigError
+
+    class Manual(SiameseLit):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            loss = super().training_step(batch, batch_idx)["loss"]
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+
+    with pytest.raises(ConfigError, match="on_instability.policy: skip_step needs automatic optimization"):
+        fit(Manual(), PairData(), tmp_path, [StabletrainCallback(on_instability={"policy": "skip_step"})], accumulate=1)

@@ -30,7 +30,7 @@ def quiet_transformers():
     transformers.utils.logging.set_verbosity_error()
 
 
-def train(model, data, tmp_path, callback, **overrides):
+def train(model, data, tmp_path, callback, callbacks_after=(), **overrides):
     """The Trainer on the CPU, data in order: batch 4, 2 accumulation steps (step s reads
     samples 8s..8s+7; sample 29 is step 3, micro step 1, row 1)."""
     settings = dict(
@@ -39,7 +39,8 @@ def train(model, data, tmp_path, callback, **overrides):
         train_sampling_strategy="sequential", max_grad_norm=0.5, seed=0,
     )
     settings.update(overrides)
-    trainer = Trainer(model=model, args=TrainingArguments(**settings), train_dataset=data, callbacks=[callback])
+    trainer = Trainer(model=model, args=TrainingArguments(**settings), train_dataset=data,
+                      callbacks=[callback, *callbacks_after])
     trainer.train()
     return trainer
 
@@ -263,3 +264,41 @@ def test_mechanism_signals_join_the_logged_rows(tmp_path, moved_first):
         assert row["signals/output_logsumexp"] > 0 and row["signals/update_rms/group0"] > 0
         assert 0 <= row["signals/adam_eps_fraction"] <= 1
     assert "forward" not in model.__dict__ and callback.tools.signals.probes.running is False
+
+
+class _Snapshots(TrainerCallback):
+    """The weights at each step's start and end (after the optimizer step)."""
+
+    def __init__(self):
+        self.start, self.end = {}, {}
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        self.start[state.global_step] = [p.detach().clone() for p in model.parameters()]
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.end[state.global_step - 1] = [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("optim, mode", [("adamw_torch_fused", "copy"), ("adamw_torch", "skip_aware")])
+def test_skip_step_leaves_the_nan_steps_update_out_and_the_trainer_goes_on(tmp_path, caplog, optim, mode):
+    """on_instability skip_step: step 3's NaN loss (sample 29's planted token) is decided at the end of its
+    backward pass; the Trainer's own optimizer.step() then changes nothing (every weight bitwise), every other
+    step is applied, training reaches max_steps, and the recovery is logged and kept. The Trainer's default
+    fused AdamW is copied before each step and put back after a bad one; torch's plain AdamW skips by itself."""
+    callback = StabletrainCallback(on_instability={"policy": "skip_step"})
+    snaps = _Snapshots()  # after the callback: its on_step_end sees the weights once a copy is put back
+    model = causal_lm()
+    with caplog.at_level(logging.WARNING, logger="stabletrain"):
+        trainer = train(model, TokenData(bad=29), tmp_path, callback, callbacks_after=[snaps], optim=optim)
+    assert trainer.state.global_step == 8
+    assert [(r["step"], r["trigger"], r["action"], r["recovery"]) for r in callback.recoveries] == [
+        (3, "nonfinite_loss", "skip_step", 1)]
+    unchanged = [s for s in range(8) if all(torch.equal(a, b) for a, b in zip(snaps.start[s], snaps.end[s]))]
+    assert unchanged == [3]
+    assert all(bool(torch.isfinite(p).all()) for n, p in model.named_parameters() if "wte" not in n)
+    assert "Recovered step 3: nonfinite_loss; update skipped (on_instability.policy=skip_step, recovery 1" in caplog.text
+    # The trend alert on step 3's NaN loss says the update was not applied, not to resume with a lower lr.
+    assert "WARNING loss is not finite (step 3)" in caplog.text
+    assert "next: the update of step 3 was not applied (on_instability.policy=skip_step)" in caplog.text
+    assert "lower learning rate" not in caplog.text and "resume_from_checkpoint" not in caplog.text
+    assert callback.tools.healing.guard.skipper.mode == mode

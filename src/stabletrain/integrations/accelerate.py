@@ -65,6 +65,12 @@ class StepMonitor:
             optimizer step, and raises ``NonFiniteStepError`` naming the
             entries if not; with several processes every rank raises, a step later, naming the step
             (see :meth:`end_step`).
+        on_instability: ``stabletrain train``'s ``on_instability`` settings (a dict): with
+            ``{"policy": "skip_step"}`` the update of a non-finite or spiking step is not applied
+            (decided in :meth:`check`, your ``optimizer.step()`` then changes nothing), each
+            recovery logged and kept in :attr:`recoveries` (handled in the next :meth:`end_step`);
+            past ``max_recoveries`` :meth:`end_step` raises ``RecoveryLimitError``. Leave
+            nancapture off with it (it stops first).
 
     Example::
 
@@ -87,6 +93,7 @@ class StepMonitor:
         clipping: bool = False,
         optimizer: Any = None,
         guard: bool = True,
+        on_instability: Settings = None,
     ):
         self.accelerator = accelerator
         self.model = accelerator.unwrap_model(model)
@@ -107,9 +114,12 @@ class StepMonitor:
             clipping=clipping,
             optimizer=inner_optimizer(optimizer) if optimizer is not None else None,
             guard=guard,
+            on_instability=on_instability,
         )
         #: Every trend alert of the run, as ``{"event": "trend_alert", ...}`` rows.
         self.alerts = self.tools.alerts
+        #: With ``on_instability`` skip_step: every skipped step, as ``{"event": "recovery", ...}`` rows.
+        self.recoveries: list[dict[str, Any]] = self.tools.healing.recoveries if self.tools.healing else []
 
     def begin_step(self, step: int, *, log: bool = False) -> None:
         """Optimizer step ``step`` (numbered from 0) begins: before its first forward pass.

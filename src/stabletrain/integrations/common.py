@@ -50,8 +50,10 @@ from stabletrain.integrations.device_reads import (
     read_pair,
 )
 from stabletrain.integrations.framework_advice import next_actions
+from stabletrain.integrations.healing import StepHealing, parse_on_instability
 from stabletrain.integrations.tool_settings import Settings, parse_settings, parse_tool_settings
 from stabletrain.safety.guard import join_rank_failures, next_steps_text
+from stabletrain.safety.healing import RecoveryLimitError
 from stabletrain.utils.dist import leading_message
 
 _log = logging.getLogger("stabletrain")
@@ -137,6 +139,10 @@ class StepTools:
             next :meth:`end_step`, by then landed (on a GPU a wait for a copy a step back, not for
             the running step).
             :meth:`finish` reads the last step's.
+        on_instability: ``stabletrain train``'s ``on_instability`` settings (a dict or
+            ``OnInstabilityArgs``): ``policy="skip_step"`` skips the update of a non-finite or spiking
+            step (:class:`~stabletrain.integrations.healing.StepHealing`); ``stop``, the default, leaves
+            stopping to nancapture and the guard; ``rollback`` is refused.
     """
 
     def __init__(
@@ -160,6 +166,7 @@ class StepTools:
         clipping: bool = False,
         optimizer: Any = None,
         guard: bool = True,
+        on_instability: Settings = None,
     ):
         d_rank, d_world = dist_rank_and_world()
         self.model = model
@@ -191,6 +198,12 @@ class StepTools:
                 model, out_dir=self.out_dir / "debug", rank=self.rank, max_frames_to_save=uo_args.max_frames_to_save,
                 trace_batch_nums=uo_args.trace_batch_nums, include_backward=uo_args.include_backward, auto_check=False,
             )
+        heal = parse_on_instability(on_instability)
+        #: ``on_instability.policy=skip_step``; None with ``stop``. In Lightning the decision is taken inside
+        #: ``optimizer.step(closure)``: the copy, not the skip-aware step.
+        self.healing = (StepHealing(heal, rank=self.rank, world_size=self.world_size,
+                                    skip_aware=framework != "lightning") if heal.policy == "skip_step" else None)
+        self._indices: list[Any] = []
         self.detector = TrendDetector(self.trend_args, warmup_steps=warmup_steps) if self.trend_args.enabled else None
         mechanisms = self.debug_args.mechanisms
         #: The mechanism signals (docs/mechanisms.md), armed on the steps ``begin_step`` is told are logged.
@@ -240,6 +253,7 @@ class StepTools:
         ``log_signals``: the step will be logged, so measure the mechanism signals."""
         self.step, self.micro_step, self.in_step, self.decided = int(step), -1, True, False
         self._losses = []
+        self._indices = []
         if self.update_guard is not None:  # once: what the optimizer state was before the first step
             self.update_guard.check_before(self.step)
         if self.signals is not None:
@@ -255,6 +269,8 @@ class StepTools:
         if not self.in_step:
             raise RuntimeError("StepTools.before_forward: begin_step(step) was not called for this step")
         self.micro_step += 1
+        if indices is not None:
+            self._indices.append(indices)
         if self.uo is not None:
             self.uo.micro_step = self.micro_step
         if self.nan is not None:
@@ -323,6 +339,11 @@ class StepTools:
                 self.update_guard.check_gradients(self.step, gn.total, [self._step_loss()], skip=_SKIP)
         elif read:
             self._read = read_pair(gn.total, self._step_loss())
+        if self.healing is not None:
+            if self.healing.guard is None:
+                raise RuntimeError("on_instability.policy=skip_step: the optimizer is not known; pass it to check() "
+                                   "(Accelerate) or StepTools(optimizer=...)")
+            self.healing.check(self.step, self._step_loss(), gn.total, self._indices, scaled=self.scaler is not None)
         values = StepValues(self.step, gn)
         if self._read is not None:
             norm, loss = self._read
@@ -342,6 +363,9 @@ class StepTools:
                 non-finite (``guard``); on a GPU it may be raised a step or two later, when the
                 verdict's copy to the host has landed, still naming this step.
         """
+        if self.healing is not None and self.step is not None:
+            # Before the guard looks at the state: the copy of a bad step is put back first.
+            self._guard(self.healing.after_step, self.step)
         guard = self.update_guard
         if guard is not None and self.step is not None:
             guard.check_update(self.step)
@@ -365,6 +389,8 @@ class StepTools:
             NonFiniteStepError: That step (or one whose verdict had not landed yet, on a GPU)
                 left an optimizer state entry non-finite.
         """
+        if self.healing is not None and not self._closed:
+            self._guard(self.healing.finish)
         guard = self.update_guard
         if self._closed or guard is None or self.step is None:
             return
@@ -409,6 +435,8 @@ class StepTools:
         self._arm_guard(optimizer)
 
     def _arm_guard(self, optimizer: Any) -> None:
+        if self.healing is not None:
+            self.healing.arm(optimizer)
         if self._want_guard and self.update_guard is None:
             # The optimizer state only: a parameter gone non-finite shows in the next forward pass
             # (nancapture, the trend alerts), and a third of the cost; weights the callback first
@@ -475,6 +503,13 @@ class StepTools:
             event = episode.to_event()
             event["actions"] = next_actions(episode.kind, self.framework, lr=self.lr, clipping=self.clipping,
                                             precision=self.precision)
+            skipped = (self.healing.skipped(episode.start_step, step)
+                       if self.healing is not None and episode.kind == "nonfinite" else None)
+            if skipped is not None:  # the update never reached the weights: no resume or lr to advise
+                event["actions"] = [
+                    f"the update of step {skipped} was not applied (on_instability.policy=skip_step); if such steps "
+                    "recur, capture one with debug_args.nancapture.enabled=true and on_instability.policy=stop, and "
+                    "diagnose it"]
             self.alerts.append(event)
             lines.append(f"WARNING {episode.describe()}.")
             lines.extend(f"  next: {a}" for a in event["actions"] if not episode.follows)
@@ -516,7 +551,7 @@ class StepTools:
         """Run a decision; on a stabletrain stop, remove the hooks before the error leaves."""
         try:
             return fn(*args)
-        except (NaNDetectedError, UnderflowOverflowError, NonFiniteStepError):
+        except (NaNDetectedError, UnderflowOverflowError, NonFiniteStepError, RecoveryLimitError):
             self.close()
             raise
 

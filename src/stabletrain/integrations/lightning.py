@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from stabletrain import ConfigError, NaNCaptureError
 from stabletrain.integrations.common import Settings, StepTools, inner_optimizer, parse_tool_settings
+from stabletrain.integrations.healing import parse_on_instability
 
 try:
     import lightning.pytorch as pl
@@ -79,10 +80,19 @@ class StabletrainCallback(pl.Callback):
         warmup_steps: Loss and gradient-norm spikes before this step are tolerated.
         guard: After each optimizer step, check that the optimizer state is still finite, and
             raise ``NonFiniteStepError`` naming the entries if not (one process).
+        on_instability: ``stabletrain train``'s ``on_instability`` settings (a dict): with
+            ``{"policy": "skip_step"}`` the update of a non-finite or spiking step is not applied:
+            decided in ``on_before_optimizer_step``, inside Lightning's ``optimizer.step(closure)``,
+            so the parameters and optimizer state are copied there and put back after a bad step
+            (memory: one copy of each). Each recovery is logged and kept in :attr:`recoveries`;
+            past ``max_recoveries`` training stops with ``RecoveryLimitError``. Automatic
+            optimization only; leave nancapture off with it (it stops first).
 
     Attributes:
         tools: The run's :class:`~stabletrain.integrations.common.StepTools` while training.
         alerts: Every trend alert of the run, as ``{"event": "trend_alert", ...}`` rows.
+        recoveries: With ``on_instability`` skip_step, every skipped step as the
+            ``{"event": "recovery", ...}`` rows of ``stabletrain train``.
 
     Example::
 
@@ -102,11 +112,14 @@ class StabletrainCallback(pl.Callback):
         out_dir: Optional[Union[str, Path]] = None,
         warmup_steps: int = 0,
         guard: bool = True,
+        on_instability: Settings = None,
     ):
         super().__init__()
         self.guard = guard
         # Validated now: a typo fails when the callback is made, not when training starts.
         self.debug_args, self.trend_alerts = parse_tool_settings(debug_args, trend_alerts)
+        self.on_instability = parse_on_instability(on_instability)
+        self.recoveries: list[dict[str, Any]] = []
         self.gradient_norm_per_layer = gradient_norm_per_layer
         self.out_dir = out_dir
         self.warmup_steps = warmup_steps
@@ -120,6 +133,13 @@ class StabletrainCallback(pl.Callback):
     # ------------------------------------------------------------------ setup and teardown
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.on_instability.policy == "skip_step" and not pl_module.automatic_optimization:
+            raise ConfigError(
+                "on_instability.policy: skip_step needs automatic optimization, but "
+                f"{type(pl_module).__name__}.automatic_optimization is False (its training_step steps the "
+                "optimizer itself, before the callback can decide); skip in your training_step with "
+                "stabletrain.InstabilityGuard instead (docs/self_healing.md)"
+            )
         needs_replayable_steps = self.debug_args.nancapture.enabled or self.debug_args.underflow_overflow.enabled
         if needs_replayable_steps and not pl_module.automatic_optimization:
             raise ConfigError(
@@ -147,8 +167,10 @@ class StabletrainCallback(pl.Callback):
             clipping=bool(trainer.gradient_clip_val),
             optimizer=inner_optimizer(optimizer) if optimizer is not None else None,
             guard=self.guard,
+            on_instability=self.on_instability,
         )
         self.alerts = self.tools.alerts
+        self.recoveries = self.tools.healing.recoveries if self.tools.healing is not None else []
         self._wrap(trainer, pl_module)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from stabletrain import NaNCaptureError
 from stabletrain.integrations.common import Settings, StepTools, dist_rank_and_world, parse_tool_settings
+from stabletrain.integrations.healing import parse_on_instability
 from stabletrain.utils.text import shell_path
 
 try:
@@ -114,17 +115,26 @@ class StabletrainCallback(TrainerCallback):
         out_dir: Where ``debug/`` goes; default ``TrainingArguments(output_dir)``.
         guard: After each optimizer step, check that the optimizer state is still finite, and
             raise ``NonFiniteStepError`` naming the entries if not (one process).
+        on_instability: ``stabletrain train``'s ``on_instability`` settings (a dict): with
+            ``{"policy": "skip_step"}`` the update of a non-finite or spiking step is not applied
+            (the Trainer's own ``optimizer.step()`` leaves the weights and state as they were),
+            each recovery logged and kept in :attr:`recoveries`; past ``max_recoveries`` training
+            stops with ``RecoveryLimitError``. Leave nancapture off with it (it stops first).
 
     Attributes:
         tools: The run's :class:`~stabletrain.integrations.common.StepTools` while training.
         alerts: Every trend alert of the run, as ``{"event": "trend_alert", ...}`` rows.
         gradient_norms: ``{step: gradient_norm}`` for every step whose norm was read on the
             host (every step with nancapture on, else the logging steps), steps from 0.
+        recoveries: With ``on_instability`` skip_step, every skipped step as the
+            ``{"event": "recovery", ...}`` rows of ``stabletrain train`` (known a step after it).
     """
 
     def __init__(self, *, debug_args: Settings = None, trend_alerts: Settings = None,
-                 out_dir: Optional[Union[str, Path]] = None, guard: bool = True):
+                 out_dir: Optional[Union[str, Path]] = None, guard: bool = True, on_instability: Settings = None):
         self.debug_args, self.trend_alerts = parse_tool_settings(debug_args, trend_alerts)
+        self.on_instability = parse_on_instability(on_instability)
+        self.recoveries: list[dict[str, Any]] = []
         self.guard = guard
         self.out_dir = out_dir
         self.tools: Optional[StepTools] = None
@@ -170,10 +180,12 @@ class StabletrainCallback(TrainerCallback):
             warmup_steps=args.get_warmup_steps(state.max_steps) if state.max_steps > 0 else 0,
             lr=args.learning_rate,
             clipping=args.max_grad_norm > 0,
-            optimizer=optimizer,  # its torch optimizer, for the mechanism signals and the guard
+            optimizer=optimizer,  # its torch optimizer, for the mechanism signals, the guard and skip_step
             guard=self.guard,
+            on_instability=self.on_instability,
         )
         self.alerts = self.tools.alerts
+        self.recoveries = self.tools.healing.recoveries if self.tools.healing is not None else []
         self._optimizer = optimizer
         # What the Trainer's compute_loss multiplies a loss normalised over all ranks' tokens by.
         shared = bool(getattr(args, "average_tokens_across_devices", False)) and world > 1
@@ -217,7 +229,7 @@ class StabletrainCallback(TrainerCallback):
             if loss is not None and tools.detector is not None and tools.nan is None:
                 bad = ~torch.isfinite(loss.detach())
                 self._bad_loss = bad if self._bad_loss is None else self._bad_loss | bad
-            if (tools.nan is not None or tools.uo is not None) and _last_microbatch():
+            if (tools.nan is not None or tools.uo is not None or tools.healing is not None) and _last_microbatch():
                 tools.before_last_backward()
                 target = _grad_target(output, loss)
                 if target is not None:
@@ -263,7 +275,7 @@ class StabletrainCallback(TrainerCallback):
         # gradient): decide now, on the clipped gradients.
         tools = self.tools
         if tools is not None and not tools.closed and tools.in_step and not tools.decided \
-                and (tools.nan is not None or tools.uo is not None):
+                and (tools.nan is not None or tools.uo is not None or tools.healing is not None):
             self._end_of_backward()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -126,20 +126,25 @@ class InstabilityGuard:
         self._slots = _HostSlots(device)
         self._early: list[Recovery] = []  # resolved because the ring was full, not yet returned
 
-    def check(self, step: int, loss: Tensor | list[Tensor], grad_norm: Tensor, samples: Any = None) -> Tensor:
+    def check(self, step: int, loss: Tensor | list[Tensor], grad_norm: Tensor, samples: Any = None,
+              found_inf: Optional[Tensor] = None) -> Tensor:
         """Judge step ``step`` on the device; returns the device bool "skip this update".
 
         Call it once the gradients are final (after un-scaling under fp16), before clipping
         (a clipped NaN stays NaN, a clipped spike no longer looks like one) and before the
         optimizer step. ``loss``: the step's loss, or its microbatches' losses (averaged).
         ``samples``: the step's sample indices (kept on the host until the verdict is read).
+        ``found_inf``: a device bool, the fp16 GradScaler will skip this step (default: read
+        from ``scaler``'s flags, which exist once ``scaler.unscale_`` ran; give it when the
+        gradients are still scaled, e.g. as ``~isfinite(grad_norm)``).
         """
         losses = loss if isinstance(loss, (list, tuple)) else [loss]
         mean = torch.stack([x.detach().reshape(()).float() for x in losses]).mean()
         if self.all_reduce is not None:
             mean = self.all_reduce(mean)
         verdict = self.detector.observe(mean, grad_norm)
-        found = scaler_found_inf(self.scaler, verdict.device) if self.scaler is not None else None
+        found = found_inf.to(verdict.device) if found_inf is not None else (
+            scaler_found_inf(self.scaler, verdict.device) if self.scaler is not None else None)
         if found is not None:
             # The GradScaler's own skip (no update, a lower scale): neither bad nor a trigger. The
             # detector kept the step out of its window already (only good steps go in).
@@ -189,6 +194,11 @@ class InstabilityGuard:
                 break
             n += 1
         return n
+
+    def take_before(self, step: int) -> list[Recovery]:
+        """Resolve the pending verdicts of the steps before ``step``, waiting for them if needed
+        (on a GPU their copies left a step ago): every rank resolves the same steps."""
+        return self.take(sum(1 for p in self._pending if p.step < step))
 
     def take(self, n: int) -> list[Recovery]:
         """Resolve the ``n`` oldest pending verdicts (ranks agree on ``n`` under DDP)."""
