@@ -24,7 +24,7 @@ Host synchronisations (``aten._local_scalar_dense``, what ``.item()`` does) are 
 whole runs of the same steps with and without, and the difference divided by the steps
 (goal <= 1 added per step).
 
-    python benchmarks/integrations_overhead.py [--rounds 5] [--steps 8] [--clock wall|cpu] [--threads N]
+    python benchmarks/integrations_overhead.py [--rounds 5] [--steps 8] [--clock wall|cpu] [--threads N] [--skip-step]
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ from stabletrain.utils.sync import CountSyncs  # noqa: E402
 # configuration its table documents; their cost is benchmarks/mechanism_signals.py's (one more
 # host read per logged step in the integrations, tests/integrations/ count it).
 NAN_ON = {"nancapture": {"enabled": True}, "mechanisms": {"enabled": False}}
+#: More settings of the "with" variant (--skip-step).
+EXTRA: dict[str, Any] = {}
 LOG_EVERY = 10
 
 #: Seconds spent in StepTools' per-step calls, and the steps begun, since the last reset.
@@ -111,7 +113,7 @@ def lightning_runner(base: torch.nn.Module, batches: list[Any]) -> Callable[[boo
         clock = Clock()
         callbacks: list[Any] = [clock]
         if with_stabletrain:
-            callbacks.insert(0, StabletrainCallback(debug_args=NAN_ON))
+            callbacks.insert(0, StabletrainCallback(debug_args=NAN_ON, **EXTRA))
         with tempfile.TemporaryDirectory() as out:
             trainer = L.Trainer(
                 max_steps=steps, accelerator="cpu", devices=1, logger=L.loggers.CSVLogger(out),
@@ -155,7 +157,7 @@ def transformers_runner(batches: list[Any]) -> Callable[[bool, int], list[float]
         clock = Clock()
         callbacks: list[Any] = [clock]
         if with_stabletrain:
-            callbacks.insert(0, StabletrainCallback(debug_args=NAN_ON))
+            callbacks.insert(0, StabletrainCallback(debug_args=NAN_ON, **EXTRA))
         with tempfile.TemporaryDirectory() as out:
             args = TrainingArguments(
                 output_dir=out, per_device_train_batch_size=16, max_steps=steps, logging_steps=LOG_EVERY, report_to=[],
@@ -186,7 +188,8 @@ def accelerate_steps(base: torch.nn.Module, batches: list[Any]) -> tuple[Callabl
         model = copy.deepcopy(base)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         model, optimizer = accelerator.prepare(model, optimizer)
-        monitor = StepMonitor(accelerator, model, out_dir=out.name, debug_args=NAN_ON) if with_stabletrain else None
+        monitor = (StepMonitor(accelerator, model, out_dir=out.name, debug_args=NAN_ON, **EXTRA)
+                   if with_stabletrain else None)
         data = itertools.cycle(batches)
         counter = itertools.count()
 
@@ -245,7 +248,11 @@ def main() -> None:
     parser.add_argument("--only", choices=["lightning", "transformers", "accelerate"], action="append")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--skip-step", action="store_true",
+                        help="with = also on_instability skip_step (the decision, and the copy where it is needed)")
     ns = parser.parse_args()
+    if ns.skip_step:
+        EXTRA["on_instability"] = {"policy": "skip_step"}
     if ns.threads:
         torch.set_num_threads(ns.threads)
     CLOCK[0] = time.process_time if ns.clock == "cpu" else time.perf_counter
@@ -254,7 +261,8 @@ def main() -> None:
     only = ns.only or ["lightning", "transformers", "accelerate"]
     base, batches = bench_model_and_batches(num_batches=8)
     print(f"machine: {machine()}, {ns.clock} clock; model: benchmark LM (3.3M parameters, batch 16, context 128)")
-    print("with = gradient_norm logged every 10 steps + nancapture + trend alerts")
+    print("with = gradient_norm logged every 10 steps + nancapture + trend alerts"
+          + (" + on_instability skip_step" if ns.skip_step else ""))
     print(f"{'framework':<14}{'with ms/step':>14}{'without':>10}{'ratio':>8}{'quartiles':>16}"
           f"{'own ms/step':>13}{'own share':>11}{'+syncs/step':>13}")
     _time_own_calls()

@@ -365,6 +365,10 @@ def test_skip_step_puts_back_the_nan_steps_update_and_lightning_goes_on(tmp_path
     momentum = [model.trainer.optimizers[0].state[p]["momentum_buffer"] for p in model.parameters()]
     assert all(bool(torch.isfinite(m).all()) for m in momentum)
     assert "Recovered step 3: nonfinite_grad; update skipped" in caplog.text
+    # Its trend alert says the update was not applied, not to resume with a lower lr.
+    assert "WARNING gradient_norm is not finite (step 3)" in caplog.text
+    assert "next: the update of step 3 was not applied (on_instability.policy=skip_step)" in caplog.text
+    assert "lower" not in caplog.text and "ckpt_path" not in caplog.text, caplog.text
 
 
 def test_skip_step_refuses_manual_optimization(tmp_path):

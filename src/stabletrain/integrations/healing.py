@@ -3,7 +3,8 @@
 The same detector and skip as ``stabletrain train`` and the plain-loop
 :class:`~stabletrain.InstabilityGuard`: decided on the device when the gradients are final (before
 clipping), the framework's own ``optimizer.step()`` then changes nothing where the step was bad.
-The host learns of a recovery a step later (every rank the same steps), logs it and counts it;
+The host learns of a recovery at once in one process (on a GPU when its verdict has landed), a step
+later with several (every rank the same steps), logs it and counts it;
 past ``max_recoveries`` the run stops with :class:`~stabletrain.RecoveryLimitError`. No capture
 is written per recovery (``stabletrain train`` writes one); ``rollback`` is not offered here.
 See docs/integrations/ and docs/self_healing.md.
@@ -92,6 +93,10 @@ class StepHealing:
         found = ~torch.isfinite(grad_norm.detach().reshape(())) if scaled else None
         self.guard.check(step, loss, grad_norm, samples=samples, found_inf=found)
         self._checked = True
+        if self.world_size == 1:
+            # What the host has already (at once on a CPU; no wait on a GPU), so that a trend alert on
+            # this step knows; with several processes every rank handles the same steps, a step later.
+            self._handle(self.guard.poll())
 
     def after_step(self, step: int) -> None:
         """The framework's optimizer step of ``step`` is done: undo it where it was bad (the copy;
@@ -101,7 +106,7 @@ class StepHealing:
         self._checked = False
         self.guard.after_step()
         found = self.guard.take_before(step)
-        if self.world_size == 1:  # what the host has already (at once on a CPU), no wait: no rank to agree with
+        if self.world_size == 1:
             found += self.guard.poll()
         self._handle(found)
 
@@ -126,10 +131,10 @@ class StepHealing:
                 self.recoveries.append(row)
                 raise RecoveryLimitError(
                     f"Step {rec.step}: {rec.description}, after {done} recoveries (on_instability.max_recoveries="
-                    f"{self.args.max_recoveries}): stopping. Its update was not applied{samples}. Skipping did "
-                    "not get past them: look at the steps in callback.recoveries (a run of them is the updates', "
-                    "not the data's: lower the learning rate), and capture one with "
-                    "debug_args.nancapture.enabled=true and on_instability.policy=stop to diagnose it.",
+                    f"{self.args.max_recoveries}): stopping. Its update was not applied{samples}. The recoveries "
+                    "are in `recoveries` of the callback or StepMonitor: bad steps one after another point at the "
+                    "updates (a lower learning rate), scattered ones at the data; capture one with "
+                    "debug_args.nancapture.enabled=true and on_instability.policy=stop, and diagnose it.",
                     rec.step, done)
             self.recoveries.append(row)
             _log.warning("Recovered step %d: %s; update skipped (on_instability.policy=skip_step, recovery %d of at "

@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -59,8 +60,12 @@ class _HostSlots:
 
     def __init__(self, device: torch.device, n: int = 16):
         cuda = device.type == "cuda"
-        self.buffers = [torch.empty(_N, dtype=torch.float64, pin_memory=cuda) for _ in range(n)]
-        self.views = [b.numpy() for b in self.buffers]
+        if cuda:
+            self.buffers = [torch.empty(_N, dtype=torch.float64, pin_memory=True) for _ in range(n)]
+            self.views = [b.numpy() for b in self.buffers]
+        else:  # NumPy memory seen as tensors: no Tensor.numpy() call (which sync counters count) for host memory
+            self.views = [np.empty(_N, dtype=np.float64) for _ in range(n)]
+            self.buffers = [torch.from_numpy(v) for v in self.views]
         self.events: list[Any] = [torch.cuda.Event() if cuda else None for _ in range(n)]
         self.next = 0
 
