@@ -301,6 +301,67 @@ def test_what_looks_like_a_sharded_checkpoint_folder(tmp_path):
     assert ck.resolve_checkpoint(with_index) == with_index
 
 
+def test_a_full_checkpoint_is_copied_over_a_sharded_folder_of_the_same_name(tmp_path):
+    """The newest healthy checkpoint kept under its periodic name when a sharded folder holds that name
+    (a run that went from sharded to full checkpoints): the folder is replaced by the file's bytes,
+    through a temporary that does not stay, and the source is left as it was."""
+    src = tmp_path / "last.ckpt"
+    src.write_bytes(b"the full checkpoint")
+    dst = tmp_path / "step_000004.ckpt"
+    dst.mkdir()
+    (dst / "meta.pt").write_text("an older sharded checkpoint")
+    ck._atomic_copy(src, dst)
+    assert dst.is_file() and dst.read_bytes() == b"the full checkpoint"
+    assert src.read_bytes() == b"the full checkpoint"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "step_000004.ckpt"], "no temporary left"
+
+
+def _written(out, *states):
+    """Checkpoint files written without rotation; returns their folder."""
+    for state in states:
+        ck.save_checkpoint(state, out, periodic=True, keep=100)
+    return out / "checkpoints"
+
+
+def _pending(step: int, since: int) -> dict:
+    state = _state(step)
+    state["health"]["pending_since"] = since
+    return state
+
+
+@pytest.mark.parametrize("case, kept", [
+    ("newest unhealthy", [4, 6]),        # the newest healthy one (4) stays, not the second file's health
+    ("pending at 3", [2, 6]),            # the newest's pending rule: the healthy one from before step 3
+    ("pending at 4", [4, 6]),            # ... at most 4 steps: step 4's file itself
+])
+def test_rotation_reads_the_newest_checkpoints_health(tmp_path, case, kept):
+    """Rotation (keep=1) judged by the newest checkpoint: its health, and its pending mechanism rule."""
+    newest = {"newest unhealthy": _state(6, False, "exploding"), "pending at 3": _pending(6, 3),
+              "pending at 4": _pending(6, 4)}[case]
+    folder = _written(tmp_path / "run", _state(2), _state(4), newest)
+    ck._prune(folder, keep=1)
+    assert sorted(int(p.name[5:11]) for p in folder.glob("step_*.ckpt")) == kept
+
+
+def test_a_second_file_of_the_same_step_is_listed_once_and_the_listing_goes_on(tmp_path):
+    folder = _written(tmp_path / "run", _state(4), _state(6))
+    (folder / "step_000002.ckpt").write_bytes((folder / "step_000004.ckpt").read_bytes())  # a copy: step 4 too
+    infos = ck.list_checkpoints(folder)
+    assert [(c.step, c.path.name) for c in infos] == [(4, "step_000002.ckpt"), (6, "step_000006.ckpt")]
+
+
+def test_rotation_and_listing_pass_over_files_that_are_no_checkpoint(tmp_path):
+    folder = _written(tmp_path / "run", _state(4))
+    (folder / "step_000002.ckpt").mkdir()  # an incomplete sharded folder: not a checkpoint
+    assert [c.step for c in ck.list_checkpoints(folder)] == [4], "the listing goes on past it"
+    (folder / "step_000001.ckpt").write_bytes(b"not a torch file")  # unreadable: not listed
+    (folder / "last.ckpt").unlink()
+    (folder / "step_000004.ckpt").write_bytes(b"torn")
+    assert ck.list_checkpoints(folder) == []
+    ck._prune(folder, keep=0)  # nothing readable: nothing to protect, and no error
+    assert sorted(p.name for p in folder.iterdir()) == ["step_000002.ckpt"]
+
+
 def test_a_file_and_a_folder_replace_each_other(tmp_path):
     folder = tmp_path / "src_folder"
     folder.mkdir()
