@@ -38,6 +38,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _two_processes(worker: str, tmp_path) -> list[dict]:
+    """Run a worker script of this folder on 2 processes (torchrun, gloo); each rank's rank<r>.json."""
+    import json
+
+    env = cli_env()
+    env["PYTHONPATH"] = str(EXAMPLE.parent) + ":" + env["PYTHONPATH"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           str(Path(__file__).with_name(worker)), str(tmp_path)]
+    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
 def run_loop(accelerator, out, *, steps=12, debug_args=None, bad=29):
     """The example's loop in this process; returns {step: (gradient_norm, accelerate's norm)}."""
     torch.manual_seed(0)
@@ -198,16 +211,8 @@ def test_two_processes_stop_together_when_one_ranks_optimizer_state_goes_inf(tmp
     one FSDP2 shard would) or both (DDP's replicated state). Every rank stops at the same point with the
     message of the lowest rank that found it, naming the failing step: a step later, on nancapture's
     read (check) or the lagged agreement (end_step); the last step's at close()."""
-    import json
 
-    worker = Path(__file__).with_name("accelerate_guard_worker.py")
-    env = cli_env()
-    env["PYTHONPATH"] = str(EXAMPLE.parent) + ":" + env["PYTHONPATH"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           str(worker), str(tmp_path)]
-    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ranks = _two_processes("accelerate_guard_worker.py", tmp_path)
     expected = {  # scenario: (raised in, failing step, stopped at, the rank the message names)
         "one_rank": ("step 3 check", 2, 3, 1),
         "both_nancapture_off": ("step 3 end_step", 2, 3, 0),
@@ -436,16 +441,8 @@ def test_two_processes_skip_the_same_step_when_one_ranks_batch_is_bad(tmp_path):
     """DDP (torchrun, gloo): sample 29's NaN gradient is rank 0's step 7; after DDP's reduction both ranks'
     gradients hold it, the loss is averaged over ranks, and both skip step 7's update and go on with the
     same weights, bitwise. Each records its own samples."""
-    import json
 
-    worker = Path(__file__).with_name("accelerate_heal_worker.py")
-    env = cli_env()
-    env["PYTHONPATH"] = str(EXAMPLE.parent) + ":" + env["PYTHONPATH"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           str(worker), str(tmp_path)]
-    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ranks = _two_processes("accelerate_heal_worker.py", tmp_path)
     for got in ranks:
         assert [(r["step"], r["trigger"], r["action"]) for r in got["recoveries"]] == [(7, "nonfinite_grad", "skip_step")]
         assert got["changed"] == [s for s in range(10) if s != 7] and got["finite"]
