@@ -108,3 +108,36 @@ def test_a_healthy_fp16_run_whose_grad_scaler_backs_off_is_stable(tmp_path, caps
     after_skip = [c for c in infos if c.step - 1 in skips]
     assert after_skip and all(c.healthy for c in infos), [c.reason() for c in infos]
     assert all("the fp16 GradScaler skipped that step" in c.why for c in after_skip)
+
+
+def test_an_fp16_run_resumed_counts_the_scalers_skips_on(tmp_path, capsys):
+    """The guard's count of fp16 skipped steps goes into the checkpoint and on after a resume:
+    the logged ``skipped_steps`` never restarts from 0, so the report counts every skip and the
+    skips after the resume are the scaler's, not a non-finite gradient norm."""
+    import torch
+    from lightning_fabric import Fabric
+    from lightning_fabric.plugins import MixedPrecision
+
+    from stabletrain.config import load_settings
+    from stabletrain.training.loop import Trainer
+
+    def fit(**settings):
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+        Trainer(load_settings({"out": out, **tiny_lm(log_every_num_steps=1, **settings)}), fabric=fabric).fit()
+
+    out = tmp_path / "fp16"
+    fit(steps=3)
+    assert torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)["guard"]["skipped_steps"] == 3
+    fit(steps=30, resume_from=str(out / "checkpoints" / "last.ckpt"))
+    console = capsys.readouterr().out
+    data = RunData(out)
+    assert data.resumes == [3]
+    skips = [r["step"] for r in data.rows if not math.isfinite(r["gradient_norm"])]
+    assert skips[:4] == [0, 1, 2, 3] and skips == list(range(len(skips))), skips  # on across the resume
+    counts = [r["skipped_steps"] for r in data.rows if "skipped_steps" in r]
+    assert counts == sorted(counts) and counts[-1] == len(skips), counts
+    assert "WARNING" not in console and "not finite" not in console, console
+    r = report(out, quiet=True, plots=False)
+    assert (r.verdict, r.status["gradient_norm"]) == ("stable", "stable"), r.text
+    assert f"the fp16 GradScaler skipped {len(skips)} steps, the first by step 0" in r.text

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -339,6 +339,19 @@ class StepGuard:
         # read only on a failure.
         self._first_update: Optional[int] = None
         self._before_first: Optional[tuple[int, Tensor]] = None
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """What a resumed run continues counting from: ``skipped_steps`` (the steps the fp16
+        GradScaler skipped so far, logged under that key) and ``skipped_in_a_row`` (towards
+        ``max_skipped_steps``). Device tensors, copied, not read: a checkpoint writes them."""
+        return {"skipped_steps": self.skipped_total.clone(), "skipped_in_a_row": self._skip_run.clone()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue the counts of :meth:`state_dict`; a key that is missing (a checkpoint written
+        before they were kept) leaves its count at 0."""
+        for key, attr in (("skipped_steps", "skipped_total"), ("skipped_in_a_row", "_skip_run")):
+            if key in state:
+                setattr(self, attr, torch.as_tensor(state[key], dtype=torch.int64).reshape(()).to(self.device))
 
     def _fresh(self) -> Tensor:
         state = torch.zeros(_LEN, dtype=torch.float64, device=self.device)

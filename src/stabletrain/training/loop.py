@@ -334,6 +334,8 @@ class Trainer:
         self.loggers = build_loggers(s, self.out) if self.is_rank_zero else []
         self.callbacks = CallbackList([*build_debug_callbacks(self), *s.callbacks])
         self.safety = SafetyNet(self)
+        if state is not None and self.safety.guard is not None:
+            self.safety.guard.load_state_dict(state.get("guard") or {})
         if self.checkpoint_layout == "sharded":
             from stabletrain.training.sharded_checkpoints import ShardedCheckpoints
 

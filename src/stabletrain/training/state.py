@@ -45,11 +45,14 @@ def checkpoint_state(trainer: Any, on_cpu: bool = False, layout: Optional[str] =
         model, optimizer = gather_checkpoint_parts(trainer.model, trainer.optimizer)
     else:
         model, optimizer = trainer.model.state_dict(), trainer.optimizer.state_dict()
+    guard = getattr(getattr(trainer, "safety", None), "guard", None)
     state = {
         "step": trainer.step,
         "model": model,
         "optimizer": optimizer,
         "scaler": trainer.scaler.state_dict() if trainer.scaler is not None else {},
+        # The guard's counts of fp16 skipped steps: logged as ``skipped_steps``, they go on from here.
+        "guard": guard.state_dict() if guard is not None else {},
         "rng": rng_all,
         "data": {"microbatches_consumed": trainer.microbatches_consumed},
         "settings": json.dumps(trainer.resolved_settings()),
