@@ -202,6 +202,42 @@ def test_fp16_scaler_skips_count_and_only_max_skipped_in_a_row_fail():
                                f"Inf/NaN, and the loss scale (now {scaler.get_scale():.4g}) cannot recover.")
 
 
+def test_the_skip_counts_go_on_from_a_saved_state(tmp_path):
+    """A resumed run continues both counts: the total (logged as ``skipped_steps``) and the run in
+    a row, so that a run stopped 2 skips short of ``max_skipped_steps=3`` stops at the next skip."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+    guard = StepGuard(model, opt, scaler=scaler, max_skipped_steps=3)
+    x = torch.randn(8, 3)
+    for step, factor in enumerate([1e38, 1.0, 1e38, 1e38]):
+        _scaled_step(guard, model, opt, scaler, step, x, factor)
+    saved = guard.state_dict()
+    torch.save(saved, tmp_path / "guard.pt")
+    state = torch.load(tmp_path / "guard.pt", weights_only=True)
+    assert {k: int(v) for k, v in state.items()} == {"skipped_steps": 3, "skipped_in_a_row": 2}
+    guard.skipped_total += 5  # in place: what was saved is a copy
+    guard._skip_run += 5
+    assert {k: int(v) for k, v in saved.items()} == {"skipped_steps": 3, "skipped_in_a_row": 2}
+    resumed = StepGuard(model, opt, scaler=scaler, max_skipped_steps=3)
+    resumed.load_state_dict(state)
+    assert (resumed.skipped_total.dtype, resumed.skipped_total.shape) == (torch.int64, torch.Size([]))
+    _scaled_step(resumed, model, opt, scaler, 4, x, 1e38)
+    assert int(resumed.skipped_total) == 4
+    with pytest.raises(NonFiniteStepError) as info:
+        resumed.raise_if_failed()
+    assert info.value.failure.skipped_in_a_row == 3
+    # A checkpoint from before the counts were kept: both start at 0, as in a fresh run.
+    fresh = StepGuard(model, opt, scaler=scaler, max_skipped_steps=3)
+    fresh.load_state_dict({})
+    _scaled_step(fresh, model, opt, scaler, 5, x, 1e38)
+    assert int(fresh.skipped_total) == 1 and not fresh.failed()
+    partial = StepGuard(model, opt, scaler=scaler, max_skipped_steps=3)
+    partial.load_state_dict({"skipped_in_a_row": 2})
+    assert int(partial.skipped_total) == 0 and int(partial._skip_run) == 2
+
+
 def test_a_disabled_scaler_is_no_scaler():
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     assert StepGuard(nn.Linear(2, 1), scaler=scaler).scaler is None
