@@ -151,6 +151,59 @@ def ddp_guard_main(out: str) -> None:
                 torch.utils.data.DataLoader(data, batch_size=2, sampler=RankSlices(len(data))))
 
 
+class MomentumSiameseLit(SiameseLit):
+    """SiameseLit under SGD with momentum: a skipped step must leave its state unchanged too."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+class UnchangedSteps(L.Callback):
+    """The steps whose update left every weight and momentum buffer bitwise as it was, and the
+    weights at the end: written per rank to ``out/heal_rank{r}.pt`` when training ends."""
+
+    def __init__(self, out: str):
+        self.out, self.start, self.unchanged = out, {}, []
+
+    def _now(self, trainer, pl_module):
+        opt = trainer.optimizers[0]
+        state = [opt.state[p].get("momentum_buffer") for p in pl_module.parameters()]
+        return [p.detach().clone() for p in pl_module.parameters()] + [s.clone() for s in state if s is not None]
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.start.setdefault(trainer.global_step, self._now(trainer, pl_module))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        step = trainer.global_step - 1
+        if step in self.start and step not in self.unchanged and trainer.global_step not in self.start:
+            after = self._now(trainer, pl_module)
+            if len(after) == len(self.start[step]) and all(torch.equal(a, b) for a, b in zip(self.start[step], after)):
+                self.unchanged.append(step)
+
+    def on_train_end(self, trainer, pl_module):
+        heal = next(c for c in trainer.callbacks if hasattr(c, "recoveries"))
+        torch.save({"recoveries": [(r["step"], r["trigger"], r["action"]) for r in heal.recoveries],
+                    "unchanged": self.unchanged, "global_step": trainer.global_step,
+                    "weights": [p.detach().clone() for p in pl_module.parameters()]},
+                   f"{self.out}/heal_rank{trainer.global_rank}.pt")
+
+
+def ddp_heal_main(out: str, bad: int = 29) -> None:
+    """MomentumSiameseLit on 2 CPU processes (DDP, gloo) with ``on_instability`` skip_step: sample
+    ``bad`` (rank 1's, step 3, micro step 1) makes the averaged gradient NaN on both ranks."""
+    torch.manual_seed(0)
+    from stabletrain.integrations.lightning import StabletrainCallback
+
+    trainer = L.Trainer(
+        max_steps=8, accumulate_grad_batches=2, log_every_n_steps=1, accelerator="cpu", devices=2, strategy="ddp",
+        callbacks=[StabletrainCallback(on_instability={"policy": "skip_step"}), UnchangedSteps(out)],
+        default_root_dir=out, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        logger=False, use_distributed_sampler=False,
+    )
+    data = PairData(bad=bad)
+    trainer.fit(MomentumSiameseLit(), torch.utils.data.DataLoader(data, batch_size=2, sampler=RankSlices(len(data))))
+
+
 if __name__ == "__main__":
     import sys
     from pathlib import Path
@@ -158,5 +211,7 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for conftest's fault planters
     if sys.argv[1] == "guard":
         ddp_guard_main(sys.argv[2])
+    elif sys.argv[1] == "heal":
+        ddp_heal_main(sys.argv[2])
     else:
         ddp_main(sys.argv[1])

@@ -20,7 +20,7 @@ from stabletrain.utils.sync import CountSyncs
 L = pytest.importorskip("lightning.pytorch")
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from lightning.pytorch.utilities import grad_norm  # noqa: E402
-from lit_models import LinearLit, PairData, SiameseLit  # noqa: E402
+from lit_models import LinearLit, MomentumSiameseLit, PairData, SiameseLit  # noqa: E402
 
 from conftest import cli_env, plant_exp_avg_sq_overflow  # noqa: E402
 from stabletrain.integrations.lightning import StabletrainCallback  # noqa: E402
@@ -343,18 +343,13 @@ class _Snapshots(L.Callback):
         self.end[trainer.global_step - 1] = [p.detach().clone() for p in pl_module.parameters()]
 
 
-class _MomentumSiameseLit(SiameseLit):
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
-
-
 def test_skip_step_puts_back_the_nan_steps_update_and_lightning_goes_on(tmp_path, caplog):
     """on_instability skip_step: sample 29's NaN gradient (step 3, micro step 1) is decided in
     on_before_optimizer_step, inside optimizer.step(closure); the parameters and momentum copied there are put
     back after it (bitwise), every other step is applied, and training reaches max_steps."""
     callback = StabletrainCallback(on_instability={"policy": "skip_step"})
     snaps = _Snapshots()  # after the callback: its on_train_batch_end sees the weights once they are put back
-    model = _MomentumSiameseLit()
+    model = MomentumSiameseLit()
     with caplog.at_level(logging.WARNING, logger="stabletrain"):
         trainer = fit(model, PairData(bad=29), tmp_path, [callback, snaps])
     assert trainer.global_step == 8
@@ -369,6 +364,22 @@ def test_skip_step_puts_back_the_nan_steps_update_and_lightning_goes_on(tmp_path
     assert "WARNING gradient_norm is not finite (step 3)" in caplog.text
     assert "next: the update of step 3 was not applied (on_instability.policy=skip_step)" in caplog.text
     assert "lower" not in caplog.text and "ckpt_path" not in caplog.text, caplog.text
+
+
+@pytest.mark.slow
+def test_ddp_skip_step_skips_the_same_step_on_both_ranks(tmp_path):
+    """Lightning's DDP (2 CPU processes): rank 1's sample 29 makes step 3's averaged gradient NaN on
+    both ranks. Both skip that step and only it (weights and momentum bitwise as before it), record
+    the same recovery, reach max_steps, and end with the same finite weights."""
+    result = subprocess.run([sys.executable, str(HERE / "lit_models.py"), "heal", str(tmp_path)], cwd=tmp_path,
+                            env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"heal_rank{r}.pt", weights_only=True) for r in (0, 1)]
+    for r in ranks:
+        assert r["recoveries"] == [(3, "nonfinite_grad", "skip_step")], r["recoveries"]
+        assert (r["unchanged"], r["global_step"]) == ([3], 8)
+        assert all(bool(torch.isfinite(w).all()) for w in r["weights"])
+    assert all(torch.equal(a, b) for a, b in zip(ranks[0]["weights"], ranks[1]["weights"]))
 
 
 def test_skip_step_refuses_manual_optimization(tmp_path):

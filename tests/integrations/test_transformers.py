@@ -152,15 +152,8 @@ def test_the_guards_message_gives_the_steps_loss_as_the_trainer_logs_it(tmp_path
     assert f"from finite gradients (loss {step_loss:.4g}, gradient norm " in str(err)
 
 
-@pytest.mark.slow
-def test_ddp_two_processes_stop_together_and_a_capture_of_both_replays(tmp_path):
-    """torchrun, 2 CPU processes (DDP, gloo), nancapture on (hf_guard_worker.py).
-
-    guard: rank 1's AdamW state gets an Inf in step 2. The verdict rides on step 3's nancapture read:
-    both ranks stop there with rank 1's message, whose loss is rank 1's step loss as the Trainer counts
-    it (the model's share of all ranks' tokens, times 2).
-    nan: the planted token's sample reaches one rank; both stop at that step, each writes its capture,
-    and the capture of both replays bitwise and names the rank whose data alone reproduces it."""
+def _two_processes(tmp_path, *scenarios):
+    """hf_guard_worker.py under torchrun (2 CPU processes, DDP, gloo): each rank's outcomes."""
     import json
     import socket
 
@@ -170,10 +163,36 @@ def test_ddp_two_processes_stop_together_and_a_capture_of_both_replays(tmp_path)
     env = cli_env()
     env["PYTHONPATH"] = str(Path(__file__).parent) + os.pathsep + env["PYTHONPATH"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-           str(Path(__file__).with_name("hf_guard_worker.py")), str(tmp_path)]
+           str(Path(__file__).with_name("hf_guard_worker.py")), str(tmp_path), *scenarios]
     result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.slow
+def test_ddp_skip_step_skips_the_same_step_on_both_ranks(tmp_path):
+    """torchrun, 2 CPU processes, on_instability skip_step (hf_guard_worker.py heal): sample 29's NaN
+    loss on one rank makes step 3 bad for both (the loss is averaged over the ranks on the device).
+    Both skip its update and only it, record the same recovery, reach max_steps, and end with the same
+    weights."""
+    ranks = [r["heal"] for r in _two_processes(tmp_path, "heal")]
+    for r in ranks:
+        assert r["recoveries"] == [[3, "nonfinite_loss", "skip_step"]], r["recoveries"]
+        assert (r["unchanged"], r["global_step"]) == ([3], 8)
+        assert all(math.isfinite(v) for v in r["weights"].values())
+    assert ranks[0]["weights"] == ranks[1]["weights"]
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_stop_together_and_a_capture_of_both_replays(tmp_path):
+    """torchrun, 2 CPU processes (DDP, gloo), nancapture on (hf_guard_worker.py).
+
+    guard: rank 1's AdamW state gets an Inf in step 2. The verdict rides on step 3's nancapture read:
+    both ranks stop there with rank 1's message, whose loss is rank 1's step loss as the Trainer counts
+    it (the model's share of all ranks' tokens, times 2).
+    nan: the planted token's sample reaches one rank; both stop at that step, each writes its capture,
+    and the capture of both replays bitwise and names the rank whose data alone reproduces it."""
+    ranks = _two_processes(tmp_path)
 
     guard = [r["guard"] for r in ranks]
     for rank, outcome in enumerate(guard):
