@@ -379,9 +379,11 @@ def test_instability_guard_skips_the_nan_step_in_an_accelerate_loop(tmp_path, un
         assert all(torch.equal(a, b) for a, b in zip(weights[-1], copied[-1]))
 
 
-def _monitor_healing_loop(tmp_path, steps=16, **on_instability):
+def _monitor_healing_loop(tmp_path, steps=16, save_to=None, load_from=None, **on_instability):
     """The example's model and data with StepMonitor(on_instability=skip_step): sample 29's NaN gradient is
-    step 14's (batches of 2). Returns the monitor's recoveries and the weights before and after each step."""
+    step 14's (batches of 2). Returns the monitor's recoveries and the weights before and after each step.
+    ``save_to`` / ``load_from``: ``accelerator.save_state`` after the loop / ``load_state`` before it, with
+    the monitor registered for checkpointing."""
     torch.manual_seed(0)
     accelerator = Accelerator(cpu=True)
     model = Siamese()
@@ -391,6 +393,9 @@ def _monitor_healing_loop(tmp_path, steps=16, **on_instability):
     weights = []
     with StepMonitor(accelerator, model, out_dir=tmp_path, step_fn=step_fn,
                      on_instability={"policy": "skip_step", **on_instability}) as monitor:
+        accelerator.register_for_checkpointing(monitor)
+        if load_from is not None:
+            accelerator.load_state(load_from)
         for step, batch in zip(range(steps), loader):
             weights.append([p.detach().clone() for p in model.parameters()])
             monitor.begin_step(step)
@@ -403,6 +408,8 @@ def _monitor_healing_loop(tmp_path, steps=16, **on_instability):
             optimizer.step()
             optimizer.zero_grad()
             monitor.end_step()
+        if save_to is not None:
+            accelerator.save_state(save_to)
     weights.append([p.detach().clone() for p in model.parameters()])
     return monitor, weights
 
@@ -421,6 +428,37 @@ def test_step_monitor_skip_step_skips_the_nan_step_and_goes_on(tmp_path, caplog)
     assert monitor.tools.healing.guard.skipper.mode == "skip_aware"  # the torch SGD inside Accelerate's wrapper
     assert ("Recovered step 14: nonfinite_grad; update skipped (on_instability.policy=skip_step, recovery 1 of at "
             "most 10); samples [28, 29]") in caplog.text
+
+
+def test_step_monitor_skip_step_state_is_saved_and_loaded_by_accelerate(tmp_path):
+    """register_for_checkpointing(monitor): save_state writes the spike detector's window and the
+    recoveries, load_state puts them back (before the detector exists, or into it), and the resumed
+    loop counts on towards max_recoveries: the same NaN sample again is its second recovery, past
+    max_recoveries=1 (a fresh monitor would take it as its first and go on)."""
+    from stabletrain import RecoveryLimitError
+
+    first, _ = _monitor_healing_loop(tmp_path / "a", save_to=tmp_path / "state")
+    saved = first.tools.healing.guard.detector.state_dict()
+    assert int(saved["count"]) == 15, "the 15 applied steps: the skipped one is not in the window"
+    for optimizer_given in (False, True):  # armed at the first check(), or when made
+        accelerator = Accelerator(cpu=True)
+        model = Siamese()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        monitor = StepMonitor(accelerator, model, out_dir=tmp_path / "c", step_fn=step_fn,
+                              optimizer=optimizer if optimizer_given else None, on_instability={"policy": "skip_step"})
+        accelerator.register_for_checkpointing(monitor)
+        accelerator.load_state(tmp_path / "state")
+        monitor.tools.healing.arm(optimizer)
+        loaded = monitor.tools.healing.guard.detector.state_dict()
+        assert all(torch.equal(saved[k], loaded[k]) for k in saved), "the window as saved, bitwise"
+        assert [(r["step"], r["recovery"]) for r in monitor.recoveries] == [(14, 1)]
+        assert monitor.recoveries is monitor.tools.healing.recoveries
+        monitor.close()
+    with pytest.raises(RecoveryLimitError) as info:
+        _monitor_healing_loop(tmp_path / "b", load_from=tmp_path / "state", max_recoveries=1)
+    assert (info.value.step, info.value.recoveries) == (14, 1)
+    assert "after 1 recoveries (on_instability.max_recoveries=1)" in str(info.value)
 
 
 def test_step_monitor_skip_step_stops_past_max_recoveries_and_refuses_rollback(tmp_path):

@@ -366,6 +366,43 @@ def test_skip_step_puts_back_the_nan_steps_update_and_lightning_goes_on(tmp_path
     assert "lower" not in caplog.text and "ckpt_path" not in caplog.text, caplog.text
 
 
+class _DetectorAtStart(L.Callback):
+    """The skip_step detector's state when training starts (after StabletrainCallback's own start)."""
+
+    def on_train_start(self, trainer, pl_module):
+        heal = next(c for c in trainer.callbacks if isinstance(c, StabletrainCallback))
+        self.state = heal.tools.healing.guard.detector.state_dict()
+
+
+def test_skip_step_state_goes_into_lightnings_checkpoint_and_on_after_a_resume(tmp_path):
+    """The callback's state_dict: Lightning writes the spike detector's window and the recoveries into
+    its checkpoint, and fit(ckpt_path=...) puts them back. The resumed fit restarts the epoch (a plain
+    DataLoader is not resumable), so sample 29 comes again at step 7: its second recovery, past
+    max_recoveries=1 (a fresh callback would take it as its first and go on)."""
+    from stabletrain import RecoveryLimitError
+
+    def trainer_for(callbacks, max_steps):
+        return L.Trainer(max_steps=max_steps, accumulate_grad_batches=2, accelerator="cpu", devices=1,
+                         default_root_dir=tmp_path, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, callbacks=callbacks)
+
+    loader = torch.utils.data.DataLoader(PairData(bad=29), batch_size=4)
+    callback = StabletrainCallback(on_instability={"policy": "skip_step"})
+    trainer = trainer_for([callback], 4)
+    trainer.fit(MomentumSiameseLit(), loader)
+    trainer.save_checkpoint(tmp_path / "step4.ckpt")
+    saved = callback.tools.healing.guard.detector.state_dict()
+    assert [r["step"] for r in callback.recoveries] == [3] and int(saved["count"]) == 3
+
+    resumed = StabletrainCallback(on_instability={"policy": "skip_step", "max_recoveries": 1})
+    probe = _DetectorAtStart()
+    with pytest.raises(RecoveryLimitError) as info:
+        trainer_for([resumed, probe], 8).fit(MomentumSiameseLit(), loader, ckpt_path=tmp_path / "step4.ckpt")
+    assert all(torch.equal(saved[k], probe.state[k]) for k in saved), "the window as saved, bitwise"
+    assert (info.value.step, info.value.recoveries) == (7, 1)
+    assert [(r["step"], r["recovery"]) for r in resumed.recoveries] == [(3, 1), (7, 2)]
+
+
 @pytest.mark.slow
 def test_ddp_skip_step_skips_the_same_step_on_both_ranks(tmp_path):
     """Lightning's DDP (2 CPU processes): rank 1's sample 29 makes step 3's averaged gradient NaN on

@@ -190,6 +190,20 @@ class StepMonitor:
         else here."""
         return self.tools.end_step()
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed loop continues from: with ``on_instability`` skip_step, the spike
+        detector's recent steps and the recoveries so far ({} without it). For
+        ``accelerator.register_for_checkpointing(monitor)``: ``save_state`` then writes it and
+        ``load_state`` puts it back, so the resumed run judges its first steps as the original
+        would have and counts on towards ``max_recoveries``."""
+        return {"on_instability": self.tools.healing.state_dict()} if self.tools.healing is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s output (a state without ``on_instability`` changes nothing)."""
+        saved = state.get("on_instability")
+        if saved and self.tools.healing is not None:
+            self.tools.healing.load_state_dict(saved)
+
     def close(self) -> None:
         """The loop is over: check the last optimizer step, which no later step's check carries
         (the guard: one host read; with several processes a collective, so every rank calls it),

@@ -67,6 +67,7 @@ class StepHealing:
         #: Every recovery so far, as the ``{"event": "recovery", ...}`` rows of ``stabletrain train``.
         self.recoveries: list[dict[str, Any]] = []
         self._checked = False
+        self._saved: Optional[dict[str, Any]] = None  # a resumed run's detector, loaded once armed
 
     def arm(self, optimizer: Any) -> None:
         """The run's optimizer (a framework's wrapper is unwrapped); once."""
@@ -78,6 +79,30 @@ class StepHealing:
             min_std=a.min_std, all_reduce=self._mean if self.world_size > 1 else None)
         if not self.skip_aware and self.guard.skipper is not None:
             self.guard.skipper.skip_aware = False
+        if self._saved is not None:
+            self.guard.load_state_dict(self._saved)
+            self._saved = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """For the framework's checkpoint: the spike detector's recent steps (device copies, not
+        read) and the recoveries so far, so that a resumed run judges its first steps as the
+        original would have and counts on towards ``max_recoveries``."""
+        state: dict[str, Any] = {"recoveries": [dict(r) for r in self.recoveries]}
+        if self._saved is not None:  # loaded but not armed yet: keep it
+            state["detector"] = self._saved["detector"]
+        elif self.guard is not None:
+            state.update(self.guard.state_dict())
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s output (before or after :meth:`arm`). The recoveries
+        list stays the same object (the callback's ``recoveries`` is it)."""
+        self.recoveries[:] = [dict(r) for r in state.get("recoveries", [])]
+        if "detector" in state:
+            if self.guard is not None:
+                self.guard.load_state_dict(state)
+            else:
+                self._saved = {"detector": state["detector"]}
 
     def _mean(self, t: Tensor) -> Tensor:
         import torch.distributed as dist

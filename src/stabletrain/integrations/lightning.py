@@ -129,6 +129,7 @@ class StabletrainCallback(pl.Callback):
         self.last_gradient_norm: Optional[Tensor] = None
         self._module: Optional[nn.Module] = None
         self._batch_idx = 0
+        self._resumed: dict[str, Any] = {}  # load_state_dict's, applied when training starts
 
     # ------------------------------------------------------------------ setup and teardown
 
@@ -170,8 +171,21 @@ class StabletrainCallback(pl.Callback):
             on_instability=self.on_instability,
         )
         self.alerts = self.tools.alerts
+        if self.tools.healing is not None and self._resumed:
+            self.tools.healing.load_state_dict(self._resumed)
         self.recoveries = self.tools.healing.recoveries if self.tools.healing is not None else []
         self._wrap(trainer, pl_module)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Lightning writes it into each checkpoint: with ``on_instability`` skip_step, the spike
+        detector's recent steps and the recoveries so far, so that ``fit(ckpt_path=...)`` judges
+        its first steps as the original run would have and counts on towards ``max_recoveries``."""
+        if self.tools is not None and self.tools.healing is not None:
+            return {"on_instability": self.tools.healing.state_dict()}
+        return {"on_instability": self._resumed} if self._resumed else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._resumed = dict(state_dict.get("on_instability") or {})
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self.tools is not None:
