@@ -105,12 +105,11 @@ def run_diagnose(ns: argparse.Namespace) -> int:
     if not has_capture:  # a run that never went non-finite: what its signals say, then the remedies
         from stabletrain.debug.diagnose.run_signals import diagnose_run
 
-        account = diagnose_run(path, write=not ns.no_write)
-        report = _verify(path, ns)
-        _print_json_or_text(ns, report, account, report.next_actions(account.next_actions))
+        account = diagnose_run(path, write=not ns.no_write, verified=False)  # this verification's, below
+        _print_merged(ns, _verify(path, ns), account)
         return 0
     from stabletrain.cli import user_code
-    from stabletrain.debug.diagnose import Diagnosis, diagnose
+    from stabletrain.debug.diagnose import diagnose
 
     model, step_fn = user_code.load(ns)
     result = diagnose(ns.path, model=model, step_fn=step_fn, device=ns.device, write=not ns.no_write)
@@ -119,19 +118,22 @@ def run_diagnose(ns: argparse.Namespace) -> int:
         raise StabletrainError(f"--verify: no run folder (settings.json and metrics.jsonl) holds {path}: the remedies "
                                "are re-run from the run's checkpoints with its settings; captures of other "
                                "frameworks' runs (Lightning, HF Trainer, Accelerate) cannot be verified here")
-    report = _verify(run, ns, mechanisms=_mechanisms_of(result))
-    if not isinstance(result, Diagnosis):  # an optimizer-step diagnosis: its own account, then the remedies
-        _print_json_or_text(ns, report, result, report.next_actions([]))
-        return 0
-    merged = dataclasses.replace(result, next_actions=report.next_actions(result.next_actions))
-    if result.files:
+    _print_merged(ns, _verify(run, ns, mechanisms=_mechanisms_of(result)), result)
+    return 0
+
+
+def _print_merged(ns: argparse.Namespace, report: Any, diagnosis: Any) -> None:
+    """The diagnosis (of a capture, an optimizer step or a run's signals) with the verified next actions in
+    place of its own: the verified remedy first, then its own suggestions marked tried (with what was
+    measured) or not. Its diagnosis.md and .json are written again so that they say the same."""
+    merged = dataclasses.replace(diagnosis, next_actions=report.next_actions(diagnosis.next_actions))
+    if diagnosis.files:
         from stabletrain.utils.io import atomic_write_text
 
-        md, js = (Path(f) for f in result.files)
+        md, js = (Path(f) for f in diagnosis.files)
         atomic_write_text(merged.to_markdown() + "\n", md)
         atomic_write_text(json.dumps(merged.to_dict(), indent=2) + "\n", js)
     _print_json_or_text(ns, report, merged, None)
-    return 0
 
 
 def _mechanisms_of(result: Any) -> list[str]:
@@ -175,11 +177,12 @@ def run_report(ns: argparse.Namespace) -> int:
     verified and ranked, then the next actions: the verified remedy first, the report's own labelled not verified."""
     from stabletrain.reporting import report as build_report
 
-    summary = build_report(ns.out, quiet=True, plots=not ns.no_plots)
+    summary = build_report(ns.out, quiet=True, plots=not ns.no_plots, verified=False)  # this verification's, below
     text, actions = split_next(summary.text)
     print(text)
     print()
     remedies = _verify(Path(ns.out), ns)
+    build_report(ns.out, quiet=True, plots=False)  # summary.md again, quoting it (the plots stay)
     print()
     print(remedies.to_markdown())
     print()

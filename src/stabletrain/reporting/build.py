@@ -10,6 +10,7 @@ from typing import Any
 
 from stabletrain.config import TrendAlertArgs
 from stabletrain.debug.mechanisms.rules import Mechanism
+from stabletrain.debug.remedies.record import current_record
 from stabletrain.debug.trends import AlertContext, Episode, checkpoint_context
 from stabletrain.reporting.data import RunData
 from stabletrain.reporting.plots import plot_all
@@ -43,13 +44,17 @@ class Report:
     text: str = ""
 
 
-def report(out: str | Path, *, quiet: bool = False, plots: bool = True) -> Report:
+def report(out: str | Path, *, quiet: bool = False, plots: bool = True, verified: bool = True) -> Report:
     """Analyse a run's metrics.jsonl and write ``out/report/`` (summary and plots).
 
     Args:
         out: A training run's output folder.
         quiet: Do not print the summary.
         plots: Write the PNG plots (needs matplotlib).
+        verified: Quote the run's last verification of remedies (``stabletrain diagnose --verify``,
+            ``debug/remedies/remedies.json``) while its metrics.jsonl is unchanged since: its verified
+            remedy first among the next actions, the suggestions marked tried or not. False: the
+            suggestions as they are, unverified.
 
     Returns:
         A :class:`Report` with the status per signal, the episodes and the files written.
@@ -84,11 +89,12 @@ def report(out: str | Path, *, quiet: bool = False, plots: bool = True) -> Repor
         except ImportError:
             plot_note = 'plots skipped: matplotlib is not installed (pip install "stabletrain[plots]")'
 
-    markdown = markdown_text(out, data, status, verdict, episodes, context, images, plot_note, mechanisms)
+    record = current_record(out) if verified else None
+    markdown = markdown_text(out, data, status, verdict, episodes, context, images, plot_note, mechanisms, record)
     summary_path = folder / "summary.md"
     summary_path.write_text(markdown, encoding="utf-8")
     files = [summary_path, *images]
-    text = terminal_text(out, data, status, verdict, episodes, context, files, plot_note, mechanisms)
+    text = terminal_text(out, data, status, verdict, episodes, context, files, plot_note, mechanisms, record)
     if not quiet:
         print(text)
     return Report(out=out, folder=folder, status=status, verdict=verdict, episodes=episodes, mechanisms=mechanisms,

@@ -12,6 +12,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from stabletrain.debug.mechanisms.rules import Mechanism, RuleContext, published_fixes
+from stabletrain.debug.remedies.record import UNVERIFIED, VerifiedRecord, label_suggestion
 from stabletrain.debug.trends import AlertContext, Episode, next_actions
 from stabletrain.reporting.data import RunData
 from stabletrain.reporting.quarantine import quarantine_line, quarantine_section
@@ -87,8 +88,8 @@ def _mechanism_actions(mechanisms: Sequence[Mechanism], settings: dict[str, Any]
             continue
         fixes = published_fixes(m.id, context)
         if fixes:
-            actions.append(f"{m.name}: " + "; or ".join(fixes) + f" (the published fix, {m.info.reference}; not "
-                           "verified on this run: --verify tries it)")
+            actions.append(f"{m.name}: " + "; or ".join(fixes) + f" (the published fix, {m.info.reference}; "
+                           f"{UNVERIFIED})")
     return actions
 
 
@@ -116,6 +117,7 @@ def terminal_text(
     files: Sequence[Path],
     plot_note: str,
     mechanisms: Sequence[Mechanism] = (),
+    record: Optional[VerifiedRecord] = None,
 ) -> str:
     lines = [f"stabletrain report: {out} ({_span_text(data)})"]
     skips = scaler_skip_note(data)
@@ -127,13 +129,40 @@ def terminal_text(
     if quarantine_line(out):
         lines.append(quarantine_line(out))
     actions = _mechanism_actions(mechanisms, data.settings) + _actions(episodes, context)
+    if record is not None:
+        actions = record.next_actions(actions)
     if actions:
         lines.append("next:")
         lines += [f"  - {a}" for a in actions]
+    if record is not None:
+        lines.append(f"verified remedies: {record.path} ({_RECORD_NOTE})")
     if plot_note:
         lines.append(plot_note)
     lines.append(f"written: {files[0]}" + "".join(f", {p.name}" for p in files[1:]))
     return "\n".join(lines)
+
+
+#: Where a quoted verification comes from, and why it still holds.
+_RECORD_NOTE = "stabletrain diagnose --verify; this run's metrics.jsonl is unchanged since"
+
+
+def _mechanism_section(mechanisms: Sequence[Mechanism], settings: dict[str, Any],
+                       record: Optional[VerifiedRecord]) -> list[str]:
+    """summary.md's mechanisms with their published fixes (marked tried or not after a verification), and
+    the verified remedy of a current verification."""
+    md: list[str] = []
+    if mechanisms:
+        md += ["", "## Mechanisms named in the signals", "", "See docs/mechanisms.md for each rule.", ""]
+        for m in mechanisms:
+            md += [f"### {m.name}{' in ' + m.where if m.where else ''}, {m.steps_text()}", "", m.describe() + ".", ""]
+        fixes = _mechanism_actions(mechanisms, settings)
+        if record is not None:
+            fixes = [label_suggestion(a, record.measured) for a in fixes]
+        if fixes:
+            md += ["Next actions:", ""] + [f"- {a}" for a in fixes] + [""]
+    if record is not None:
+        md += ["", "## Remedies verified", "", record.next_action, "", f"From `{record.path}` ({_RECORD_NOTE}).", ""]
+    return md
 
 
 def markdown_text(
@@ -146,6 +175,7 @@ def markdown_text(
     images: Sequence[Path],
     plot_note: str,
     mechanisms: Sequence[Mechanism] = (),
+    record: Optional[VerifiedRecord] = None,
 ) -> str:
     md = [f"# stabletrain report: {out.name}", ""]
     md.append(f"Run `{out}`: {_span_text(data)}. {_run_line(data)}.".replace(". .", "."))
@@ -163,13 +193,7 @@ def markdown_text(
         if signal == "gradient_norm" and scaler_skip_note(data):
             cell = "; ".join(filter(None, [cell, scaler_skip_note(data)]))
         md.append(f"| `{signal}` | {st} | {cell or '-'} |")
-    if mechanisms:
-        md += ["", "## Mechanisms named in the signals", "", "See docs/mechanisms.md for each rule.", ""]
-        for m in mechanisms:
-            md += [f"### {m.name}{' in ' + m.where if m.where else ''}, {m.steps_text()}", "", m.describe() + ".", ""]
-        fixes = _mechanism_actions(mechanisms, data.settings)
-        if fixes:
-            md += ["Next actions:", ""] + [f"- {a}" for a in fixes] + [""]
+    md += _mechanism_section(mechanisms, data.settings, record)
     alerts = [e for e in episodes if not e.tolerated]
     if alerts:
         md += ["", "## Episodes", ""]

@@ -18,6 +18,7 @@ import torch
 import stabletrain
 from conftest import LinearData, Regression
 from stabletrain.cli.main import main
+from stabletrain.cli.remedies import split_next
 from stabletrain.debug.remedies import FILE_JSON, SCRATCH, RemedyError
 from stabletrain.reporting.remedies import verify_remedies
 from stabletrain.runfiles.history import read_run
@@ -76,6 +77,44 @@ def test_diagnose_a_capture_with_verify_puts_the_verified_lr_first_and_its_comma
     last = history.rows[-1]
     assert last["step"] == 99 and last["loss"] < 4 and last["lr"] < 0.1
     assert history.resumes[-1] == remedies["plan"]["start_step"]
+
+
+def test_diagnose_a_run_without_capture_with_verify_prints_and_writes_only_the_merged_actions(tmp_path, capsys):
+    """A run that never went non-finite (attention-logit growth): diagnose --verify printed its own next
+    actions ("not verified on this run: --verify tries it") above the verified ones, and left diagnosis.md
+    and .json saying so after they were tried. Now one list, the same in what is printed and in the files."""
+    rows = runs.run_attention_growth(tmp_path, steps=60, checkpoint_every_num_steps=10)
+    assert rows.error is None and any(e["event"] == "mechanism" for e in rows.events)
+    with one_thread():
+        assert main(["diagnose", str(rows.out), "--verify", "--budget-steps", "100"]) == 0
+    out = capsys.readouterr().out
+    actions = numbered(out)
+    assert actions[0].startswith(("1. Resume with ", "1. Start again with ", "1. No verified remedy")), actions
+    assert all(a.split(". ", 1)[1].startswith(("Not verified: ", "Tried: ")) for a in actions[1:]), actions
+    assert len(actions) >= 2 and "--verify tries it" not in out
+    assert out.count("## Next actions") == 1 and out.index("## Next actions") < out.index("# Verified remedies")
+    folder = rows.out / "debug"
+    assert numbered((folder / "diagnosis.md").read_text()) == actions
+    merged = [a.split(". ", 1)[1] for a in actions]
+    assert json.loads((folder / "diagnosis.json").read_text())["next_actions"] == merged
+
+    # Later messages about the run quote that verification while metrics.jsonl is unchanged: diagnose without
+    # --verify gives the same actions, the report (terminal and summary.md) the verified one first and its own
+    # suggestions marked as tried, none saying "--verify tries it".
+    assert stabletrain.diagnose(rows.out).next_actions == merged
+    r = stabletrain.report(rows.out, quiet=True, plots=False)
+    _, reported = split_next(r.text)
+    assert reported[0] == merged[0] and reported[1].startswith("Tried: attention-logit growth: ")
+    assert "(measured here: " in reported[1] and "--verify tries it" not in r.text
+    assert f"verified remedies: {folder / 'remedies' / 'remedies.md'}" in r.text
+    summary = (rows.out / "report" / "summary.md").read_text()
+    assert "## Remedies verified" in summary and merged[0] in summary and "--verify tries it" not in summary
+    # A run that went on since (one more row) is not the run verified: the suggestions are unverified again.
+    with open(rows.out / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 60, "loss": 3.0}) + "\n")
+    r = stabletrain.report(rows.out, quiet=True, plots=False)
+    assert "not verified on this run: --verify tries it" in r.text and "verified remedies:" not in r.text
+    assert "--verify tries it" in stabletrain.diagnose(rows.out).next_actions[0]
 
 
 def test_report_with_verify_prints_the_verified_remedy_as_the_first_next_action(tmp_path, capsys):

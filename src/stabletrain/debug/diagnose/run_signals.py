@@ -20,6 +20,7 @@ from stabletrain.debug.mechanisms.rules import (
     published_fixes,
     starts_over,
 )
+from stabletrain.debug.remedies.record import UNVERIFIED, current_record
 from stabletrain.utils.io import atomic_write_text
 from stabletrain.utils.text import fmt_number
 
@@ -158,13 +159,15 @@ def _f(x: float) -> str:
     return fmt_number(x) if math.isfinite(x) else str(x)
 
 
-def diagnose_run(out: str | Path, *, write: bool = True) -> RunDiagnosis:
+def diagnose_run(out: str | Path, *, write: bool = True, verified: bool = True) -> RunDiagnosis:
     """Name the mechanisms in a run's logged signals, the checkpoint to go back to, and the published fixes
     (not verified: said so).
 
     Args:
         out: A run folder (``metrics.jsonl``, ``settings.json``, ``checkpoints/``).
         write: Write ``diagnosis.md`` and ``diagnosis.json`` into ``out/debug/``.
+        verified: Quote the run's last verification of remedies while its metrics.jsonl is unchanged since
+            (``stabletrain diagnose --verify``): the verified remedy first, the fixes marked tried or not.
 
     Example::
 
@@ -194,6 +197,9 @@ def diagnose_run(out: str | Path, *, write: bool = True) -> RunDiagnosis:
         why = (f"None of the run's {n} checkpoints is healthy: a fix starts over from step 0." if n
                else "The run wrote no checkpoint: a fix starts over from step 0.")
     actions = _actions(first, RuleContext.from_settings(settings), checkpoint)
+    record = current_record(out) if verified else None
+    if record is not None:
+        actions = record.next_actions(actions)
     steps = (rows[0]["step"], rows[-1]["step"]) if rows else (0, 0)
     diag = RunDiagnosis(str(out), steps, mechanisms, loss, checkpoint, why, actions)
     if write and rows:
@@ -210,6 +216,6 @@ def _actions(first: list[Mechanism], context: RuleContext, checkpoint: Optional[
     for m in first:
         fixes = [f if starts_over(f) else f"{f}, from {start}" for f in published_fixes(m.id, context)]
         if fixes:
-            actions.append(f"{m.name}: " + "; or ".join(fixes) + f" (the published fix, {m.info.reference}; not "
-                           "verified on this run: --verify tries it)")
+            actions.append(f"{m.name}: " + "; or ".join(fixes) + f" (the published fix, {m.info.reference}; "
+                           f"{UNVERIFIED})")
     return actions

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -13,10 +12,11 @@ from typing import Any, Optional, Sequence
 from stabletrain.debug.remedies.candidates import Candidate
 from stabletrain.debug.remedies.outcome import FINITE, Outcome, beats
 from stabletrain.debug.remedies.plan import Plan
+from stabletrain.debug.remedies.record import METRICS_DIGEST, UNVERIFIED, label_suggestion, metrics_digest
 from stabletrain.utils.io import atomic_write_text
 from stabletrain.utils.text import fmt_number, json_float
 
-__all__ = ["RemedyReport", "FILE_JSON", "FILE_MD", "SIGNAL_COLUMNS"]
+__all__ = ["RemedyReport", "FILE_JSON", "FILE_MD", "SIGNAL_COLUMNS", "UNVERIFIED", "label_suggestion"]
 
 FILE_JSON = "remedies.json"
 FILE_MD = "remedies.md"
@@ -137,17 +137,11 @@ class RemedyReport:
         return [self.next_action(), *(self._labelled(a) for a in others)]
 
     def _labelled(self, action: str) -> str:
-        """A suggestion of diagnose or the report, after the verification: ``Tried: ...`` with the numbers of
-        the candidates it names that were re-run, else ``Not verified: ...``."""
-        if action.startswith("Replay the step yourself"):
-            return action
-        action = action.replace("not verified on this run: --verify tries it", "tried by --verify")
-        tried = [o for o in self.ranked if re.search(re.escape(o.name) + r"(?![\w.])", action)]
-        if not tried:
-            return f"Not verified: {action}"
-        measured = "; ".join(f"{o.name}: {o.result_text()}" + (" (the verified remedy above)" if o is self.best else "")
-                             for o in tried)
-        return f"Tried: {action} (measured here: {measured})"
+        return label_suggestion(action, self.measured())
+
+    def measured(self) -> list[tuple[str, str, bool]]:
+        """``(candidate, result, is the verified remedy)`` of every candidate tried."""
+        return [(o.name, o.result_text(), o is self.best) for o in self.ranked]
 
     def no_remedy_text(self) -> str:
         tried = len(self.ranked)
@@ -180,7 +174,7 @@ class RemedyReport:
             return {**o.to_dict(), "beats_as_run": ok,
                     "gain": None if math.isnan(gain) else json_float(gain),
                     "threshold": None if math.isnan(threshold) else json_float(threshold),
-                    "command": self.commands.get(o.name)}
+                    "command": self.commands.get(o.name), "result": o.result_text()}
 
         return {
             "run": str(self.run),
@@ -196,6 +190,8 @@ class RemedyReport:
             "original_steps": self.plan.original_steps(),
             "cost": self.cost_text(),
             "files": [str(f) for f in self.files],
+            # What the run's later messages check before they quote this verification (record.py).
+            METRICS_DIGEST: metrics_digest(self.run),
         }
 
     def to_markdown(self) -> str:
