@@ -185,6 +185,7 @@ def test_after_the_verification_a_suggestion_it_tried_says_so_with_its_numbers(t
         "clip gradients: gradient_clip_val=1.0",
         "a lower lr: model_args.lr=0.3 or model_args.lr=0.03",
         "Replay the step yourself: stabletrain replay out/x",
+        "a longer warmup: model_args.warmup_steps=100 (not verified on this run: --verify tries it)",
     ])
     assert actions[1] == ("Tried: lower the learning rate: model_args.lr=0.1 (now 1; tried by --verify) "
                           f"(measured here: model_args.lr=0.1: final loss {BASE - 0.2:.3g})")
@@ -193,3 +194,5 @@ def test_after_the_verification_a_suggestion_it_tried_says_so_with_its_numbers(t
     assert actions[3] == ("Tried: a lower lr: model_args.lr=0.3 or model_args.lr=0.03 (measured here: "
                           f"model_args.lr=0.3: final loss {BASE - 0.5:.3g} (the verified remedy above))")
     assert actions[4] == "Replay the step yourself: stabletrain replay out/x"
+    # Not tried (not a candidate here, or the budget left it out): it does not claim --verify tried it.
+    assert actions[5] == "Not verified: a longer warmup: model_args.warmup_steps=100 (not tried by --verify)"
