@@ -246,3 +246,53 @@ def test_a_spike_episode_open_at_an_interruption_stays_open_after_the_resume(tmp
     # The level the loss must come back to is from before the spike, not the skipped spike's own loss.
     reference = last["health"]["open_spike"]["reference"]
     assert reference < 100 and f"at or below {reference:.4g}, the highest of the " in why
+
+
+def test_a_checkpoint_named_unhealthy_later_is_not_called_healthy_on_resume_nor_after_it(tmp_path):
+    """Attention-logit growth begins at step 10 and is named at step 20: the checkpoint written after step 19
+    was recorded healthy (nothing named yet), and every message since calls it not healthy. A resume from it
+    said "(healthy: ... no mechanism named in the signals)", and once the resume had replaced the timeline that
+    named the growth, list_checkpoints called it healthy again, though steps 10-19 are in the timeline kept."""
+    import mechanism_runs as runs
+
+    rows = runs.run_attention_growth(tmp_path, steps=40, checkpoint_every_num_steps=10, max_checkpoints_to_keep=10)
+    event = runs.mechanism_events(rows)[0]
+    start, named = event["start_step"], event["step"]
+    folder = rows.out / "checkpoints"
+    inside = [c for c in list_checkpoints(folder) if start < c.step <= named]
+    assert inside and inside[-1].health["healthy"], "recorded healthy when written: the growth was named later"
+    resumed_from = inside[-1]
+    assert not resumed_from.healthy and resumed_from.why.startswith(f"written after attention-logit growth began at "
+                                                                    f"step {start} (named at step {named};")
+    again = runs.run_lm(rows.out, steps=40, log_every_num_steps=10, checkpoint_every_num_steps=10,
+                        max_checkpoints_to_keep=10, resume_from=str(resumed_from.path), model_args={"lr": 0.01})
+    assert again.error is None, again.error
+    assert (f"Resumed from step {resumed_from.step}: {resumed_from.path} (not healthy: written after attention-logit "
+            f"growth began at step {start} (named at step {named}; metrics.jsonl))") in again.console
+    # The resumed timeline named it again (its rows before the resume are the same): the checkpoint stays not healthy.
+    after = {c.step: c for c in list_checkpoints(folder)}[resumed_from.step]
+    assert not after.healthy and "attention-logit growth began at step" in after.why
+    # A checkpoint from before it began is as healthy as it was.
+    assert all(c.healthy for c in list_checkpoints(folder) if c.step <= start)
+
+
+def test_a_mechanism_named_after_the_resume_step_still_covers_the_checkpoints_it_began_before(tmp_path):
+    """A resume to step 25 abandons the timeline that named a mechanism at step 30; it began at step 10,
+    so the checkpoints of steps 11-25 (in the timeline kept) stay not healthy, those after 25 are the new
+    timeline's to judge, and a mechanism that began at or after step 25 is gone with its timeline."""
+    from stabletrain.runfiles.history import mechanism_spans
+
+    rows = [{"step": s, "loss": 1.0} for s in range(0, 40, 5)]
+    events = [{"event": "mechanism", "step": 30, "id": "attention_logit_growth", "name": "attention-logit growth",
+               "start_step": 10, "detected_step": 30},
+              {"event": "mechanism", "step": 35, "id": "runaway_updates", "name": "runaway updates", "start_step": 25,
+               "detected_step": 35},
+              {"event": "resume", "step": 25, "checkpoint": "x"}]
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for row in [*rows, *events, *({"step": s, "loss": 0.5} for s in range(25, 50, 5))]:
+            f.write(json.dumps(row) + "\n")
+    (span,) = mechanism_spans(tmp_path)
+    assert (span.name, span.start_step, span.end_step, span.replaced_at) == ("attention-logit growth", 10, 24, 25)
+    assert [s for s in range(0, 50, 5) if span.covers(s)] == [15, 20, 25]
+    assert span.why() == ("written after attention-logit growth began at step 10 (named at step 30, in the timeline "
+                          "that the resume from step 25 replaced; metrics.jsonl)")

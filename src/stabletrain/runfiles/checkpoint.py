@@ -684,14 +684,22 @@ def list_checkpoints(folder: str | Path) -> list[CheckpointInfo]:
             continue
         if step in seen:
             continue
-        healthy = None if health is None else bool(health.get("healthy"))
-        why = str((health or {}).get("why", ""))
-        if healthy:  # recorded healthy when written; a mechanism named later may have begun before it
-            span = next((m for m in mechanism_spans(folder.parent) if m.covers(step)), None)
-            if span is not None:
-                healthy, why = False, span.why()
+        healthy, why = health_now(folder.parent, step, health)
         seen[step] = CheckpointInfo(path, step, healthy, why, health)
     return [seen[s] for s in sorted(seen)]
+
+
+def health_now(run: str | Path, step: int, health: Optional[dict[str, Any]]) -> tuple[Optional[bool], str]:
+    """A checkpoint's health as known now: ``(healthy, why)`` as recorded when it was written (None
+    when it has no record), except that one recorded healthy is not once the run's metrics.jsonl names
+    a mechanism that began before its ``step`` (named later: :func:`~stabletrain.runfiles.history.mechanism_spans`)."""
+    healthy = None if health is None else bool(health.get("healthy"))
+    why = str((health or {}).get("why", ""))
+    if healthy:
+        span = next((m for m in mechanism_spans(run) if m.covers(step)), None)
+        if span is not None:
+            return False, span.why()
+    return healthy, why
 
 
 def newest_healthy(folder: str | Path, before_step: Optional[int] = None) -> Optional[CheckpointInfo]:

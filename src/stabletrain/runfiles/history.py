@@ -109,6 +109,9 @@ class MechanismSpan:
     start_step: int
     detected_step: int
     end_step: Optional[int]
+    #: The resume step whose timeline replaced the one that named it: it began before that step, in the
+    #: timeline kept (so it ends there for the checkpoints), and was named after it, in the one abandoned.
+    replaced_at: Optional[int] = None
 
     def covers(self, checkpoint_step: int) -> bool:
         """Whether a checkpoint holding ``checkpoint_step`` completed steps was written after the mechanism
@@ -116,6 +119,10 @@ class MechanismSpan:
         return self.start_step < checkpoint_step and (self.end_step is None or checkpoint_step - 1 <= self.end_step)
 
     def why(self) -> str:
+        if self.replaced_at is not None:
+            return (f"written after {self.name} began at step {self.start_step} (named at step "
+                    f"{self.detected_step}, in the timeline that the resume from step {self.replaced_at} replaced; "
+                    "metrics.jsonl)")
         until = "" if self.end_step is None else f", until step {self.end_step}"
         return (f"written after {self.name} began at step {self.start_step} (named at step {self.detected_step}"
                 f"{until}; metrics.jsonl)")
@@ -138,7 +145,8 @@ def mechanism_spans(out: str | Path) -> list[MechanismSpan]:
 
     Only event lines are parsed (found by text first), and the result is cached by the file's size and
     modification time: rotation asks at every checkpoint. A resume to step N drops what was named at step N
-    or later before it (that timeline was abandoned)."""
+    or later before it (that timeline was abandoned), except what began before step N: the steps from its
+    start to N are in the timeline kept, and so are the checkpoints written there (its span then ends at N)."""
     path = Path(out) / "metrics.jsonl"
     try:
         st = path.stat()
@@ -161,18 +169,24 @@ def mechanism_spans(out: str | Path) -> list[MechanismSpan]:
                 continue
             kind = ev.get("event")
             if kind == "resume":
-                spans = {k: v for k, v in spans.items() if v["detected"] < ev["step"]}
-                for v in spans.values():  # the resumed timeline re-decides whether it ended
-                    if v["end"] is not None and v["end"] >= ev["step"]:
+                at = ev["step"]
+                kept = {k: v for k, v in spans.items() if v["detected"] < at}
+                for v in kept.values():  # the resumed timeline re-decides whether it ended
+                    if v["end"] is not None and v["end"] >= at:
                         v["end"] = None
+                for k, v in spans.items():  # began in the timeline kept, named in the one abandoned
+                    if k not in kept and v["start"] < at:
+                        kept[k] = {**v, "end": min(at - 1, v["end"] if v["end"] is not None else at - 1),
+                                   "replaced": at}
+                spans = kept
             elif kind == "mechanism" and isinstance(ev.get("start_step"), int):
                 spans[(str(ev.get("id")), ev["start_step"])] = {
                     "name": str(ev.get("name") or ev.get("id")), "start": ev["start_step"], "detected": ev["step"],
-                    "end": None}
+                    "end": None, "replaced": None}
             elif kind == "mechanism_end" and isinstance(ev.get("start_step"), int):
                 found = spans.get((str(ev.get("id")), ev["start_step"]))
                 if found is not None and isinstance(ev.get("end_step"), int):
                     found["end"] = ev["end_step"]
-    result = [MechanismSpan(v["name"], v["start"], v["detected"], v["end"]) for v in spans.values()]
+    result = [MechanismSpan(v["name"], v["start"], v["detected"], v["end"], v["replaced"]) for v in spans.values()]
     _SPANS[key] = (st.st_size, st.st_mtime_ns, result)
     return result

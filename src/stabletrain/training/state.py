@@ -100,6 +100,7 @@ def check_resume(trainer: Any, state: dict[str, Any], source: Path) -> None:
 
 def continue_history(trainer: Any, state: dict[str, Any], source: Path) -> None:
     """Continue the run's history (health, trends) and say where it resumed from."""
+    from stabletrain.runfiles.checkpoint import health_now
     from stabletrain.runfiles.history import read_run
 
     health = state.get("health") if isinstance(state.get("health"), dict) else None
@@ -119,8 +120,9 @@ def continue_history(trainer: Any, state: dict[str, Any], source: Path) -> None:
             trainer.console.info(note)
     if health:  # after the rows: its open spike episode already counts them
         trainer.safety.health.resume(health)
-    verdict = "healthy" if health and health.get("healthy") else "not healthy"
-    note = "" if health is None else f" ({verdict}: {health.get('why')})"
+    # As the run's other messages judge it: a mechanism named after it was written may have begun before it.
+    healthy, why = health_now(trainer.out, trainer.step, health)
+    note = "" if health is None else f" ({'healthy' if healthy else 'not healthy'}: {why})"
     trainer.console.info(f"Resumed from step {trainer.step}: {source}{note}")
     trainer.log_event({"event": "resume", "step": trainer.step, "checkpoint": str(source)})
     if quarantined:
