@@ -292,3 +292,25 @@ def test_another_ranks_failure_every_rank_capture_and_diagnose_agree(tmp_path, n
     assert alone.probable_cause == "another rank's step failed; this rank only stopped with it", alone.verdict
     assert "hardware" not in alone.verdict and "hardware" not in alone.cause_explanation
     assert alone.next_actions == [f"Diagnose all ranks together: stabletrain diagnose {folder}"]
+
+
+def test_a_mechanism_named_before_a_resume_is_in_the_verdict_of_the_report_and_of_diagnose(tmp_path):
+    """Attention-logit growth named at step 90 in a timeline that a resume from step 75 replaced, none named
+    since: the report's verdict named it and diagnose said "no mechanism named in the logged signals". Both
+    name it now, as named before the resume, and neither advises its fix (the resumed run is another one)."""
+    import json
+
+    event = {"event": "mechanism", "step": 90, "id": "attention_logit_growth", "name": "attention-logit growth",
+             "where": "blocks.0.attn", "start_step": 20, "detected_step": 90, "end_step": None,
+             "evidence": "signals/attn_logit_max/blocks.0.attn 1.04e+03 (0.232 at step 0)", "values": {},
+             "follows": "", "episode": 1}
+    lines = [{"step": s, "loss": 3.0 - s / 100} for s in range(0, 100, 10)] + [event]
+    lines += [{"event": "resume", "step": 75, "checkpoint": "x"}] + [{"step": s, "loss": 2.0} for s in range(80, 150, 10)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    r = stabletrain.report(tmp_path, quiet=True, plots=False)
+    d = stabletrain.diagnose(tmp_path, write=False)
+    assert r.verdict == "attention-logit growth"
+    assert d.verdict == ("attention-logit growth in blocks.0.attn, named before the resume from step 75, whose "
+                         "timeline replaced it; none named in the logged signals since")
+    assert "(from step 20, found at step 90; before the resume from step 75, whose timeline replaced it)" in str(d)
+    assert d.next_actions == [] and "\nnext:" not in r.text

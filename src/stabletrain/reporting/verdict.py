@@ -14,14 +14,7 @@ import math
 from typing import Any, Mapping, Optional, Sequence
 
 from stabletrain.config import TrendAlertArgs
-from stabletrain.debug.mechanisms.rules import (
-    NAMES,
-    Mechanism,
-    RuleContext,
-    detect_mechanisms,
-    mechanism_settings,
-    merge_episodes,
-)
+from stabletrain.debug.mechanisms.rules import NAMES, Mechanism, mechanisms_of_run
 from stabletrain.debug.trends import Episode, TrendDetector
 from stabletrain.reporting.data import RunData
 
@@ -66,14 +59,7 @@ def run_episodes(data: RunData, args: Optional[TrendAlertArgs], warmup: int) -> 
 def run_mechanisms(data: RunData) -> list[Mechanism]:
     """The mechanisms the run's signals show (:mod:`stabletrain.debug.mechanisms.rules`, with the run's own
     thresholds), and those named in a timeline a resume replaced (from their ``mechanism`` rows)."""
-    found = detect_mechanisms(data.rows, mechanism_settings(data.settings), RuleContext.from_settings(data.settings))
-    if data.resumes:
-        for ev in data.abandoned_events:
-            m = Mechanism.from_event(ev)
-            if m is not None:
-                m.settled = f"before the resume from step {min(data.resumes)}, whose timeline replaced it"
-                found.append(m)
-    return merge_episodes(found)
+    return mechanisms_of_run(data.rows, data.settings, data.abandoned_events, data.resumes)
 
 
 def statuses(data: RunData, episodes: Sequence[Episode], min_points: int,

@@ -30,16 +30,24 @@ FILE_JSON = "diagnosis.json"
 
 def _read(out: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The run's current timeline of logged rows and its settings (empty when missing)."""
+    rows, settings, _ = _read_history(out)
+    return rows, settings
+
+
+def _read_history(out: Path) -> tuple[list[dict[str, Any]], dict[str, Any], Any]:
+    """:func:`_read`, and the run's history (resumes, the events of the timelines they replaced), or None."""
     from stabletrain.runfiles.history import read_run
 
     rows: list[dict[str, Any]] = []
+    history = None
     if (out / "metrics.jsonl").is_file():
-        rows = read_run(out / "metrics.jsonl").rows
+        history = read_run(out / "metrics.jsonl")
+        rows = history.rows
     try:
         settings = json.loads((out / "settings.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         settings = {}
-    return rows, settings if isinstance(settings, dict) else {}
+    return rows, settings if isinstance(settings, dict) else {}, history
 
 
 def is_run_without_capture(path: Path) -> bool:
@@ -112,6 +120,10 @@ class RunDiagnosis:
     def verdict(self) -> str:
         first = causes(self.mechanisms)
         if not first:
+            before = next((m for m in self.mechanisms if m.settled and not m.follows), None)
+            if before is not None:  # the report's verdict names it too
+                return (f"{before.name}{' in ' + before.where if before.where else ''}, named {before.settled}; "
+                        "none named in the logged signals since")
             return "no mechanism named in the logged signals"
         m = first[0]
         return f"{m.name}{' in ' + m.where if m.where else ''} (a silent instability: the run never went non-finite)"
@@ -146,6 +158,9 @@ class RunDiagnosis:
         text = (f"No NaN capture: the run logged steps {lo}-{hi} and its loss stayed finite "
                 f"({_f(loss['first'])} at step {lo}, {_f(loss['last'])} at step {hi}, lowest {_f(loss['lowest'])}).")
         first = causes(self.mechanisms)
+        if not first and self.mechanisms:
+            return text + (" No rule of docs/mechanisms.md holds on the signals of its current timeline; what a "
+                           "timeline that a resume replaced named is below.")
         if not first:
             return text + " No rule of docs/mechanisms.md held on its signals: nothing silent to name."
         m = first[0]
@@ -177,8 +192,10 @@ def diagnose_run(out: str | Path, *, write: bool = True, verified: bool = True) 
     from stabletrain.runfiles.checkpoint import list_checkpoints, newest_healthy
 
     out = Path(out)
-    rows, settings = _read(out)
-    mechanisms = mechanisms_of_run(rows, settings)
+    rows, settings, history = _read_history(out)
+    # As the report: what a timeline that a resume replaced named is told too, settled.
+    mechanisms = (mechanisms_of_run(rows, settings, history.abandoned_events, history.resumes) if history is not None
+                  else mechanisms_of_run(rows, settings))
     losses = [(r["step"], float(r["loss"])) for r in rows if isinstance(r.get("loss"), (int, float))]
     finite = [v for _, v in losses if math.isfinite(v)]
     loss = {"first": losses[0][1] if losses else math.nan, "last": losses[-1][1] if losses else math.nan,

@@ -646,10 +646,20 @@ def detect_mechanisms(
     return detector.found
 
 
-def mechanisms_of_run(rows: Sequence[Mapping[str, Any]], settings: Mapping[str, Any]) -> list[Mechanism]:
+def mechanisms_of_run(rows: Sequence[Mapping[str, Any]], settings: Mapping[str, Any],
+                      replaced: Sequence[Mapping[str, Any]] = (), resumes: Sequence[int] = ()) -> list[Mechanism]:
     """The mechanisms of a run's logged rows, judged with the run's own thresholds and settings
-    (its ``settings.json``), a mechanism that came and went told once (:func:`merge_episodes`)."""
-    return merge_episodes(detect_mechanisms(rows, mechanism_settings(settings), RuleContext.from_settings(settings)))
+    (its ``settings.json``), a mechanism that came and went told once (:func:`merge_episodes`); and,
+    from ``replaced`` (the events of timelines that the ``resumes`` replaced), those named there, each
+    ``settled`` (it says so; a fix is not advised for it)."""
+    found = detect_mechanisms(rows, mechanism_settings(settings), RuleContext.from_settings(settings))
+    if resumes:
+        for ev in replaced:
+            m = Mechanism.from_event(ev)
+            if m is not None:
+                m.settled = f"before the resume from step {min(resumes)}, whose timeline replaced it"
+                found.append(m)
+    return merge_episodes(found)
 
 
 def merge_episodes(mechanisms: Sequence[Mechanism]) -> list[Mechanism]:
