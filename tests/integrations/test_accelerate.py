@@ -328,18 +328,24 @@ def test_optimizer_state_loaded_with_an_inf_is_not_blamed_on_the_first_step(tmp_
                              "or the checkpoint loaded): they were out of range before the first optimizer step.")
 
 
+def _prepared_siamese():
+    """The example's model, SGD with momentum and data (sample 29 is the identical pair: a NaN gradient at
+    step 14 with batches of 2), seeded and prepared by a CPU Accelerator: (accelerator, model, optimizer, loader)."""
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=True)
+    model = Siamese()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    loader = torch.utils.data.DataLoader(Pairs(bad=29), batch_size=2)
+    return (accelerator, *accelerator.prepare(model, optimizer, loader))
+
+
 def _healing_loop(tmp_path, unwrap: bool):
     """The example's model and data (sample 29 gives a NaN gradient: step 14 with batches of 2), 16
     steps, nancapture off, an InstabilityGuard on the step's pre-clip norm from check(). Returns the
     recoveries, the guard's step mode, and the weights before and after each step."""
     from stabletrain import InstabilityGuard
 
-    torch.manual_seed(0)
-    accelerator = Accelerator(cpu=True)
-    model = Siamese()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    loader = torch.utils.data.DataLoader(Pairs(bad=29), batch_size=2)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    accelerator, model, optimizer, loader = _prepared_siamese()
     # The torch optimizer inside Accelerate's wrapper gets the skip-aware step; the wrapper, the copy.
     heal = InstabilityGuard(optimizer.optimizer if unwrap else optimizer)
     weights, recoveries, modes = [], [], set()
@@ -384,12 +390,7 @@ def _monitor_healing_loop(tmp_path, steps=16, save_to=None, load_from=None, **on
     step 14's (batches of 2). Returns the monitor's recoveries and the weights before and after each step.
     ``save_to`` / ``load_from``: ``accelerator.save_state`` after the loop / ``load_state`` before it, with
     the monitor registered for checkpointing."""
-    torch.manual_seed(0)
-    accelerator = Accelerator(cpu=True)
-    model = Siamese()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    loader = torch.utils.data.DataLoader(Pairs(bad=29), batch_size=2)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    accelerator, model, optimizer, loader = _prepared_siamese()
     weights = []
     with StepMonitor(accelerator, model, out_dir=tmp_path, step_fn=step_fn,
                      on_instability={"policy": "skip_step", **on_instability}) as monitor:
@@ -441,10 +442,7 @@ def test_step_monitor_skip_step_state_is_saved_and_loaded_by_accelerate(tmp_path
     saved = first.tools.healing.guard.detector.state_dict()
     assert int(saved["count"]) == 15, "the 15 applied steps: the skipped one is not in the window"
     for optimizer_given in (False, True):  # armed at the first check(), or when made
-        accelerator = Accelerator(cpu=True)
-        model = Siamese()
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        model, optimizer = accelerator.prepare(model, optimizer)
+        accelerator, model, optimizer, _ = _prepared_siamese()
         monitor = StepMonitor(accelerator, model, out_dir=tmp_path / "c", step_fn=step_fn,
                               optimizer=optimizer if optimizer_given else None, on_instability={"policy": "skip_step"})
         accelerator.register_for_checkpointing(monitor)
