@@ -112,7 +112,8 @@ def run_diagnose(ns: argparse.Namespace) -> int:
     from stabletrain.debug.diagnose import diagnose
 
     model, step_fn = user_code.load(ns)
-    result = diagnose(ns.path, model=model, step_fn=step_fn, device=ns.device, write=not ns.no_write)
+    # This verification's next actions are put in below, not the last one's.
+    result = diagnose(ns.path, model=model, step_fn=step_fn, device=ns.device, write=not ns.no_write, verified=False)
     run = run_folder_of(path)
     if run is None:
         raise StabletrainError(f"--verify: no run folder (settings.json and metrics.jsonl) holds {path}: the remedies "

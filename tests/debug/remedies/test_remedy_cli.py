@@ -66,6 +66,11 @@ def test_diagnose_a_capture_with_verify_puts_the_verified_lr_first_and_its_comma
     remedies = json.loads((boom.out / SCRATCH / FILE_JSON).read_text())
     assert remedies["best"] == "model_args.lr=0.1" and remedies["steps"] <= 200
     assert remedies["plan"]["start_checkpoint"] in actions[0]
+    # diagnose again, without --verify, while the run is as it was verified: the same next actions.
+    with one_thread():
+        again = stabletrain.diagnose(capture)
+    assert again.next_actions == [a.split(". ", 1)[1] for a in actions]
+    assert numbered((capture / "diagnosis.md").read_text()) == actions
 
     # The command printed continues the run from the healthy checkpoint at lr 0.1, and trains to the end.
     command = actions[0].split("): ", 1)[1]

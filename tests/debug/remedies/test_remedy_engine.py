@@ -196,3 +196,23 @@ def test_after_the_verification_a_suggestion_it_tried_says_so_with_its_numbers(t
     assert actions[4] == "Replay the step yourself: stabletrain replay out/x"
     # Not tried (not a candidate here, or the budget left it out): it does not claim --verify tried it.
     assert actions[5] == "Not verified: a longer warmup: model_args.warmup_steps=100 (not tried by --verify)"
+
+
+def test_a_suggestion_names_a_tried_candidate_by_its_number_and_loses_its_own_not_verified():
+    """Diagnose suggests gradient_clip_val=1.0; the candidate tried is gradient_clip_val=1: the same setting
+    (it was "Not verified" beside the table that showed it tried). And a suggestion whose own words said "not
+    verified: <why this lr>" no longer says so once that lr was measured."""
+    from stabletrain.debug.remedies.record import label_suggestion
+
+    measured = [("gradient_clip_val=1", "final loss 14.3", False), ("model_args.lr=0.1", "final loss 3.14", True)]
+    assert label_suggestion("Keep single steps from blowing the weights up: gradient_clip_val=1.0 (clipping is off).",
+                            measured) == ("Tried: Keep single steps from blowing the weights up: gradient_clip_val=1.0 "
+                                          "(clipping is off). (measured here: gradient_clip_val=1: final loss 14.3)")
+    assert label_suggestion("resume_from=x.ckpt and model_args.lr=0.1 (was 1; the run's lr x0.1, not verified: no "
+                            "logged stretch trained stably at a lower lr)", measured) == (
+        "Tried: resume_from=x.ckpt and model_args.lr=0.1 (was 1; the run's lr x0.1: no logged stretch trained stably "
+        "at a lower lr) (measured here: model_args.lr=0.1: final loss 3.14 (the verified remedy above))")
+    # Another value of the same setting, or another setting ending in the same name, is not the one tried.
+    assert label_suggestion("gradient_clip_val=0.5", measured) == "Not verified: gradient_clip_val=0.5"
+    assert label_suggestion("model_args.lr=0.01", measured) == "Not verified: model_args.lr=0.01"
+    assert label_suggestion("other.gradient_clip_val=1", measured) == "Not verified: other.gradient_clip_val=1"

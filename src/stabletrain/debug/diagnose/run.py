@@ -6,6 +6,7 @@ those parts. See ``docs/diagnose.md``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -32,6 +33,7 @@ from stabletrain.debug.nan_capture import (
     REASON_SKIPPED,
 )
 from stabletrain.debug.optimizer_step import REASON_OPTIMIZER_STEP, OptimizerStepDiagnosis, diagnose_optimizer_step
+from stabletrain.debug.remedies.record import current_record
 from stabletrain.debug.replay import NaNCapture, load_nan_capture, normalize_precision
 from stabletrain.utils.io import atomic_write_text
 
@@ -48,6 +50,7 @@ def diagnose(
     write: bool = True,
     huge_weight: float = HUGE_WEIGHT,
     max_subset_replays: int = 64,
+    verified: bool = True,
 ) -> Union[Diagnosis, OptimizerStepDiagnosis, RunDiagnosis]:
     """Diagnose a NaN capture offline: which op, which module, which sample, and why.
 
@@ -69,6 +72,9 @@ def diagnose(
         write: Write ``diagnosis.md`` and ``diagnosis.json`` next to the capture.
         huge_weight: The weight magnitude counted as huge (see :data:`~stabletrain.debug.diagnose.HUGE_WEIGHT`).
         max_subset_replays: Upper bound on subset replays while searching for the culprit data.
+        verified: Quote the run's last verification of remedies (``stabletrain diagnose --verify``) while
+            its metrics.jsonl is unchanged since: the verified remedy first among the next actions, the
+            others marked tried (with what was measured) or not.
 
     Returns:
         A :class:`Diagnosis`; ``print(d)`` shows the account, ``d.to_dict()`` the same for machines.
@@ -83,16 +89,31 @@ def diagnose(
         print(d.cause, d.finding.op, d.finding.module, d.data.dataset_indices)
     """
     if not isinstance(capture, NaNCapture) and is_run_without_capture(Path(capture)):
-        return diagnose_run(capture, write=write)  # never went non-finite: what its signals say
+        return diagnose_run(capture, write=write, verified=verified)  # never went non-finite: what its signals say
     timings: dict[str, float] = {}
     clock = PhaseTimer(timings)
     with clock("load"):
         cap = _load(capture, model, step_fn)
         if cap.reason == REASON_OPTIMIZER_STEP:  # the guard's capture: the optimizer step did it
-            return diagnose_optimizer_step(cap, device=None if device is None else torch.device(device), write=write)
+            step = diagnose_optimizer_step(cap, device=None if device is None else torch.device(device), write=write)
+            return _quoting(step, run_folder(cap) if verified else None)
     dev = torch.device(device) if device is not None else cap.default_device()
     ev, out = _gather(cap, dev, clock, huge_weight, max_subset_replays)
-    return _conclude(cap, ev, out, write)
+    return _quoting(_conclude(cap, ev, out, write), out if verified else None)
+
+
+def _quoting(diag: Any, out: Optional[Path]) -> Any:
+    """``diag`` with the next actions of the run's current verification (the verified remedy first, its own
+    marked tried or not), its files written again; unchanged without one."""
+    record = current_record(out) if out is not None else None
+    if record is None:
+        return diag
+    quoted = dataclasses.replace(diag, next_actions=record.next_actions(diag.next_actions))
+    if diag.files:
+        md, js = (Path(f) for f in diag.files)
+        atomic_write_text(quoted.to_markdown() + "\n", md)
+        atomic_write_text(json.dumps(quoted.to_dict(), indent=2) + "\n", js)
+    return quoted
 
 
 def _gather(cap: NaNCapture, dev: torch.device, clock: PhaseTimer, huge_weight: float,

@@ -28,12 +28,34 @@ def label_suggestion(action: str, measured: Sequence[tuple[str, str, bool]]) -> 
     names, else ``Not verified: ...``; a command that replays a capture keeps its words."""
     if action.startswith("Replay the step yourself"):
         return action
-    tried = [m for m in measured if re.search(re.escape(m[0]) + r"(?![\w.])", action)]
+    tried = [m for m in measured if _names(action, m[0])]
     if not tried:
         return f"Not verified: {action.replace(UNVERIFIED, 'not tried by --verify')}"
     numbers = "; ".join(f"{name}: {result}" + (" (the verified remedy above)" if best else "")
                         for name, result, best in tried)
-    return f"Tried: {action.replace(UNVERIFIED, 'tried by --verify')} (measured here: {numbers})"
+    # Its own words "not verified: <why this value>" were true before the verification; the numbers follow.
+    action = action.replace(UNVERIFIED, "tried by --verify").replace(", not verified: ", ": ")
+    return f"Tried: {action} (measured here: {numbers})"
+
+
+def _names(action: str, candidate: str) -> bool:
+    """Whether ``action`` suggests the setting ``candidate`` (``key=value``): the same text, not as a part
+    of another (``lr=0.3`` is not ``lr=0.03``, ``clip=1`` not ``other.clip=1``), or the same key with the
+    same number (``gradient_clip_val=1.0`` is ``gradient_clip_val=1``)."""
+    if re.search(r"(?<![\w.])" + re.escape(candidate) + r"(?![\w.])", action):
+        return True
+    key, _, value = candidate.partition("=")
+    wanted = _number(value)
+    if not key or wanted is None:
+        return False
+    return any(_number(v) == wanted for v in re.findall(r"(?<![\w.])" + re.escape(key) + r"=([-+\w.]+)", action))
+
+
+def _number(text: str) -> Optional[float]:
+    try:
+        return float(text.rstrip("."))
+    except ValueError:
+        return None
 
 
 def metrics_digest(run: Path) -> Optional[str]:
