@@ -216,3 +216,6 @@ def test_a_suggestion_names_a_tried_candidate_by_its_number_and_loses_its_own_no
     assert label_suggestion("gradient_clip_val=0.5", measured) == "Not verified: gradient_clip_val=0.5"
     assert label_suggestion("model_args.lr=0.01", measured) == "Not verified: model_args.lr=0.01"
     assert label_suggestion("other.gradient_clip_val=1", measured) == "Not verified: other.gradient_clip_val=1"
+    # A finding, not a setting to try, keeps its words.
+    finding = "precision is already 32-true: reduced precision is not the cause"
+    assert label_suggestion(finding, measured) == finding

@@ -25,8 +25,9 @@ UNVERIFIED = "not verified on this run: --verify tries it"
 def label_suggestion(action: str, measured: Sequence[tuple[str, str, bool]]) -> str:
     """A suggestion of diagnose or the report, after a verification whose candidates are ``measured``
     (``(name, result, is the verified remedy)``): ``Tried: ...`` with the numbers of the candidates it
-    names, else ``Not verified: ...``; a command that replays a capture keeps its words."""
-    if action.startswith("Replay the step yourself"):
+    names, else ``Not verified: ...``. A line that suggests no setting (``key=value``: a command that
+    replays a capture, a finding such as "precision is already 32-true") keeps its words."""
+    if action.startswith("Replay the step yourself") or not re.search(r"[\w.]=\S", action):
         return action
     tried = [m for m in measured if _names(action, m[0])]
     if not tried:
