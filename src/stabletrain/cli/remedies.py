@@ -183,7 +183,7 @@ def run_report(ns: argparse.Namespace) -> int:
     print(text)
     print()
     remedies = _verify(Path(ns.out), ns)
-    build_report(ns.out, quiet=True, plots=False)  # summary.md again, quoting it (the plots stay)
+    build_report(ns.out, quiet=True, plots=not ns.no_plots)  # summary.md again, quoting it
     print()
     print(remedies.to_markdown())
     print()

@@ -134,6 +134,9 @@ def test_report_with_verify_prints_the_verified_remedy_as_the_first_next_action(
                                   "1. Start again with model_args.eps=1e-08 (verified: "))
     assert all(a.split(". ", 1)[1].startswith(("Not verified: ", "Tried: ")) for a in actions[1:])
     assert "Not tried (budget): " in out and (rows.out / "report" / "summary.md").is_file()
+    # summary.md, written again after the verification, quotes it as printed.
+    summary = (rows.out / "report" / "summary.md").read_text()
+    assert "## Remedies verified" in summary and actions[0].split(". ", 1)[1] in summary
 
 
 def test_verify_options_need_verify_and_a_positive_budget(tmp_path, capsys):
