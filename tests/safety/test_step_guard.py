@@ -234,8 +234,9 @@ def test_the_skip_counts_go_on_from_a_saved_state(tmp_path):
     _scaled_step(fresh, model, opt, scaler, 5, x, 1e38)
     assert int(fresh.skipped_total) == 1 and not fresh.failed()
     partial = StepGuard(model, opt, scaler=scaler, max_skipped_steps=3)
-    partial.load_state_dict({"skipped_in_a_row": 2})
+    partial.load_state_dict({"skipped_in_a_row": 2.0})  # a count however it was stored: an int64 again
     assert int(partial.skipped_total) == 0 and int(partial._skip_run) == 2
+    assert partial._skip_run.dtype == torch.int64
 
 
 def test_a_disabled_scaler_is_no_scaler():
