@@ -152,6 +152,46 @@ def test_the_guards_message_gives_the_steps_loss_as_the_trainer_logs_it(tmp_path
     assert f"from finite gradients (loss {step_loss:.4g}, gradient norm " in str(err)
 
 
+def test_skip_step_state_is_kept_in_each_checkpoint_and_read_when_the_trainer_resumes(tmp_path, caplog):
+    """on_save writes skip_step's state into checkpoint-N; train(resume_from_checkpoint=True) reads it back:
+    the detector window bitwise and the recovery of step 3. Without the file (a checkpoint of another run),
+    the callback says that it starts afresh."""
+    from stabletrain.integrations.transformers import STATE_FILE
+
+    callback = StabletrainCallback(on_instability={"policy": "skip_step"})
+    train(causal_lm(), TokenData(bad=29), tmp_path, callback, max_steps=6, save_strategy="steps", save_steps=5)
+    saved_file = tmp_path / "checkpoint-5" / STATE_FILE
+    saved = torch.load(saved_file, weights_only=True)
+    assert [r["step"] for r in saved["recoveries"]] == [3] and int(saved["detector"]["count"]) == 4
+
+    resumed = StabletrainCallback(on_instability={"policy": "skip_step"})
+    trainer = Trainer(model=causal_lm(), args=TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=6,
+        logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", learning_rate=1e-3, disable_tqdm=True,
+        train_sampling_strategy="sequential", max_grad_norm=0.5, seed=0), train_dataset=TokenData(bad=29),
+        callbacks=[resumed])
+    loaded = {}
+    real = resumed.on_train_begin
+
+    def spy(*args, **kwargs):
+        real(*args, **kwargs)
+        loaded.update(resumed.tools.healing.guard.detector.state_dict() if resumed.tools.healing.guard else {})
+
+    resumed.on_train_begin = spy
+    trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-5"))
+    assert [r["step"] for r in resumed.recoveries] == [3]
+    assert loaded and all(torch.equal(saved["detector"][k], loaded[k]) for k in saved["detector"])
+
+    saved_file.unlink()
+    again = StabletrainCallback(on_instability={"policy": "skip_step"})
+    with caplog.at_level(logging.WARNING, logger="stabletrain"):
+        Trainer(model=causal_lm(), args=trainer.args, train_dataset=TokenData(bad=29),
+                callbacks=[again]).train(resume_from_checkpoint=str(tmp_path / "checkpoint-5"))
+    assert again.recoveries == []
+    assert (f"on_instability: resumed at step 5 without {saved_file}: skip_step's spike detector and its count "
+            "towards max_recoveries start afresh") in caplog.text
+
+
 def _two_processes(tmp_path, *scenarios):
     """hf_guard_worker.py under torchrun (2 CPU processes, DDP, gloo): each rank's outcomes."""
     import json

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
@@ -19,7 +20,10 @@ from torch import Tensor, nn
 from stabletrain import NaNCaptureError
 from stabletrain.integrations.common import Settings, StepTools, dist_rank_and_world, parse_tool_settings
 from stabletrain.integrations.healing import parse_on_instability
+from stabletrain.utils.io import atomic_torch_save
 from stabletrain.utils.text import shell_path
+
+_log = logging.getLogger("stabletrain")
 
 try:
     from transformers import TrainerCallback
@@ -96,6 +100,11 @@ def _precision(args: Any, model: nn.Module) -> str:
         return "bf16-mixed"
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     return {torch.bfloat16: "bf16-true", torch.float16: "16-true", torch.float64: "64-true"}.get(dtype, "32-true")
+
+
+#: Written into each ``checkpoint-N`` folder of the Trainer (rank 0) with ``on_instability`` skip_step: the
+#: spike detector's window and the recoveries, read back when the Trainer resumes from that folder.
+STATE_FILE = "stabletrain_callback.pt"
 
 
 class StabletrainCallback(TrainerCallback):
@@ -185,12 +194,32 @@ class StabletrainCallback(TrainerCallback):
             on_instability=self.on_instability,
         )
         self.alerts = self.tools.alerts
+        if self.tools.healing is not None and state.global_step > 0:
+            self._resume_healing(Path(args.output_dir) / f"checkpoint-{state.global_step}" / STATE_FILE)
         self.recoveries = self.tools.healing.recoveries if self.tools.healing is not None else []
         self._optimizer = optimizer
         # What the Trainer's compute_loss multiplies a loss normalised over all ranks' tokens by.
         shared = bool(getattr(args, "average_tokens_across_devices", False)) and world > 1
         self._loss_scale = float(world if shared else 1)
         self._wrap(model)
+
+    def _resume_healing(self, path: Path) -> None:
+        """A resumed Trainer: skip_step's state from the checkpoint folder it resumes from (the one of its
+        step in ``output_dir``), or a warning that it starts afresh."""
+        assert self.tools is not None and self.tools.healing is not None
+        if not path.is_file():
+            _log.warning("on_instability: resumed at step %s without %s: skip_step's spike detector and its count "
+                         "towards max_recoveries start afresh", path.parent.name.split("-")[-1], path)
+            return
+        self.tools.healing.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """After the Trainer wrote ``checkpoint-N``: skip_step's state beside it (rank 0)."""
+        if self.tools is None or self.tools.healing is None or not state.is_world_process_zero:
+            return
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if folder.is_dir():
+            atomic_torch_save(self.tools.healing.state_dict(), folder / STATE_FILE)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.tools is not None:
