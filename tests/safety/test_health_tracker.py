@@ -74,6 +74,10 @@ def test_a_healthy_checkpoint_records_why_with_its_numbers():
     fresh = HealthTracker().assess(0, last_step=-1, loss=math.nan, gradient_norm=math.nan, weight_norm=3.0)
     assert fresh["healthy"] and fresh["why"] == "every tensor finite; no exploding or non-finite episode open"
     assert fresh["loss"] == "nan" and fresh["reference"] == {"loss": None, "gradient_norm": None}
+    # A resumed run's checkpoint before its first step: references from the rows logged before, no step's
+    # values of its own to quote.
+    resumed = _tracker().assess(5, last_step=-1, loss=math.nan, gradient_norm=math.nan, weight_norm=10.0)
+    assert resumed["healthy"] and resumed["why"] == "every tensor finite; no exploding or non-finite episode open"
 
 
 @pytest.mark.parametrize("signal, value, factor", [("loss", 8.5, 4), ("gradient_norm", 10.5, 10)])
