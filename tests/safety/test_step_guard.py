@@ -180,13 +180,18 @@ def _scaled_step(guard, model, opt, scaler, step, x, factor):
     opt.zero_grad()
 
 
-def test_fp16_scaler_skips_count_and_only_max_skipped_in_a_row_fail():
+def _fp16_setup():
+    """A seeded linear model, SGD, a CPU GradScaler at 2**10 and a guard with max_skipped_steps=3: (model,
+    optimizer, scaler, guard, inputs)."""
     torch.manual_seed(0)
     model = nn.Linear(3, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
-    guard = StepGuard(model, opt, scaler=scaler, max_skipped_steps=3)
-    x = torch.randn(8, 3)
+    return model, opt, scaler, StepGuard(model, opt, scaler=scaler, max_skipped_steps=3), torch.randn(8, 3)
+
+
+def test_fp16_scaler_skips_count_and_only_max_skipped_in_a_row_fail():
+    model, opt, scaler, guard, x = _fp16_setup()
     # 1e38: a finite loss whose scaled value overflows, so its gradients are Inf: the scaler skips the step.
     for step, factor in enumerate([1.0, 1e38, 1e38, 1.0, 1e38, 1e38]):
         _scaled_step(guard, model, opt, scaler, step, x, factor)
@@ -205,12 +210,7 @@ def test_fp16_scaler_skips_count_and_only_max_skipped_in_a_row_fail():
 def test_the_skip_counts_go_on_from_a_saved_state(tmp_path):
     """A resumed run continues both counts: the total (logged as ``skipped_steps``) and the run in
     a row, so that a run stopped 2 skips short of ``max_skipped_steps=3`` stops at the next skip."""
-    torch.manual_seed(0)
-    model = nn.Linear(3, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
-    guard = StepGuard(model, opt, scaler=scaler, max_skipped_steps=3)
-    x = torch.randn(8, 3)
+    model, opt, scaler, guard, x = _fp16_setup()
     for step, factor in enumerate([1e38, 1.0, 1e38, 1e38]):
         _scaled_step(guard, model, opt, scaler, step, x, factor)
     saved = guard.state_dict()
