@@ -10,7 +10,6 @@ the best verified remedy, and the suggestions that were not verified say so. See
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -127,13 +126,9 @@ def _print_merged(ns: argparse.Namespace, report: Any, diagnosis: Any) -> None:
     """The diagnosis (of a capture, an optimizer step or a run's signals) with the verified next actions in
     place of its own: the verified remedy first, then its own suggestions marked tried (with what was
     measured) or not. Its diagnosis.md and .json are written again so that they say the same."""
-    merged = dataclasses.replace(diagnosis, next_actions=report.next_actions(diagnosis.next_actions))
-    if diagnosis.files:
-        from stabletrain.utils.io import atomic_write_text
+    from stabletrain.debug.diagnose.run import with_next_actions
 
-        md, js = (Path(f) for f in diagnosis.files)
-        atomic_write_text(merged.to_markdown() + "\n", md)
-        atomic_write_text(json.dumps(merged.to_dict(), indent=2) + "\n", js)
+    merged = with_next_actions(diagnosis, report.next_actions(diagnosis.next_actions))
     _print_json_or_text(ns, report, merged, None)
 
 

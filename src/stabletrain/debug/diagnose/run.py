@@ -106,14 +106,18 @@ def _quoting(diag: Any, out: Optional[Path]) -> Any:
     """``diag`` with the next actions of the run's current verification (the verified remedy first, its own
     marked tried or not), its files written again; unchanged without one."""
     record = current_record(out) if out is not None else None
-    if record is None:
-        return diag
-    quoted = dataclasses.replace(diag, next_actions=record.next_actions(diag.next_actions))
+    return diag if record is None else with_next_actions(diag, record.next_actions(diag.next_actions))
+
+
+def with_next_actions(diag: Any, actions: list[str]) -> Any:
+    """A diagnosis (of a capture, an optimizer step or a run's signals) with ``actions`` as its next
+    actions; its ``diagnosis.md`` and ``.json``, if it wrote them, are written again to say the same."""
+    changed = dataclasses.replace(diag, next_actions=actions)
     if diag.files:
         md, js = (Path(f) for f in diag.files)
-        atomic_write_text(quoted.to_markdown() + "\n", md)
-        atomic_write_text(json.dumps(quoted.to_dict(), indent=2) + "\n", js)
-    return quoted
+        atomic_write_text(changed.to_markdown() + "\n", md)
+        atomic_write_text(json.dumps(changed.to_dict(), indent=2) + "\n", js)
+    return changed
 
 
 def _gather(cap: NaNCapture, dev: torch.device, clock: PhaseTimer, huge_weight: float,
