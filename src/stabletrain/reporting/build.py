@@ -51,7 +51,7 @@ def report(out: str | Path, *, quiet: bool = False, plots: bool = True, verified
         out: A training run's output folder.
         quiet: Do not print the summary.
         plots: Write the PNG plots (needs matplotlib).
-        verified: Quote the run's last verification of remedies (``stabletrain diagnose --verify``,
+        verified: Quote the run's last verification of remedies (``diagnose --verify`` or ``report --verify``,
             ``debug/remedies/remedies.json``) while its metrics.jsonl is unchanged since: its verified
             remedy first among the next actions, the suggestions marked tried or not. False: the
             suggestions as they are, unverified.

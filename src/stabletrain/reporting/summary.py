@@ -143,7 +143,7 @@ def terminal_text(
 
 
 #: Where a quoted verification comes from, and why it still holds.
-_RECORD_NOTE = "stabletrain diagnose --verify; this run's metrics.jsonl is unchanged since"
+_RECORD_NOTE = "written by --verify (diagnose or report); this run's metrics.jsonl is unchanged since"
 
 
 def _mechanism_section(mechanisms: Sequence[Mechanism], settings: dict[str, Any],

@@ -72,7 +72,7 @@ def diagnose(
         write: Write ``diagnosis.md`` and ``diagnosis.json`` next to the capture.
         huge_weight: The weight magnitude counted as huge (see :data:`~stabletrain.debug.diagnose.HUGE_WEIGHT`).
         max_subset_replays: Upper bound on subset replays while searching for the culprit data.
-        verified: Quote the run's last verification of remedies (``stabletrain diagnose --verify``) while
+        verified: Quote the run's last verification of remedies (``diagnose`` or ``report --verify``) while
             its metrics.jsonl is unchanged since: the verified remedy first among the next actions, the
             others marked tried (with what was measured) or not.
 

@@ -182,7 +182,7 @@ def diagnose_run(out: str | Path, *, write: bool = True, verified: bool = True) 
         out: A run folder (``metrics.jsonl``, ``settings.json``, ``checkpoints/``).
         write: Write ``diagnosis.md`` and ``diagnosis.json`` into ``out/debug/``.
         verified: Quote the run's last verification of remedies while its metrics.jsonl is unchanged since
-            (``stabletrain diagnose --verify``): the verified remedy first, the fixes marked tried or not.
+            (``diagnose`` or ``report --verify``): the verified remedy first, the fixes marked tried or not.
 
     Example::
 
